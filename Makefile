@@ -1,0 +1,27 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both install into .venv when needed.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench lint clean
+
+install:
+	@VENV=$(VENV) scripts/install.sh
+
+demo: install
+	@$(PY) -m flows.demo
+
+test: install
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	@$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)
+
+bench: install
+	@$(PY) -m bench.run_all
+
+lint: install
+	@$(PY) -m ruff check forge_core tasks flows tests bench
+
+clean:
+	rm -rf .forge-store .forge-runs .pytest_cache

@@ -1,0 +1,120 @@
+"""The `forgeflow` command line: the common paths around the Prefect flows.
+
+    forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
+    forgeflow validate configs/qwen3_1_7b_gsm8k.yaml                       # check a config, all errors at once
+    forgeflow status [--config configs/demo_cpu.yaml]                      # recent runs + committed artifacts
+    forgeflow pools create gpu-a --gpus 8                                  # work pool + its GPU concurrency limit
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from forge_core.config import ConfigError, load_config
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from flows.post_train import post_train
+
+    summary = post_train(args.config, args.overrides)
+    for point in summary["evals"]:
+        print(f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}")
+    print(f"final policy: {summary['final_policy_uri']}")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    load_config(args.config, args.overrides)
+    print(f"{args.config}: valid")
+    return 0
+
+
+async def _recent_flow_runs(limit: int) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async with get_client() as client:
+        return await client.read_flow_runs(limit=limit, sort=FlowRunSort.START_TIME_DESC)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from forge_core.storage import ObjectStore
+
+    for run in asyncio.run(_recent_flow_runs(args.limit)):
+        state = run.state.name if run.state else "?"
+        print(f"{run.id}  {run.name:<28} {state:<12} {run.start_time or ''}")
+    cfg = load_config(args.config, [])
+    store = ObjectStore.from_config(cfg.storage)
+    for kind in ("data", "sft", "rollouts", "grpo", "eval"):
+        uris = store.list_committed(kind)
+        print(f"{kind:<9} {len(uris)} committed" + (f", newest {uris[-1]}" if uris else ""))
+    return 0
+
+
+async def _create_pool(name: str, gpus: int) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    async with get_client() as client:
+        try:
+            await client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            print(f"work pool {name!r} created (type process)")
+        except ObjectAlreadyExists:
+            print(f"work pool {name!r} exists")
+        if gpus > 0:
+            try:
+                await client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=gpus))
+                print(f"global concurrency limit {name!r} = {gpus} GPUs created")
+            except ObjectAlreadyExists:
+                print(f"global concurrency limit {name!r} exists")
+
+
+def _cmd_pools_create(args: argparse.Namespace) -> int:
+    if args.gpus < 0:
+        raise ValueError(f"--gpus={args.gpus}: must be >= 0 (0 = a CPU pool without a GPU limit)")
+    asyncio.run(_create_pool(args.name, args.gpus))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forgeflow", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the post-training pipeline now")
+    run.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml")
+    run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sft.steps=100")
+    run.set_defaults(handler=_cmd_run)
+
+    validate = sub.add_parser("validate", help="validate a config and its overrides")
+    validate.add_argument("config")
+    validate.add_argument("overrides", nargs="*")
+    validate.set_defaults(handler=_cmd_validate)
+
+    status = sub.add_parser("status", help="recent flow runs and committed artifacts")
+    status.add_argument("--config", default="configs/demo_cpu.yaml")
+    status.add_argument("--limit", type=int, default=10)
+    status.set_defaults(handler=_cmd_status)
+
+    pools = sub.add_parser("pools", help="work pools and their GPU concurrency limits")
+    pools_sub = pools.add_subparsers(dest="pools_command", required=True)
+    create = pools_sub.add_parser("create", help="create a process work pool and its GPU limit")
+    create.add_argument("name")
+    create.add_argument("--gpus", type=int, default=0, help="GPUs in the pool (concurrency limit)")
+    create.set_defaults(handler=_cmd_pools_create)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, ValueError) as error:
+        print(f"forgeflow: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""The typed config tree of a forgeflow run.
+
+One dataclass per component, nested under `RunConfig`. Every field has a default so that a YAML file only
+states what differs. Each dataclass may define `check(self) -> list[str]` for range and cross-field rules of
+its own section; `RunConfig.check` holds rules that span sections. The loader (`forge_core.config.loader`)
+checks types and unknown keys for every field generically, runs every `check`, and raises one
+`ConfigError` listing all problems at once (key, value, fix).
+
+Run from YAML:  `cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50", "seed=1"])`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+STAGES = ("prepare", "sft", "rollout", "grpo", "evaluate")
+
+
+@dataclass
+class StorageConfig:
+    # file://, s3:// or memory://. A bare relative path means a local folder (the embedded default).
+    root: str = "file://./.forge-store"
+    # S3-compatible endpoint (MinIO, moto, R2...). Credentials come from the usual AWS_* environment
+    # variables or the instance role, never from this file, so they cannot leak into manifests.
+    endpoint_url: str | None = None
+    region: str | None = None
+    retries: int = 5
+    retry_backoff_s: float = 0.5
+
+    def check(self) -> list[str]:
+        errors = []
+        if not any(self.root.startswith(p) for p in ("file://", "s3://", "memory://", "/", ".")):
+            errors.append(
+                f"storage.root={self.root!r}: unsupported scheme; use file://<dir>, s3://<bucket>/<prefix> "
+                "or memory://<name>"
+            )
+        if self.retries < 0:
+            errors.append(f"storage.retries={self.retries}: must be >= 0")
+        return errors
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["llama3", "qwen3"] = "llama3"
+    # A flavor from forge_core.models (torchtitan's registry names plus forgeflow's tiny CPU flavors).
+    flavor: str = "tiny"
+    # Optional HF checkpoint folder (local path or storage URI) to start from; None = random init.
+    hf_path: str | None = None
+    # Vocab size of the tokenizer is applied at build time; max_seq_len bounds positions.
+    max_seq_len: int = 256
+
+
+@dataclass
+class TokenizerConfig:
+    # A local or storage folder with an HF tokenizer (tokenizer.json + config). None = train a BPE on the data.
+    path: str | None = None
+    vocab_size: int = 64
+    # Chat template used for chat-style records; None keeps the tokenizer's own.
+    chat_template: str | None = None
+
+
+@dataclass
+class DemoTaskConfig:
+    """Zero-padded multi-digit addition: `123+045=` -> `0168`. `num_digits` is the difficulty knob."""
+
+    num_digits: int = 3
+    num_sft: int = 1000
+    num_rl: int = 20000
+    num_eval: int = 500
+
+    def check(self) -> list[str]:
+        errors = []
+        if not 1 <= self.num_digits <= 12:
+            errors.append(f"data.demo.num_digits={self.num_digits}: must be between 1 and 12")
+        for name in ("num_sft", "num_rl", "num_eval"):
+            if getattr(self, name) < 1:
+                errors.append(f"data.demo.{name}={getattr(self, name)}: must be >= 1")
+        return errors
+
+
+@dataclass
+class DataConfig:
+    # "demo" generates the built-in task; otherwise a file/folder URI read with `format`.
+    source: str = "demo"
+    format: Literal["auto", "jsonl", "parquet", "csv", "hf_disk"] = "auto"
+    # Record layout: plain prompt/completion columns, GSM8K (`question`, `answer ... #### 42`), or chat messages.
+    layout: Literal["prompt_completion", "gsm8k", "chat"] = "prompt_completion"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    answer_field: str = "answer"
+    messages_field: str = "messages"
+    eval_fraction: float = 0.1
+    max_seq_len: int = 256
+    # Share of rejected rows above which the stage fails.
+    max_reject_fraction: float = 0.05
+    batch_rows: int = 8192
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    demo: DemoTaskConfig = field(default_factory=DemoTaskConfig)
+
+    def check(self) -> list[str]:
+        errors = []
+        if not 0.0 <= self.eval_fraction < 1.0:
+            errors.append(f"data.eval_fraction={self.eval_fraction}: must be in [0, 1)")
+        if not 0.0 <= self.max_reject_fraction <= 1.0:
+            errors.append(f"data.max_reject_fraction={self.max_reject_fraction}: must be in [0, 1]")
+        if self.max_seq_len < 8:
+            errors.append(f"data.max_seq_len={self.max_seq_len}: must be >= 8")
+        return errors
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "constant"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.lr <= 0:
+            errors.append(f"optimizer.lr={self.lr}: must be > 0 (e.g. 2e-3 for the tiny model)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            errors.append(f"optimizer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.warmup_steps < 0:
+            errors.append(f"optimizer.warmup_steps={self.warmup_steps}: must be >= 0")
+        return errors
+
+
+@dataclass
+class ParallelismConfig:
+    # -1 = all ranks left after the other dimensions (torchtitan's convention).
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    tp: int = 1
+
+
+@dataclass
+class TrainingConfig:
+    """Engine-level knobs shared by SFT and GRPO."""
+
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    activation_checkpoint: bool = False
+    compile: bool = False
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 300
+    # Global batch in sequences per optimizer step, split across ranks and micro-batches.
+    batch_size: int = 128
+    micro_batch_size: int = 64
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.steps < 1:
+            errors.append(f"sft.steps={self.steps}: must be >= 1")
+        if self.micro_batch_size < 1:
+            errors.append(f"sft.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        elif self.batch_size < 1 or self.batch_size % self.micro_batch_size:
+            errors.append(
+                f"sft.batch_size={self.batch_size}: must be a positive multiple of sft.micro_batch_size="
+                f"{self.micro_batch_size}"
+            )
+        if self.checkpoint_every < 1:
+            errors.append(f"sft.checkpoint_every={self.checkpoint_every}: must be >= 1")
+        return errors
+
+
+@dataclass
+class SamplingConfig:
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.group_size < 1:
+            errors.append(f"rollout.sampling.group_size={self.group_size}: must be >= 1 (GRPO needs >= 2)")
+        if self.temperature < 0:
+            errors.append(f"rollout.sampling.temperature={self.temperature}: must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            errors.append(f"rollout.sampling.top_p={self.top_p}: must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            errors.append(f"rollout.sampling.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        return errors
+
+
+@dataclass
+class RewardComponentConfig:
+    # A registered name (`exact_answer`, `numeric_answer`, `answer_format`, `per_digit`, `math_verify`)
+    # or a user function by import path `package.module:function`.
+    name: str = "exact_answer"
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_iteration: int = 32
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rewards: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+    # vLLM engine options.
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    kv_cache_gib: int = 1
+    max_num_seqs: int = 256
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.prompts_per_iteration < 1:
+            errors.append(f"rollout.prompts_per_iteration={self.prompts_per_iteration}: must be >= 1")
+        if not self.rewards:
+            errors.append("rollout.rewards=[]: name at least one reward component, e.g. exact_answer")
+        return errors
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become per-completion advantages (forge_core.trainers.advantages)."""
+
+    # Added to the group std before dividing, so near-constant groups do not explode.
+    eps: float = 1e-6
+    # True = GRPO's (r - mean_g) / (std_g + eps); False = Dr.GRPO's r - mean_g (no std division).
+    normalize_std: bool = True
+    # Groups whose completions all got the same reward carry no learning signal; drop them from the loss.
+    drop_zero_variance_groups: bool = True
+    # Completions cut off at max_new_tokens get no loss (their reward still counts in the group baseline).
+    mask_truncated: bool = False
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.eps < 0:
+            errors.append(f"grpo.advantage.eps={self.eps}: must be >= 0 (e.g. 1e-6)")
+        return errors
+
+
+@dataclass
+class LossConfig:
+    """The policy loss (forge_core.losses.grpo.build_policy_loss). All three types share the per-token
+    clipped surrogate against the generator's logprobs and differ only in how tokens are averaged:
+    clipped_token_mean = sum over all response tokens / their count in the global mini-batch (DAPO);
+    clipped_seq_mean = mean over each sequence's tokens, then mean over sequences (original GRPO);
+    clipped_fixed_horizon = sum over tokens / (sequences * horizon) (Dr.GRPO)."""
+
+    type: Literal["clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon"] = "clipped_token_mean"
+    # The ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher.
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    # Clamp on log(ratio) before exp, for numerical safety.
+    max_log_ratio: float = 10.0
+    # Dr.GRPO's fixed horizon (tokens), only for type clipped_fixed_horizon; None = rollout.sampling.max_new_tokens.
+    horizon: int | None = None
+    # Weight of the per-token KL to the frozen reference policy; 0 = no reference model at all.
+    kl_coef: float = 0.0
+    # k1 = logp - ref_logp; k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased, always >= 0).
+    kl_estimator: Literal["k1", "k3"] = "k3"
+
+    def check(self) -> list[str]:
+        errors = []
+        if not 0.0 <= self.clip_low < 1.0:
+            errors.append(f"grpo.loss.clip_low={self.clip_low}: must be in [0, 1) (e.g. 0.2)")
+        if self.clip_high < 0:
+            errors.append(f"grpo.loss.clip_high={self.clip_high}: must be >= 0 (e.g. 0.28)")
+        if self.max_log_ratio <= 0:
+            errors.append(f"grpo.loss.max_log_ratio={self.max_log_ratio}: must be > 0 (e.g. 10.0)")
+        if self.kl_coef < 0:
+            errors.append(f"grpo.loss.kl_coef={self.kl_coef}: must be >= 0")
+        if self.horizon is not None and self.type != "clipped_fixed_horizon":
+            errors.append(
+                f"grpo.loss.horizon={self.horizon}: only used by type clipped_fixed_horizon, but type is "
+                f"{self.type!r}; remove horizon or set grpo.loss.type=clipped_fixed_horizon"
+            )
+        if self.horizon is not None and self.horizon < 1:
+            errors.append(f"grpo.loss.horizon={self.horizon}: must be >= 1 (or null for max_new_tokens)")
+        return errors
+
+
+@dataclass
+class GRPOConfig:
+    iterations: int = 4
+    # Optimizer steps per rollout batch = epochs * (samples / mini_batch_size).
+    epochs: int = 1
+    # Sequences per optimizer step over all data-parallel ranks.
+    mini_batch_size: int = 256
+    # Sequences per forward/backward on one rank; mini_batch_size must be a multiple of
+    # micro_batch_size * data-parallel ranks (checked at run time, when the rank count is known).
+    micro_batch_size: int = 64
+    checkpoint_every: int = 1
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-4))
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.iterations < 0:
+            errors.append(f"grpo.iterations={self.iterations}: must be >= 0")
+        if self.epochs < 1:
+            errors.append(f"grpo.epochs={self.epochs}: must be >= 1")
+        if self.micro_batch_size < 1:
+            errors.append(f"grpo.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        elif self.mini_batch_size < 1 or self.mini_batch_size % self.micro_batch_size:
+            errors.append(
+                f"grpo.mini_batch_size={self.mini_batch_size}: must be a positive multiple of "
+                f"grpo.micro_batch_size={self.micro_batch_size}"
+            )
+        if self.checkpoint_every < 1:
+            errors.append(f"grpo.checkpoint_every={self.checkpoint_every}: must be >= 1")
+        return errors
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 500
+    max_new_tokens: int = 16
+    # 1 = greedy exact match; k > 1 = pass@k with rollout.sampling temperature.
+    pass_k: int = 1
+
+
+@dataclass
+class ResourceConfig:
+    """Where and how big a stage runs."""
+
+    pool: str = "local-cpu"
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    gpus_per_node: int = 0
+    # Rendezvous endpoint for multi-node runs (host:port); None = standalone single node.
+    rdzv_endpoint: str | None = None
+    deadline_s: float = 3600.0
+    retries: int = 2
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            errors.append(f"nnodes={self.nnodes}, nproc_per_node={self.nproc_per_node}: both must be >= 1")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            errors.append(f"nnodes={self.nnodes}: multi-node needs rdzv_endpoint=host:port")
+        if self.deadline_s <= 0:
+            errors.append(f"deadline_s={self.deadline_s}: must be > 0")
+        return errors
+
+
+@dataclass
+class LaunchConfig:
+    prepare: ResourceConfig = field(default_factory=ResourceConfig)
+    sft: ResourceConfig = field(default_factory=lambda: ResourceConfig(nproc_per_node=2))
+    rollout: ResourceConfig = field(default_factory=ResourceConfig)
+    grpo: ResourceConfig = field(default_factory=lambda: ResourceConfig(nproc_per_node=2))
+    evaluate: ResourceConfig = field(default_factory=ResourceConfig)
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "forgeflow"
+    # Local folder for the wandb offline run and jsonl metrics.
+    dir: str = "./.forge-runs"
+    log_every: int = 10
+    rank0_only: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    seed: int = 0
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.data.max_seq_len > self.model.max_seq_len:
+            errors.append(
+                f"data.max_seq_len={self.data.max_seq_len}: exceeds model.max_seq_len={self.model.max_seq_len}; "
+                "raise model.max_seq_len or lower data.max_seq_len"
+            )
+        if self.grpo.iterations > 0 and self.rollout.sampling.group_size < 2:
+            errors.append(
+                f"rollout.sampling.group_size={self.rollout.sampling.group_size}: GRPO needs >= 2 samples per "
+                "prompt to compute a group baseline"
+            )
+        samples = self.rollout.prompts_per_iteration * self.rollout.sampling.group_size
+        if self.grpo.iterations > 0 and self.grpo.mini_batch_size > 0 and samples % self.grpo.mini_batch_size:
+            errors.append(
+                f"grpo.mini_batch_size={self.grpo.mini_batch_size}: must divide the samples per iteration "
+                f"(rollout.prompts_per_iteration * group_size = {samples})"
+            )
+        return errors

@@ -1,0 +1,166 @@
+"""Finding and ending every process of a launch, and reading the root's exit status without reaping it.
+
+torchrun starts each rank in its own session, so killpg(torchrun) misses them: the tree is tracked with
+psutil snapshots plus a scan for the launch's FORGE_LAUNCH_ID (finds processes already reparented away).
+
+The root (torchrun or the plain worker) is our child. Its exit status is read with
+waitid(WNOWAIT), which leaves the zombie for Popen to reap: if anything else reaps it first, Popen reports
+returncode 0 for a process that may have been killed. psutil's wait()/wait_procs() reap children, so they
+are never used on the root.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+
+from forge_core.launch.spec import LAUNCH_ID_ENV
+
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """`returncode` as Popen reports it (negative = killed by that signal); None = the status was lost."""
+
+    returncode: int | None
+
+    @property
+    def lost(self) -> bool:
+        return self.returncode is None
+
+
+STATUS_LOST = ExitStatus(None)
+
+
+def peek_exit_status(pid: int) -> ExitStatus | None:
+    """The exit status of our child `pid` if it has exited (without reaping it), else None.
+
+    STATUS_LOST when the child was already reaped by someone other than its Popen object.
+    """
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return STATUS_LOST
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return ExitStatus(info.si_status)
+    return ExitStatus(-info.si_status)
+
+
+def is_alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie holds no resources; only its parent can reap it)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def processes_with_launch_id(launch_id: str) -> list[psutil.Process]:
+    """Every process whose environment carries FORGE_LAUNCH_ID=<launch_id> (ours are excluded)."""
+    own = {os.getpid(), *(p.pid for p in _ancestors())}
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid in own:
+            continue
+        try:
+            if proc.environ().get(LAUNCH_ID_ENV) == launch_id:
+                found.append(proc)
+        except psutil.Error:
+            continue  # gone, or another user's process
+    return found
+
+
+def _ancestors() -> list[psutil.Process]:
+    try:
+        return psutil.Process().parents()
+    except psutil.Error:
+        return []
+
+
+class ProcessTree:
+    """The processes of one launch seen so far: the root plus every descendant any snapshot found."""
+
+    def __init__(self, root_pid: int, launch_id: str):
+        self.root = psutil.Process(root_pid)
+        self.launch_id = launch_id
+        self._seen: dict[tuple[int, float], psutil.Process] = {}
+
+    def snapshot(self, *, include_launch_id_scan: bool = False) -> list[psutil.Process]:
+        """Refresh from the live tree (and optionally the environment scan); return what is alive now."""
+        found = descendants(self.root.pid) if is_alive(self.root) else []
+        if include_launch_id_scan:
+            found += processes_with_launch_id(self.launch_id)
+        for proc in found:
+            key = _identity(proc)
+            if key is not None:
+                self._seen.setdefault(key, proc)
+        return [p for p in self._seen.values() if is_alive(p)]
+
+    def live_pids(self) -> list[int]:
+        live = self.snapshot()
+        root = [self.root.pid] if is_alive(self.root) else []
+        return root + sorted(p.pid for p in live if p.pid != self.root.pid)
+
+    def terminate(self, grace_s: float) -> list[int]:
+        """SIGTERM the root and every known descendant, wait up to `grace_s`, SIGKILL what is left.
+
+        Returns the pids that needed SIGKILL. Never reaps the root (see module docstring).
+        """
+        targets = [self.root, *self.snapshot(include_launch_id_scan=True)]
+        _send(targets, signal.SIGTERM)
+        _wait_gone(targets, grace_s)
+        # Anything spawned during the grace period is caught by a second snapshot.
+        survivors = [p for p in [self.root, *self.snapshot(include_launch_id_scan=True)] if is_alive(p)]
+        _send(survivors, signal.SIGKILL)
+        _wait_gone(survivors, timeout_s=5.0)
+        return sorted({p.pid for p in survivors})
+
+    def kill_leftovers(self, grace_s: float) -> list[int]:
+        """After the root exited: end whatever of the launch is still running; returns their pids."""
+        leftovers = self.snapshot(include_launch_id_scan=True)
+        if not leftovers:
+            return []
+        _send(leftovers, signal.SIGTERM)
+        _wait_gone(leftovers, grace_s)
+        survivors = [p for p in leftovers if is_alive(p)]
+        _send(survivors, signal.SIGKILL)
+        _wait_gone(survivors, timeout_s=5.0)
+        return sorted(p.pid for p in leftovers)
+
+
+def _identity(proc: psutil.Process) -> tuple[int, float] | None:
+    try:
+        return proc.pid, proc.create_time()
+    except psutil.Error:
+        return None
+
+
+def _send(processes: Iterable[psutil.Process], sig: signal.Signals) -> None:
+    for proc in processes:
+        if not is_alive(proc):
+            continue
+        try:
+            # psutil checks the pid still belongs to the same process (create time) before signalling.
+            proc.send_signal(sig)
+        except psutil.Error:
+            continue
+
+
+def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)

@@ -1,0 +1,74 @@
+"""Model specs on torchtitan 0.3.0 and HF <-> torchtitan weight conversion.
+
+Typical use (random init on CPU):
+
+    from forge_core.models import build_model, init_weights, attention_for_device
+    model = build_model(cfg.model, vocab_size, device="meta", attention=attention_for_device("cpu"))
+    init_weights(model, seed=cfg.seed, device="cpu")
+    logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)
+
+Starting from an HF folder (download object-store folders first with `store.reader(uri).download_dir`):
+
+    state_dict, info = load_hf_folder(local_dir)      # info.model_config(max_seq_len) -> ModelConfig
+    model = build_model(info.model_config(cfg.model.max_seq_len), info.vocab_size, device="cpu",
+                        attention="sdpa")
+    model.load_state_dict(state_dict)
+
+Exporting for vLLM / transformers:
+
+    write_hf_folder(full_state_dict, cfg.model, vocab_size, out_dir, tokenizer_dir=tok_dir)
+
+Flavors: `FLAVORS[family]` lists every valid flavor name: torchtitan's dense registry flavors (real sizes, for
+GPU) plus forgeflow's CPU flavors `tiny` and `small`.
+"""
+
+from forge_core.models.build import build_model, flops_per_token, init_weights, num_params
+from forge_core.models.flavors import (
+    ATTENTION_BACKENDS,
+    FAMILIES,
+    FLAVORS,
+    AttentionBackend,
+    attention_backend_of,
+    attention_for_device,
+    build_model_config,
+    validate_flavor,
+)
+from forge_core.models.hf import (
+    HFModelInfo,
+    hf_config_dict,
+    hf_to_titan_state_dict,
+    load_hf_folder,
+    titan_to_hf_state_dict,
+    write_hf_folder,
+)
+from forge_core.models.logprobs import (
+    forward_logits,
+    model_logprobs,
+    token_entropy,
+    token_logprobs,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "FAMILIES",
+    "FLAVORS",
+    "HFModelInfo",
+    "attention_backend_of",
+    "attention_for_device",
+    "build_model",
+    "build_model_config",
+    "flops_per_token",
+    "forward_logits",
+    "hf_config_dict",
+    "hf_to_titan_state_dict",
+    "init_weights",
+    "load_hf_folder",
+    "model_logprobs",
+    "num_params",
+    "titan_to_hf_state_dict",
+    "token_entropy",
+    "token_logprobs",
+    "validate_flavor",
+    "write_hf_folder",
+]

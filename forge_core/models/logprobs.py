@@ -1,0 +1,69 @@
+"""Per-token log-probabilities from a torchtitan decoder, shared by the trainers and the rollout parity checks.
+
+    logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)      # fp32, grad flows when enabled
+    logits_BLV = forward_logits(model, input_ids_BL, positions_BL)
+    logp_BL, entropy_BL = token_logprobs(logits_BLV, target_ids_BL), token_entropy(logits_BLV)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from forge_core.models.flavors import attention_backend_of
+
+
+def _decoder_config(model: nn.Module):
+    # torch.compile wraps the module; fully_shard keeps the original object.
+    inner = getattr(model, "_orig_mod", model)
+    return inner.config, inner
+
+
+def forward_logits(
+    model: nn.Module, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits of a torchtitan decoder for `input_ids_BL`, in the model's compute dtype.
+
+    With SDPA attention the mask is plain causal and `positions_BL` only moves RoPE (e.g. left padding). With
+    flex/varlen attention the block masks are built from positions (a position of 0 starts a new document);
+    positions default to 0..L-1 in every row.
+    """
+    config, inner = _decoder_config(model)
+    if attention_backend_of(config) == "sdpa":
+        return model(input_ids_BL, positions=positions_BL)
+    if positions_BL is None:
+        length = input_ids_BL.shape[1]
+        positions_BL = torch.arange(length, device=input_ids_BL.device).expand_as(input_ids_BL)
+    masks = inner.get_attention_masks(positions_BL)
+    return model(input_ids_BL, positions=positions_BL, attention_masks=masks)
+
+
+def token_logprobs(logits_BLV: torch.Tensor, target_ids_BL: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position: fp32 log_softmax over the vocab, then gather. Shape [B, L]."""
+    logprobs_BLV = torch.log_softmax(logits_BLV.float(), dim=-1)
+    return logprobs_BLV.gather(-1, target_ids_BL.long().unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits_BLV: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution per position, in nats, computed in fp32. Shape [B, L]."""
+    logprobs_BLV = torch.log_softmax(logits_BLV.float(), dim=-1)
+    return -(logprobs_BLV.exp() * logprobs_BLV).sum(dim=-1)
+
+
+def model_logprobs(
+    model: nn.Module,
+    input_ids_BL: torch.Tensor,
+    target_ids_BL: torch.Tensor,
+    positions_BL: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 log-probabilities of `target_ids_BL` under `model` given `input_ids_BL`. Shape [B, L].
+
+    Targets are usually the inputs shifted left by one; positions whose target is padding still get a value
+    (mask them in the loss).
+    """
+    if input_ids_BL.shape != target_ids_BL.shape:
+        raise ValueError(
+            f"input_ids_BL {tuple(input_ids_BL.shape)} and target_ids_BL {tuple(target_ids_BL.shape)} "
+            "must have the same shape"
+        )
+    return token_logprobs(forward_logits(model, input_ids_BL, positions_BL), target_ids_BL)

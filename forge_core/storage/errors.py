@@ -1,0 +1,61 @@
+"""Exceptions raised by forge_core.storage.
+
+Messages name the URI (and the file inside an artifact) but never credentials or storage options: the
+store only knows the endpoint, and secrets stay inside botocore's credential chain.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(OSError):
+    """Base class of every storage failure."""
+
+
+class StorageAccessError(StorageError):
+    """A non-transient failure that retrying cannot fix: missing bucket, access denied, bad credentials."""
+
+
+class StorageUnavailable(StorageError):
+    """A transient failure (connection lost, throttling, 5xx) that persisted through every retry.
+
+    `retryable` tells a task layer that the whole stage may be retried later.
+    """
+
+    retryable = True
+
+
+class ArtifactError(StorageError):
+    """Base class of artifact-level failures; `uri` is the artifact's prefix URI."""
+
+    def __init__(self, message: str, uri: str) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self):
+        # OSError pickles as cls(*args); keep `uri` so the error survives a process boundary (Prefect).
+        return (type(self), (self.args[0], self.uri))
+
+
+class ArtifactNotCommitted(ArtifactError):
+    """The artifact has no `_MANIFEST.json`: it was never written, or its writer crashed before commit."""
+
+
+class ArtifactAlreadyCommitted(ArtifactError):
+    """A writer was opened on (or tried to commit over) an artifact that is already committed."""
+
+
+class ArtifactCorrupted(ArtifactError):
+    """A file of a committed artifact is missing, truncated, or does not match its manifest sha256.
+
+    `file` is the path relative to the artifact (or "_MANIFEST.json" when the manifest itself is unreadable).
+    """
+
+    def __init__(self, message: str, uri: str, file: str) -> None:
+        super().__init__(message, uri)
+        self.file = file
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.uri, self.file))

@@ -1,0 +1,178 @@
+"""Prefect tasks, one per pipeline stage.
+
+Each task: plan the stage (content-addressed output), return at once if that output is committed (a re-run
+after a failure resumes at the failed stage), otherwise write the spec, take the pool's capacity, launch the
+worker through forge_core's launcher, verify the committed output and publish UI artifacts. Only URIs go in
+and out, never tensors or tables.
+
+Retries: retryable failures (a rank killed, the launcher's deadline, a lost node, transient storage) are
+retried with exponential backoff and jitter; fatal ones (bad config or data) fail at once with the worker's
+message. A retried SFT/GRPO stage resumes from its last committed in-stage checkpoint (the worker does that).
+
+    from tasks import train_sft
+    sft_uri = train_sft(config_json, data_uri)          # inside a flow
+    sft_uri = train_sft.fn(config_json, data_uri)       # plain call, no Prefect API needed
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.sync import concurrency
+from prefect.tasks import exponential_backoff
+
+from forge_core.config import RunConfig, config_from_dict
+from forge_core.launch import LaunchFailed, launch
+from forge_core.metrics.progress import parse_progress_line
+from forge_core.run.plan import StagePlan, launch_spec_for, plan_stage
+from forge_core.run.spec import write_spec
+from forge_core.storage import ObjectStore
+
+STAGE_RETRIES = 2
+
+
+def is_retryable(task, task_run, state) -> bool:
+    """Prefect retry condition: retry only failures the launcher classified as retryable."""
+    try:
+        state.result()
+    except LaunchFailed as failure:
+        return failure.retryable
+    except Exception:  # noqa: BLE001 - anything else raised in the task body (e.g. a config error) is fatal
+        return False
+    return False
+
+
+def _artifact_key(text: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:100]
+
+
+class _ProgressReporter:
+    """Turns the worker's progress lines into a Prefect progress artifact, other lines into logs."""
+
+    def __init__(self, plan: StagePlan, logger):
+        self._logger = logger
+        self._artifact_id = create_progress_artifact(
+            progress=0.0,
+            key=_artifact_key(f"{plan.stage}-progress"),
+            description=f"{plan.stage} -> {plan.output_uri}",
+        )
+        self._last_update = 0.0
+
+    def __call__(self, line: str) -> None:
+        progress = parse_progress_line(line)
+        if progress is None:
+            self._logger.info(line)
+            return
+        now = time.monotonic()
+        # Throttle: the API does not need more than a few updates a second.
+        if progress.fraction >= 1.0 or now - self._last_update > 0.5:
+            update_progress_artifact(self._artifact_id, progress=100.0 * progress.fraction)
+            self._last_update = now
+
+
+def _publish_stage_artifacts(plan: StagePlan, store: ObjectStore) -> None:
+    manifest = store.reader(plan.output_uri).manifest
+    metrics = manifest.get("metrics", {}) if isinstance(manifest, dict) else manifest.metrics
+    rows = [{"metric": k, "value": v} for k, v in sorted(metrics.items()) if isinstance(v, (int, float, str))]
+    if rows:
+        create_table_artifact(
+            table=rows, key=_artifact_key(f"{plan.stage}-metrics"), description=f"{plan.stage} metrics"
+        )
+    lineage = "\n".join(f"- **{name}**: `{uri}`" for name, uri in sorted(plan.inputs.items())) or "- (none)"
+    create_markdown_artifact(
+        markdown=f"### {plan.stage}\n\nOutput: `{plan.output_uri}`\n\nInputs:\n{lineage}\n",
+        key=_artifact_key(f"{plan.stage}-output"),
+        description=f"{plan.stage} output and lineage",
+    )
+
+
+def run_stage(config_json: str, stage: str, inputs: dict[str, str], params: dict | None = None) -> str:
+    """Plan, skip-if-committed, launch, verify. Returns the committed output URI."""
+    logger = get_run_logger()
+    cfg: RunConfig = config_from_dict(json.loads(config_json))
+    store = ObjectStore.from_config(cfg.storage)
+    plan = plan_stage(cfg, store, stage, inputs=inputs, params=params)
+    if store.is_committed(plan.output_uri):
+        logger.info("%s: output already committed at %s; skipping", stage, plan.output_uri)
+        return plan.output_uri
+
+    write_spec(store, plan.spec)
+    resources = getattr(cfg.launch, stage)
+    gpus = resources.gpus_per_node * resources.nnodes
+    logger.info("%s: launching -> %s", stage, plan.output_uri)
+    reporter = _ProgressReporter(plan, logger)
+    if gpus > 0:
+        # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a missing
+        # limit is an error instead of an unbounded oversubscription of the GPUs.
+        with concurrency(resources.pool, occupy=gpus, strict=True):
+            result = launch(launch_spec_for(plan, cfg), log=reporter)
+    else:
+        result = launch(launch_spec_for(plan, cfg), log=reporter)
+    logger.info("%s: %s in %.1fs", stage, result.outcome.name, result.duration_s)
+    result.raise_for_outcome()
+
+    if not store.is_committed(plan.output_uri):
+        raise LaunchFailed.fatal(
+            f"{stage}: the worker exited cleanly but {plan.output_uri} has no committed manifest", result
+        )
+    store.reader(plan.output_uri).verify()
+    _publish_stage_artifacts(plan, store)
+    return plan.output_uri
+
+
+_stage_task = task(
+    retries=STAGE_RETRIES,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=is_retryable,
+    cache_policy=NO_CACHE,  # skipping is explicit: the committed output is the cache
+    log_prints=True,
+)
+
+
+@_stage_task(name="prepare_data")
+def prepare_data(config_json: str) -> str:
+    """Data prep: sources -> tokenized sft / rl_prompts / eval tables + tokenizer."""
+    return run_stage(config_json, "prepare", inputs={})
+
+
+@_stage_task(name="train_sft")
+def train_sft(config_json: str, data_uri: str) -> str:
+    """Supervised fine-tuning under torchrun; resumes from its last committed checkpoint."""
+    return run_stage(config_json, "sft", inputs={"data": data_uri})
+
+
+@_stage_task(name="generate_rollouts")
+def generate_rollouts(config_json: str, policy_uri: str, data_uri: str, iteration: int) -> str:
+    """vLLM rollouts for one GRPO iteration, scored by the reward functions."""
+    return run_stage(
+        config_json, "rollout", inputs={"policy": policy_uri, "data": data_uri}, params={"iteration": iteration}
+    )
+
+
+@_stage_task(name="train_grpo")
+def train_grpo(config_json: str, policy_uri: str, rollouts_uri: str, iteration: int) -> str:
+    """One GRPO update on a committed rollout batch under torchrun."""
+    return run_stage(
+        config_json,
+        "grpo",
+        inputs={"policy": policy_uri, "rollouts": rollouts_uri},
+        params={"iteration": iteration},
+    )
+
+
+@_stage_task(name="evaluate")
+def evaluate(config_json: str, policy_uri: str, data_uri: str) -> str:
+    """Greedy (or pass@k) evaluation of a policy on the held-out split."""
+    return run_stage(config_json, "evaluate", inputs={"policy": policy_uri, "data": data_uri})
