@@ -14,12 +14,12 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass, field
 
-from prefect import flow, get_run_logger
+from prefect import Task, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from forge_core.config import RunConfig, config_to_json, load_config
-from forge_core.launch import terminate_all_live
+from forge_core.launch import install_sigterm_handler, terminate_all_live
 from forge_core.storage import ObjectStore
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
 
@@ -54,7 +54,16 @@ class PipelineSummary:
         )
 
 
-def _kill_launches(flow, flow_run, state) -> None:
+@dataclass(frozen=True)
+class StageTasks:
+    prepare: Task
+    sft: Task
+    rollout: Task
+    grpo: Task
+    evaluate: Task
+
+
+def kill_launches(flow, flow_run, state) -> None:
     """Cancellation/crash hook: take down every process tree this flow run launched."""
     terminate_all_live()
 
@@ -64,26 +73,39 @@ def _eval_point(store: ObjectStore, label: str, policy_uri: str, eval_uri: str) 
     return EvalPoint(label, policy_uri, eval_uri, float(metrics["accuracy"]), float(metrics["mean_reward"]))
 
 
+def stage_tasks(cfg: RunConfig) -> StageTasks:
+    """The stage tasks with each stage's retry budget from `launch.<stage>.retries`."""
+    return StageTasks(
+        prepare=prepare_data.with_options(retries=cfg.launch.prepare.retries),
+        sft=train_sft.with_options(retries=cfg.launch.sft.retries),
+        rollout=generate_rollouts.with_options(retries=cfg.launch.rollout.retries),
+        grpo=train_grpo.with_options(retries=cfg.launch.grpo.retries),
+        evaluate=evaluate.with_options(retries=cfg.launch.evaluate.retries),
+    )
+
+
 def run_pipeline(cfg: RunConfig) -> PipelineSummary:
     """The stage graph; called inside a flow so every stage is a task run."""
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
     config_json = config_to_json(cfg)
+    t = stage_tasks(cfg)
 
-    data_uri = prepare_data(config_json)
-    sft_uri = train_sft(config_json, data_uri)
+    data_uri = t.prepare(config_json)
+    sft_uri = t.sft(config_json, data_uri)
     summary = PipelineSummary(
         flow_run_id=str(flow_run.get_id() or "local"), data_uri=data_uri, sft_uri=sft_uri, final_policy_uri=sft_uri
     )
-    summary.evals.append(_eval_point(store, "sft", sft_uri, evaluate(config_json, sft_uri, data_uri)))
+    summary.evals.append(_eval_point(store, "sft", sft_uri, t.evaluate(config_json, sft_uri, data_uri)))
     logger.info("after SFT: accuracy %.3f", summary.evals[-1].accuracy)
 
     policy_uri = sft_uri
     for iteration in range(cfg.grpo.iterations):
-        rollouts_uri = generate_rollouts(config_json, policy_uri, data_uri, iteration)
-        policy_uri = train_grpo(config_json, policy_uri, rollouts_uri, iteration)
+        rollouts_uri = t.rollout(config_json, policy_uri, data_uri, iteration)
+        policy_uri = t.grpo(config_json, policy_uri, rollouts_uri, iteration)
         summary.rollouts.append(rollouts_uri)
-        point = _eval_point(store, f"grpo-{iteration + 1}", policy_uri, evaluate(config_json, policy_uri, data_uri))
+        eval_uri = t.evaluate(config_json, policy_uri, data_uri)
+        point = _eval_point(store, f"grpo-{iteration + 1}", policy_uri, eval_uri)
         summary.evals.append(point)
         logger.info("after GRPO iteration %d: accuracy %.3f", iteration + 1, point.accuracy)
     summary.final_policy_uri = policy_uri
@@ -92,10 +114,12 @@ def run_pipeline(cfg: RunConfig) -> PipelineSummary:
     return summary
 
 
-@flow(name="post-train", on_cancellation=[_kill_launches], on_crashed=[_kill_launches], log_prints=True)
+@flow(name="post-train", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """Post-train a model per the YAML `config` with `key=value` `overrides` applied; returns the summary."""
     cfg = load_config(config, list(overrides or []))
+    # A SIGTERM to the flow process (worker cancel) must take the launched process trees down with it.
+    install_sigterm_handler()
     return asdict(run_pipeline(cfg))
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from prefect import flow, get_run_logger
 
 from forge_core.config import config_to_json, load_config
-from forge_core.launch import terminate_all_live
+from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
-from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
+from flows.post_train import kill_launches, stage_tasks
 
 
 @dataclass
@@ -37,30 +37,28 @@ def _accuracy(store: ObjectStore, eval_uri: str) -> float:
     return float(store.reader(eval_uri).manifest["metrics"]["accuracy"])
 
 
-def _kill_launches(flow, flow_run, state) -> None:
-    terminate_all_live()
-
-
-@flow(name="retrain", on_cancellation=[_kill_launches], on_crashed=[_kill_launches], log_prints=True)
+@flow(name="retrain", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """GRPO from the promoted policy on freshly prepared data; promote if held-out accuracy improves."""
     logger = get_run_logger()
     cfg = load_config(config, list(overrides or []))
+    install_sigterm_handler()
     store = ObjectStore.from_config(cfg.storage)
     config_json = config_to_json(cfg)
     pointer = promotion_pointer(cfg.name)
+    t = stage_tasks(cfg)
 
-    data_uri = prepare_data(config_json)
+    data_uri = t.prepare(config_json)
     incumbent = store.pointer_read(pointer)
-    start_policy = incumbent or train_sft(config_json, data_uri)
+    start_policy = incumbent or t.sft(config_json, data_uri)
     # Both policies are scored on the same, current held-out split.
-    incumbent_accuracy = _accuracy(store, evaluate(config_json, incumbent, data_uri)) if incumbent else None
+    incumbent_accuracy = _accuracy(store, t.evaluate(config_json, incumbent, data_uri)) if incumbent else None
 
     policy_uri = start_policy
     for iteration in range(cfg.grpo.iterations):
-        rollouts_uri = generate_rollouts(config_json, policy_uri, data_uri, iteration)
-        policy_uri = train_grpo(config_json, policy_uri, rollouts_uri, iteration)
-    candidate_accuracy = _accuracy(store, evaluate(config_json, policy_uri, data_uri))
+        rollouts_uri = t.rollout(config_json, policy_uri, data_uri, iteration)
+        policy_uri = t.grpo(config_json, policy_uri, rollouts_uri, iteration)
+    candidate_accuracy = _accuracy(store, t.evaluate(config_json, policy_uri, data_uri))
 
     promoted = incumbent_accuracy is None or candidate_accuracy > incumbent_accuracy
     if promoted:

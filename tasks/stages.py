@@ -41,6 +41,10 @@ from forge_core.storage import ObjectStore
 STAGE_RETRIES = 2
 
 
+class StageOutputMissing(RuntimeError):
+    """A worker that reported success without committing its output: a bug, not worth a retry."""
+
+
 def is_retryable(task, task_run, state) -> bool:
     """Prefect retry condition: retry only failures the launcher classified as retryable."""
     try:
@@ -123,8 +127,8 @@ def run_stage(config_json: str, stage: str, inputs: dict[str, str], params: dict
     result.raise_for_outcome()
 
     if not store.is_committed(plan.output_uri):
-        raise LaunchFailed.fatal(
-            f"{stage}: the worker exited cleanly but {plan.output_uri} has no committed manifest", result
+        raise StageOutputMissing(
+            f"{stage}: the worker exited cleanly but {plan.output_uri} has no committed manifest"
         )
     store.reader(plan.output_uri).verify()
     _publish_stage_artifacts(plan, store)

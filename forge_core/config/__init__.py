@@ -1,15 +1,14 @@
 """forgeflow's typed run configuration: schema, YAML loading with overrides, validation, serialisation.
 
-    from forge_core.config import load_config
-    cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50"])   # raises ConfigError listing every problem
-    python -m forge_core.config check configs/demo_cpu.yaml sft.steps=50
-    python -m forge_core.config describe        # markdown reference of every key
+from forge_core.config import load_config
+cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50"])   # raises ConfigError listing every problem
+python -m forge_core.config check configs/demo_cpu.yaml sft.steps=50
+python -m forge_core.config describe        # markdown reference of every key
 """
 
 from forge_core.config.describe import describe_config
 from forge_core.config.loader import (
     ConfigError,
-    canonical_json,
     config_from_dict,
     config_to_dict,
     config_to_json,
@@ -24,7 +23,6 @@ __all__ = [
     "STAGES",
     "ConfigError",
     "RunConfig",
-    "canonical_json",
     "config_from_dict",
     "config_to_dict",
     "config_to_json",

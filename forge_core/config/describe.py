@@ -52,7 +52,7 @@ def _rows(owner: type, name: str, tp: Any, value: Any, key: str) -> list[tuple[s
     nested = dataclass_of(tp)
     if nested is not None:
         return _section_rows(nested, value, key)
-    rows = [(key, type_name(tp), _default_text(value), _field_help(owner).get(name, ""))]
+    rows = [(key, type_name(tp), _default_text(value), field_help(owner).get(name, ""))]
     element_cls = dataclass_of(list_element_type(tp))
     if element_cls is not None:
         # Document the element fields with the element class's own defaults, as `<list>.<i>.<field>`.
@@ -87,7 +87,7 @@ def _class_doc(cls: type) -> str:
 
 
 @functools.cache
-def _field_help(cls: type) -> dict[str, str]:
+def field_help(cls: type) -> dict[str, str]:
     """Field name -> the comment block directly above it plus any comment at the end of its line."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))

@@ -68,6 +68,8 @@ class ConfigError(ValueError):
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """Read `path` (None = the embedded defaults), apply `key=value` overrides, validate, return RunConfig."""
+    if isinstance(overrides, str):
+        raise TypeError(f"overrides={overrides!r}: pass a list of key=value strings, e.g. [{overrides!r}]")
     overrides = list(overrides)
     source = str(path) if path is not None else "the default config"
     if overrides:
@@ -84,12 +86,14 @@ def config_from_dict(data: Mapping[str, Any], source: str = "config dict") -> Ru
     """Validate a (possibly partial) nested dict, e.g. the output of `config_to_dict`, into a RunConfig."""
     errors: list[str] = []
     if not isinstance(data, Mapping):
-        raise ConfigError([f"{source}: expected a mapping of config sections, got {type(data).__name__}"], source)
+        raise ConfigError(
+            [f"{source}: expected a mapping of config sections, got {type(data).__name__}"], source
+        )
     return _build_and_check(_merge_onto_defaults(dict(data), errors), errors, source)
 
 
 def validate_config(cfg: RunConfig) -> RunConfig:
-    """Re-validate a RunConfig built or edited in code (e.g. with dataclasses.replace); returns a fresh copy."""
+    """Re-validate a RunConfig built or edited in code (e.g. dataclasses.replace); returns a fresh copy."""
     return config_from_dict(config_to_dict(cfg), source="RunConfig")
 
 
@@ -101,17 +105,14 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def config_to_json(cfg: Any) -> str:
-    """Canonical JSON (sorted keys, no whitespace): equal configs give byte-identical text for content hashes."""
-    return canonical_json(config_to_dict(cfg))
-
-
-def canonical_json(obj: Any) -> str:
-    """The JSON form used for hashing: sorted keys, compact separators, ASCII, no NaN/Infinity."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    """Canonical JSON (sorted keys, no whitespace): equal configs give byte-identical text, for hashing."""
+    return json.dumps(
+        config_to_dict(cfg), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
 
 
 def section_to_dict(cfg: RunConfig, path: str) -> Any:
-    """The value at a dotted path as plain data: `section_to_dict(cfg, "sft")`, `(cfg, "grpo.loss")`, `(cfg, "seed")`.
+    """The value at a dotted path as plain data: `section_to_dict(cfg, "sft")`, `(cfg, "grpo.loss")`.
 
     Per-stage content hashes use it so that a stage's key changes only with the sections the stage reads.
     """
@@ -121,7 +122,9 @@ def section_to_dict(cfg: RunConfig, path: str) -> Any:
         if not dataclasses.is_dataclass(value) or part not in field_names(type(value)):
             where = ".".join(walked) or "RunConfig"
             options = sorted(field_names(type(value))) if dataclasses.is_dataclass(value) else []
-            raise KeyError(f"config section {path!r}: {where} has no field {part!r}; fields: {', '.join(options)}")
+            raise KeyError(
+                f"config section {path!r}: {where} has no field {part!r}; fields: {', '.join(options)}"
+            )
         value = getattr(value, part)
         walked.append(part)
     if dataclasses.is_dataclass(value):
@@ -161,6 +164,11 @@ class _IndexUpdate(dict):
     """`{index: value}` for one element of a list field; made only by overrides like `rewards.0.weight=1`."""
 
 
+class _KeyUpdate(dict):
+    """`{key: value}` for one key named by an override path: it merges even into free-form dict fields
+    (`rollout.rewards.0.kwargs.tol=0.1` adds `tol`), whereas a mapping *value* replaces a dict field."""
+
+
 def _apply_override(merged: dict[str, Any], override: str, errors: list[str]) -> dict[str, Any]:
     key, sep, text = override.partition("=")
     key = key.strip()
@@ -178,7 +186,7 @@ def _apply_override(merged: dict[str, Any], override: str, errors: list[str]) ->
         return merged
     update: Any = value
     for part in reversed(parts):
-        update = _IndexUpdate({int(part): update}) if part.isdigit() else {part: update}
+        update = _IndexUpdate({int(part): update}) if part.isdigit() else _KeyUpdate({part: update})
     return _merge(merged, update, RunConfig, "", errors)
 
 
@@ -187,35 +195,46 @@ def _merge_onto_defaults(raw: dict[str, Any], errors: list[str]) -> dict[str, An
 
 
 def _merge(base: Any, update: Any, tp: Any, key: str, errors: list[str]) -> Any:
-    """Merge `update` into `base` (plain data), descending through dataclass-typed fields.
+    """Merge `update` into `base` (plain data): sections merge key by key, other values are replaced.
 
     Unknown keys are kept so that validation reports them with their value.
     """
     if isinstance(update, _IndexUpdate):
         return _merge_list_element(base, update, tp, key, errors)
     cls = dataclass_of(tp)
-    if cls is not None and isinstance(base, dict) and isinstance(update, Mapping):
-        hints = field_types(cls)
+    merges_by_key = isinstance(update, _KeyUpdate) or (cls is not None and isinstance(update, Mapping))
+    if merges_by_key and isinstance(base, dict):
+        hints = field_types(cls) if cls is not None else {}
         merged = dict(base)
         for name, value in update.items():
-            if name in hints and name in base:
-                merged[name] = _merge(base[name], value, hints[name], join_key(key, name), errors)
+            if name in base and (cls is None or name in hints):
+                merged[name] = _merge(base[name], value, hints.get(name, Any), join_key(key, name), errors)
             else:
-                merged[name] = value
+                merged[name] = _plain_update(value)
         return merged
     element_cls = dataclass_of(list_element_type(tp))
     if element_cls is not None and isinstance(update, list):
         element_default = config_to_dict(element_cls())
         return [
-            _merge(element_default, item, element_cls, join_key(key, str(i)), errors) for i, item in enumerate(update)
+            _merge(element_default, item, element_cls, join_key(key, str(i)), errors)
+            for i, item in enumerate(update)
         ]
-    return update
+    return _plain_update(update)
+
+
+def _plain_update(value: Any) -> Any:
+    """An override path that leads nowhere (an unknown or new key) becomes plain nested dicts."""
+    if isinstance(value, (_KeyUpdate, _IndexUpdate)):
+        return {k: _plain_update(v) for k, v in value.items()}
+    return value
 
 
 def _merge_list_element(base: Any, update: _IndexUpdate, tp: Any, key: str, errors: list[str]) -> Any:
     ((index, value),) = update.items()
     if not isinstance(base, list):
-        errors.append(f"{join_key(key, str(index))}: {key or 'the config'} is not a list, so it has no element {index}")
+        errors.append(
+            f"{join_key(key, str(index))}: {key or 'the config'} is not a list, so it has no element {index}"
+        )
         return base
     if index >= len(base):
         errors.append(
@@ -249,7 +268,7 @@ class _Walk:
         for bad_key in self.type_error_keys:
             names = [bad_key]
             if path and bad_key.startswith(path + "."):
-                names.append(bad_key[len(path) + 1:])
+                names.append(bad_key[len(path) + 1 :])
             if any(re.search(rf"(?<![\w.]){re.escape(n)}\s*=", message) for n in names):
                 return True
         return False
@@ -318,8 +337,11 @@ def _convert(tp: Any, value: Any, key: str, default: Any, walk: _Walk) -> Any:
         if isinstance(value, str):
             return value
         return _report(
-            walk, key, value, "a string",
-            f"write text, quoted in YAML when it looks like a number, bool or date, e.g. {key}: \"{value}\"",
+            walk,
+            key,
+            value,
+            "a string",
+            f'write text, quoted in YAML when it looks like a number, bool or date, e.g. {key}: "{value}"',
         )
     if tp is Any or tp is object:
         return _convert_plain_data(value, key, walk)
@@ -367,7 +389,9 @@ def _convert_literal(tp: Any, value: Any, key: str, walk: _Walk) -> Any:
 
 def _convert_list(tp: Any, value: Any, key: str, default: Any, walk: _Walk) -> Any:
     if not isinstance(value, list):
-        return _report(walk, key, value, "a list", f"use a YAML list, e.g. {key}: {json.dumps(_plain(default))}")
+        return _report(
+            walk, key, value, "a list", f"use a YAML list, e.g. {key}: {json.dumps(_plain(default))}"
+        )
     element_tp = list_element_type(tp)
     if element_tp is None:
         return _convert_plain_data(value, key, walk)
@@ -393,7 +417,7 @@ def _convert_dict(tp: Any, value: Any, key: str, walk: _Walk) -> Any:
 
 
 def _convert_plain_data(value: Any, key: str, walk: _Walk) -> Any:
-    """Free-form values (e.g. reward kwargs) must be JSON data so the config hashes and round-trips exactly."""
+    """Free-form values (e.g. reward kwargs) must be JSON data: the config hashes and round-trips exactly."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -404,7 +428,10 @@ def _convert_plain_data(value: Any, key: str, walk: _Walk) -> Any:
     if isinstance(value, Mapping):
         return _convert_dict(dict, value, key, walk)
     return _report(
-        walk, key, value, "JSON-like data (null, bool, number, string, list, mapping)",
+        walk,
+        key,
+        value,
+        "JSON-like data (null, bool, number, string, list, mapping)",
         "quote it in YAML to keep it as a string",
     )
 
@@ -487,4 +514,3 @@ def _plain(value: Any) -> Any:
 
 def _example(default: Any, fallback: Any) -> Any:
     return default if isinstance(default, (int, float)) and not isinstance(default, bool) else fallback
-

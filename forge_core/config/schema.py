@@ -2,9 +2,10 @@
 
 One dataclass per component, nested under `RunConfig`. Every field has a default so that a YAML file only
 states what differs. Each dataclass may define `check(self) -> list[str]` for range and cross-field rules of
-its own section; `RunConfig.check` holds rules that span sections. The loader (`forge_core.config.loader`)
-checks types and unknown keys for every field generically, runs every `check`, and raises one
-`ConfigError` listing all problems at once (key, value, fix).
+its own section (a message starts with `key=value`, either the full key or one relative to the section, e.g.
+`lr=...` in OptimizerConfig: the loader turns it into `sft.optimizer.lr=...`); `RunConfig.check` holds rules
+that span sections. The loader (`forge_core.config.loader`) checks types and unknown keys for every field
+generically, runs every `check`, and raises one `ConfigError` listing all problems at once (key, value, fix).
 
 Run from YAML:  `cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50", "seed=1"])`.
 """
@@ -30,13 +31,21 @@ class StorageConfig:
 
     def check(self) -> list[str]:
         errors = []
-        if not any(self.root.startswith(p) for p in ("file://", "s3://", "memory://", "/", ".")):
+        # A root without "://" is a local folder (absolute, ./relative or bare relative).
+        scheme = self.root.split("://", 1)[0].lower() if "://" in self.root else "file"
+        if not self.root.strip() or scheme not in ("file", "s3", "memory"):
             errors.append(
                 f"storage.root={self.root!r}: unsupported scheme; use file://<dir>, s3://<bucket>/<prefix> "
                 "or memory://<name>"
             )
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
+            errors.append(
+                f"storage.endpoint_url={self.endpoint_url!r}: must be an http(s):// URL, e.g. http://127.0.0.1:9000"
+            )
         if self.retries < 0:
             errors.append(f"storage.retries={self.retries}: must be >= 0")
+        if self.retry_backoff_s < 0:
+            errors.append(f"storage.retry_backoff_s={self.retry_backoff_s}: must be >= 0")
         return errors
 
 
@@ -50,14 +59,37 @@ class ModelConfig:
     # Vocab size of the tokenizer is applied at build time; max_seq_len bounds positions.
     max_seq_len: int = 256
 
+    def check(self) -> list[str]:
+        # The flavor catalog is plain Python: validating names does not import torch or torchtitan.
+        from forge_core.models.catalog import flavor_errors
+
+        errors = flavor_errors(self.family, self.flavor)
+        if self.max_seq_len < 1:
+            errors.append(f"model.max_seq_len={self.max_seq_len}: must be >= 1")
+        return errors
+
+
+# A byte-level BPE trained on arbitrary text keeps all 256 byte symbols plus pad/bos/eos.
+MIN_TEXT_TOKENIZER_VOCAB = 260
+
 
 @dataclass
 class TokenizerConfig:
-    # A local or storage folder with an HF tokenizer (tokenizer.json + config). None = train a BPE on the data.
+    # A local or storage folder with an HF tokenizer (tokenizer.json + config). None = train a BPE on the data
+    # (the demo task: a tiny BPE with single-digit tokens; other sources: a byte-level BPE on the train split).
     path: str | None = None
+    # Target size of a trained BPE (it stops earlier when the text has no more pairs to merge).
     vocab_size: int = 64
-    # Chat template used for chat-style records; None keeps the tokenizer's own.
+    # Chat template (Jinja source) for chat-style records, saved with the tokenizer; None keeps the tokenizer's.
     chat_template: str | None = None
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.vocab_size < 8:
+            errors.append(f"data.tokenizer.vocab_size={self.vocab_size}: must be >= 8")
+        if self.path is not None and not self.path.strip():
+            errors.append("data.tokenizer.path='': give a tokenizer folder or leave it unset (null) to train one")
+        return errors
 
 
 @dataclass
@@ -76,24 +108,43 @@ class DemoTaskConfig:
         for name in ("num_sft", "num_rl", "num_eval"):
             if getattr(self, name) < 1:
                 errors.append(f"data.demo.{name}={getattr(self, name)}: must be >= 1")
+        total = self.num_sft + self.num_rl + self.num_eval
+        if 1 <= self.num_digits <= 12 and total > 10 ** (2 * self.num_digits):
+            errors.append(
+                f"data.demo.num_sft+num_rl+num_eval={total}: the splits are disjoint but {self.num_digits}-digit "
+                f"addition has only {10 ** (2 * self.num_digits)} distinct pairs; raise data.demo.num_digits or "
+                "lower the split sizes"
+            )
         return errors
 
 
 @dataclass
 class DataConfig:
-    # "demo" generates the built-in task; otherwise a file/folder URI read with `format`.
+    # "demo" generates the built-in task; otherwise a file or folder URI (file://, s3://, a local path) read
+    # with `format` ("auto" = by file extension; a folder with state.json = datasets.save_to_disk).
     source: str = "demo"
     format: Literal["auto", "jsonl", "parquet", "csv", "hf_disk"] = "auto"
     # Record layout: plain prompt/completion columns, GSM8K (`question`, `answer ... #### 42`), or chat messages.
     layout: Literal["prompt_completion", "gsm8k", "chat"] = "prompt_completion"
+    # prompt_completion layout: the prompt and completion columns.
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    # gsm8k layout: the question column and the answer column (reasoning, then `#### <number>`).
+    question_field: str = "question"
     answer_field: str = "answer"
+    # chat layout: a list of {role, content}; the last (assistant) message is the completion.
     messages_field: str = "messages"
+    # Column holding the ground truth for rewards (prompt_completion and chat layouts). None = the completion
+    # text itself (prompt_completion) or the last assistant message (chat); gsm8k takes the number after ####.
+    ground_truth_field: str | None = None
+    # Share of source rows held out as the eval split (chosen by a hash of the prompt and the seed, so a
+    # prompt never lands in both). The demo task has its own split sizes (data.demo).
     eval_fraction: float = 0.1
+    # Longest prompt + completion + EOS in tokens; longer rows are rejected as too_long.
     max_seq_len: int = 256
     # Share of rejected rows above which the stage fails.
     max_reject_fraction: float = 0.05
+    # Rows read, tokenized and written per batch (one Parquet row group each); bounds the stage's memory.
     batch_rows: int = 8192
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     demo: DemoTaskConfig = field(default_factory=DemoTaskConfig)
@@ -106,6 +157,17 @@ class DataConfig:
             errors.append(f"data.max_reject_fraction={self.max_reject_fraction}: must be in [0, 1]")
         if self.max_seq_len < 8:
             errors.append(f"data.max_seq_len={self.max_seq_len}: must be >= 8")
+        if self.batch_rows < 1:
+            errors.append(f"data.batch_rows={self.batch_rows}: must be >= 1 (e.g. 8192)")
+        if not self.source.strip():
+            errors.append("data.source='': use demo or a file/folder URI")
+        needs_trained_text_bpe = self.source != "demo" and self.tokenizer.path is None
+        if needs_trained_text_bpe and self.tokenizer.vocab_size < MIN_TEXT_TOKENIZER_VOCAB:
+            errors.append(
+                f"data.tokenizer.vocab_size={self.tokenizer.vocab_size}: a BPE trained on data.source needs >= "
+                f"{MIN_TEXT_TOKENIZER_VOCAB} (256 bytes + special tokens); set e.g. 8000, or set "
+                "data.tokenizer.path to an HF tokenizer folder"
+            )
         return errors
 
 
@@ -144,6 +206,8 @@ class ParallelismConfig:
 class TrainingConfig:
     """Engine-level knobs shared by SFT and GRPO."""
 
+    # auto = CUDA when a GPU is visible, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
     activation_checkpoint: bool = False
     compile: bool = False
@@ -153,10 +217,13 @@ class TrainingConfig:
 @dataclass
 class SFTConfig:
     steps: int = 300
-    # Global batch in sequences per optimizer step, split across ranks and micro-batches.
+    # Global batch in sequences per optimizer step, split across data-parallel ranks and micro-batches.
     batch_size: int = 128
     micro_batch_size: int = 64
+    # Periodic eval loss every `eval_every` steps (0 = only at the end) on `eval_rows` rows of sft.parquet held
+    # out from training (0 = no eval). The data artifact's eval split has prompts only, no completions.
     eval_every: int = 100
+    eval_rows: int = 64
     checkpoint_every: int = 100
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
@@ -164,15 +231,26 @@ class SFTConfig:
         errors = []
         if self.steps < 1:
             errors.append(f"sft.steps={self.steps}: must be >= 1")
-        if self.micro_batch_size < 1:
-            errors.append(f"sft.micro_batch_size={self.micro_batch_size}: must be >= 1")
-        elif self.batch_size < 1 or self.batch_size % self.micro_batch_size:
+        if self.micro_batch_size < 1 or self.batch_size < 1:
             errors.append(
-                f"sft.batch_size={self.batch_size}: must be a positive multiple of sft.micro_batch_size="
+                f"sft.batch_size={self.batch_size}, sft.micro_batch_size={self.micro_batch_size}: both must be >= 1"
+            )
+        elif self.batch_size % self.micro_batch_size:
+            errors.append(
+                f"sft.batch_size={self.batch_size}: must be a multiple of sft.micro_batch_size="
                 f"{self.micro_batch_size}"
             )
         if self.checkpoint_every < 1:
             errors.append(f"sft.checkpoint_every={self.checkpoint_every}: must be >= 1")
+        if self.eval_every < 0:
+            errors.append(f"sft.eval_every={self.eval_every}: must be >= 0 (0 = evaluate only at the end)")
+        if self.eval_rows < 0:
+            errors.append(f"sft.eval_rows={self.eval_rows}: must be >= 0 (0 = no eval loss)")
+        if self.optimizer.warmup_steps > self.steps:
+            errors.append(
+                f"sft.optimizer.warmup_steps={self.optimizer.warmup_steps}: exceeds sft.steps={self.steps}; "
+                "lower the warmup"
+            )
         return errors
 
 
@@ -261,7 +339,7 @@ class LossConfig:
     clip_high: float = 0.28
     # Clamp on log(ratio) before exp, for numerical safety.
     max_log_ratio: float = 10.0
-    # Dr.GRPO's fixed horizon (tokens), only for type clipped_fixed_horizon; None = rollout.sampling.max_new_tokens.
+    # Dr.GRPO's fixed horizon in tokens (clipped_fixed_horizon only); None = rollout.sampling.max_new_tokens.
     horizon: int | None = None
     # Weight of the per-token KL to the frozen reference policy; 0 = no reference model at all.
     kl_coef: float = 0.0
@@ -341,6 +419,8 @@ class ResourceConfig:
     rdzv_endpoint: str | None = None
     deadline_s: float = 3600.0
     retries: int = 2
+    # On deadline/cancel the launcher SIGTERMs the whole process tree, waits this long, then SIGKILLs.
+    kill_grace_s: float = 10.0
 
     def check(self) -> list[str]:
         errors = []
@@ -350,6 +430,8 @@ class ResourceConfig:
             errors.append(f"nnodes={self.nnodes}: multi-node needs rdzv_endpoint=host:port")
         if self.deadline_s <= 0:
             errors.append(f"deadline_s={self.deadline_s}: must be > 0")
+        if self.kill_grace_s < 0:
+            errors.append(f"kill_grace_s={self.kill_grace_s}: must be >= 0 (seconds between SIGTERM and SIGKILL)")
         return errors
 
 
@@ -370,6 +452,14 @@ class LoggingConfig:
     dir: str = "./.forge-runs"
     log_every: int = 10
     rank0_only: bool = True
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.log_every < 1:
+            errors.append(f"logging.log_every={self.log_every}: must be >= 1")
+        if not self.wandb_project.strip():
+            errors.append("logging.wandb_project='': name a wandb project, e.g. forgeflow")
+        return errors
 
 
 @dataclass

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
 SOURCE_NAME = "demo:addition"
+# Every character a prompt or completion can contain: the tokenizer keeps all of them even if unseen.
+ALPHABET = "0123456789Q: +=?A" + ANSWER_OPEN + ANSWER_CLOSE
 SPLITS = ("eval", "sft", "rl")
 
 _ANSWER_RE = re.compile(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), re.DOTALL)

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 import fsspec
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from forge_core.config.schema import MIN_TEXT_TOKENIZER_VOCAB
+
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
 # A BPE trained on arbitrary text keeps all 256 byte symbols so nothing is ever untokenizable.
-MIN_TEXT_VOCAB = 256 + len(SPECIAL_TOKENS) + 1
+MIN_TEXT_VOCAB = MIN_TEXT_TOKENIZER_VOCAB
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -48,6 +50,17 @@ class TokenizerError(ValueError):
     """A tokenizer folder that cannot be used: missing files, no EOS token, unreadable JSON."""
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    eos: str
+    bos: str | None
+    pad: str | None
+
+
+# The special tokens of every BPE that forgeflow trains.
+TRAINED_SPECIAL_TOKENS = SpecialTokens(eos=EOS_TOKEN, bos=BOS_TOKEN, pad=PAD_TOKEN)
+
+
 @dataclass
 class HFTokenizer:
     """A `tokenizers.Tokenizer` with its HF folder files; `eos_id` ends every SFT completion."""
@@ -59,6 +72,10 @@ class HFTokenizer:
     chat_template: str | None
     # File name -> bytes of the HF folder, written verbatim by `save` (byte-identical for the same input).
     files: dict[str, bytes] = field(repr=False)
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        return SpecialTokens(eos=self.eos_token, bos=self.bos_token, pad=self.pad_token)
 
     @property
     def eos_id(self) -> int:
@@ -102,19 +119,18 @@ class HFTokenizer:
         )
 
 
-def train_demo_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int) -> HFTokenizer:
-    """A small BPE over the characters seen in `texts`, with every digit kept a single token.
+def train_demo_tokenizer(
+    texts: Iterable[str], vocab_size: int, model_max_length: int, alphabet: str
+) -> HFTokenizer:
+    """A small BPE over the characters of `alphabet` (kept even if unseen), with every digit a single token.
 
     Splitting digits before BPE keeps numbers as one token per digit (merged digit pairs make arithmetic
     much harder to learn); the fixed text around them ("Q: ", "<answer>", ...) merges into few tokens.
     """
-    pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    return _train_bpe(texts, vocab_size, model_max_length, pre_tokenizer, initial_alphabet=[])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    symbols = sorted({char for piece, _ in byte_level.pre_tokenize_str(alphabet) for char in piece})
+    return _train_bpe(texts, vocab_size, model_max_length, pre_tokenizer, initial_alphabet=symbols)
 
 
 def train_text_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int) -> HFTokenizer:

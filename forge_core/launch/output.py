@@ -16,7 +16,9 @@ RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 # Lines of torchrun's failure summary that identify a failed rank; unprefixed (torchrun's own output).
 SUMMARY_FIELD = re.compile(r"^\s*(rank|exitcode|error_file)\s*:")
 # The last line of a Python traceback, e.g. "ValueError: bad lr" or "torch.OutOfMemoryError: ...".
-EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s?(?P<msg>.*))?$")
+EXCEPTION_LINE = re.compile(
+    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s?(?P<msg>.*))?$"
+)
 LAUNCHER_PREFIX = "[forge.launch] "
 _MAX_SUMMARY_LINES = 2000
 
@@ -68,23 +70,29 @@ class OutputPump:
             self._handle_line(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
         self._stream.close()
 
+    def snapshot(self) -> tuple[tuple[str, ...], list[str], dict[int, tuple[str, str]]]:
+        """(tail, failure-summary lines, last printed exception per rank), consistent even mid-stream."""
+        with self._lock:
+            return tuple(self.tail), list(self.summary_lines), dict(self.last_exception)
+
     def _handle_line(self, line: str) -> None:
         match = RANK_PREFIX.match(line)
         rank = int(match.group(1)) if match else self._plain_rank
-        content = line[match.end() :] if match else line
+        forward = not self._rank0_only or rank is None or rank == 0
+        self._deliver(line, forward=forward, rank=rank, content=line[match.end() :] if match else line)
+
+    def _remember_failure_hints(self, line: str, rank: int | None, content: str) -> None:
         if rank is None:
             if SUMMARY_FIELD.match(line) and len(self.summary_lines) < _MAX_SUMMARY_LINES:
                 self.summary_lines.append(line)
-        else:
-            exception = EXCEPTION_LINE.match(content)
-            if exception:
-                self.last_exception[rank] = (exception.group("type"), exception.group("msg") or "")
-        forward = not self._rank0_only or rank is None or rank == 0
-        self._deliver(line, forward=forward)
+        elif exception := EXCEPTION_LINE.match(content):
+            self.last_exception[rank] = (exception.group("type"), exception.group("msg") or "")
 
-    def _deliver(self, line: str, *, forward: bool) -> None:
+    def _deliver(self, line: str, *, forward: bool, rank: int | None = None, content: str = "") -> None:
         with self._lock:
             self.tail.append(line)
+            if content:
+                self._remember_failure_hints(line, rank, content)
             if not forward or self._sink_broken:
                 return
             try:

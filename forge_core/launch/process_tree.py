@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -92,23 +93,28 @@ def _ancestors() -> list[psutil.Process]:
 
 
 class ProcessTree:
-    """The processes of one launch seen so far: the root plus every descendant any snapshot found."""
+    """The processes of one launch seen so far: the root plus every descendant any snapshot found.
+
+    Thread-safe: the supervisor snapshots while callers of `LaunchHandle.pids()` may do the same.
+    """
 
     def __init__(self, root_pid: int, launch_id: str):
         self.root = psutil.Process(root_pid)
         self.launch_id = launch_id
         self._seen: dict[tuple[int, float], psutil.Process] = {}
+        self._lock = threading.Lock()
 
     def snapshot(self, *, include_launch_id_scan: bool = False) -> list[psutil.Process]:
         """Refresh from the live tree (and optionally the environment scan); return what is alive now."""
         found = descendants(self.root.pid) if is_alive(self.root) else []
         if include_launch_id_scan:
             found += processes_with_launch_id(self.launch_id)
-        for proc in found:
-            key = _identity(proc)
-            if key is not None:
+        keyed = [(key, proc) for proc in found if (key := _identity(proc)) is not None]
+        with self._lock:
+            for key, proc in keyed:
                 self._seen.setdefault(key, proc)
-        return [p for p in self._seen.values() if is_alive(p)]
+            seen = list(self._seen.values())
+        return [p for p in seen if is_alive(p)]
 
     def live_pids(self) -> list[int]:
         live = self.snapshot()

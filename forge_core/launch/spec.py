@@ -79,6 +79,33 @@ class LaunchSpec:
             errors.append(f"env keys {reserved}: set by the launcher for every launch; remove them from env")
         return errors
 
+    @classmethod
+    def from_resources(
+        cls,
+        resources,
+        module: str,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        node_rank: int = 0,
+        rank0_only_logs: bool = False,
+        torchrun: bool = True,
+    ) -> LaunchSpec:
+        """A spec from a stage's `forge_core.config.schema.ResourceConfig` (e.g. `cfg.launch.sft`)."""
+        return cls(
+            module=module,
+            args=list(args),
+            nproc_per_node=resources.nproc_per_node,
+            nnodes=resources.nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=resources.rdzv_endpoint,
+            env=dict(env or {}),
+            deadline_s=resources.deadline_s,
+            rank0_only_logs=rank0_only_logs,
+            torchrun=torchrun,
+            kill_grace_s=resources.kill_grace_s,
+        )
+
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes

@@ -6,30 +6,33 @@ The ratio is `exp(logp_trainer - logp_generator)` with the generator's logprobs 
 
 Normalisation. Every loss divides a *sum* over this micro-batch by `global_normalizer`, the sum of
 `loss.normalizer(mb)` over every micro-batch of the mini-batch on every data-parallel rank
-(`forge_core.trainers.rl_batch.global_normalizer`). Summing the micro-batch gradients over micro-batches and
-ranks then gives exactly the gradient of the mini-batch loss, however the mini-batch was split.
+(`TitanTrainer.global_normalizer`). Summing the micro-batch gradients over micro-batches and ranks then gives
+exactly the gradient of the mini-batch loss, however the mini-batch was split (forge_core.trainers.rl_batch).
 
-Usage:
+Usage (the trainer runs the forward, the normalizer, backward and the metric reduction):
 
     loss_fn = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens)
-    norm = global_normalizer(loss_fn, micro_batches)               # once per mini-batch
-    for mb in micro_batches:
-        result = loss_fn(model_outputs(mb), mb, norm)              # LossOutput(loss, metrics sums)
-        result.loss.backward()
-    logged = loss_fn.summarize(reduced)   # reduced = reduce_metric_dicts(...) over micro-batches and ranks
+    metrics = trainer.train_step(micro_batches, loss_fn)     # RLBatch micro-batches of one mini-batch
+    # metrics: loss, policy/loss, policy/clip_low_frac, policy/clip_high_frac, policy/ratio_mean,
+    #          policy/ratio_max, policy/entropy, policy/kl (KL on), policy/logprob_gap_mean, ..._max
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from forge_core.config.schema import LossConfig
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs
-from forge_core.trainers.rl_batch import RLBatch
+
+if TYPE_CHECKING:
+    # Type-only: the trainer package imports the losses, so a runtime import here would be circular.
+    from forge_core.trainers.rl_batch import RLBatch
+
 
 @dataclass(frozen=True)
 class ClipRange:
@@ -66,7 +69,7 @@ def clipped_surrogate(
     ratio = torch.exp(log_ratio)
     adv = advantages_B.float()[:, None]
     unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip.low, 1.0 + clip.high) * adv
+    clipped = ratio.clamp(1.0 - clip.high, 1.0 + clip.low) * adv
     loss = torch.where(mask_BL, -torch.minimum(unclipped, clipped), 0.0)
     ratio_d = ratio.detach()
     return SurrogateTerms(
@@ -77,18 +80,19 @@ def clipped_surrogate(
     )
 
 
-def k1_estimate(logprobs_BL: torch.Tensor, ref_logprobs_BL: torch.Tensor) -> torch.Tensor:
-    """k1: logp - ref_logp (unbiased for KL(pi || ref) under samples of pi, but can be negative)."""
-    return logprobs_BL - ref_logprobs_BL
+def k1_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
+    """k1 from log_ratio = logp - ref_logp: the log ratio itself (unbiased for KL(pi || ref) under samples
+    of pi, but can be negative)."""
+    return log_ratio_BL
 
 
-def k3_estimate(logprobs_BL: torch.Tensor, ref_logprobs_BL: torch.Tensor) -> torch.Tensor:
-    """k3: exp(ref - logp) - (ref - logp) - 1 (unbiased and never negative; GRPO's choice)."""
-    delta = ref_logprobs_BL - logprobs_BL
-    return torch.exp(delta) - delta - 1.0
+def k3_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
+    """k3 from log_ratio = logp - ref_logp: exp(ref - logp) - (ref - logp) - 1 (unbiased and never negative;
+    GRPO's choice)."""
+    return torch.exp(-log_ratio_BL) + log_ratio_BL - 1.0
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": k1_estimate,
     "k3": k3_estimate,
 }
@@ -96,10 +100,12 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 
 @dataclass(frozen=True)
 class KLPenalty:
-    """Per-token `coef * KL(pi || ref)` estimate against the frozen reference policy's logprobs."""
+    """Per-token `coef * KL(pi || ref)` estimate against the frozen reference policy's logprobs. The log
+    ratio is clamped to +-max_log_ratio first, as in the surrogate, so k3's exp cannot overflow."""
 
     coef: float
     estimator: str = "k3"
+    max_log_ratio: float = 10.0
 
     def __post_init__(self) -> None:
         if self.estimator not in KL_ESTIMATORS:
@@ -117,7 +123,8 @@ class KLPenalty:
         mask = batch.response_mask_BL
         logprobs = logprobs_BL.float()
         ref = torch.where(mask, batch.ref_logprobs_BL.float(), logprobs.detach())
-        return torch.where(mask, KL_ESTIMATORS[self.estimator](logprobs, ref), 0.0)
+        log_ratio = (logprobs - ref).clamp(-self.max_log_ratio, self.max_log_ratio)
+        return torch.where(mask, KL_ESTIMATORS[self.estimator](log_ratio), 0.0)
 
 
 class ClippedPolicyLoss(Loss):
@@ -268,7 +275,9 @@ LOSS_TYPES = ("clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon")
 def build_policy_loss(cfg: LossConfig, max_new_tokens: int) -> ClippedPolicyLoss:
     """The loss named by `cfg.type`; `max_new_tokens` is the fixed horizon when `cfg.horizon` is None."""
     clip = ClipRange(low=cfg.clip_low, high=cfg.clip_high)
-    kl = KLPenalty(coef=cfg.kl_coef, estimator=cfg.kl_estimator) if cfg.kl_coef > 0 else None
+    kl = None
+    if cfg.kl_coef > 0:
+        kl = KLPenalty(coef=cfg.kl_coef, estimator=cfg.kl_estimator, max_log_ratio=cfg.max_log_ratio)
     if cfg.type == "clipped_token_mean":
         return TokenMeanLoss(clip, cfg.max_log_ratio, kl)
     if cfg.type == "clipped_seq_mean":

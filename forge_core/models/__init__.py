@@ -20,48 +20,60 @@ Exporting for vLLM / transformers:
 
 Flavors: `FLAVORS[family]` lists every valid flavor name: torchtitan's dense registry flavors (real sizes, for
 GPU) plus forgeflow's CPU flavors `tiny` and `small`.
+
+Names are imported lazily, so `forge_core.models.catalog` (flavor names, used by config validation) does not
+pull in torch and torchtitan.
 """
 
-from forge_core.models.build import build_model, flops_per_token, init_weights, num_params
-from forge_core.models.flavors import (
-    ATTENTION_BACKENDS,
-    FAMILIES,
-    FLAVORS,
-    AttentionBackend,
-    attention_backend_of,
-    attention_for_device,
-    build_model_config,
-    validate_flavor,
-)
-from forge_core.models.hf import (
-    HFModelInfo,
-    hf_config_dict,
-    hf_to_titan_state_dict,
-    load_hf_folder,
-    titan_to_hf_state_dict,
-    write_hf_folder,
-)
-from forge_core.models.logprobs import (
-    forward_logits,
-    model_logprobs,
-    token_entropy,
-    token_logprobs,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "FAMILIES": "catalog",
+    "FLAVORS": "catalog",
+    "flavor_errors": "catalog",
+    "validate_flavor": "catalog",
+    "ATTENTION_BACKENDS": "flavors",
+    "AttentionBackend": "flavors",
+    "attention_backend_of": "flavors",
+    "attention_for_device": "flavors",
+    "build_model_config": "flavors",
+    "build_model": "build",
+    "flops_per_token": "build",
+    "init_buffers": "build",
+    "init_weights": "build",
+    "num_params": "build",
+    "HFModelInfo": "hf",
+    "hf_config_dict": "hf",
+    "hf_to_titan_state_dict": "hf",
+    "load_hf_folder": "hf",
+    "titan_to_hf_state_dict": "hf",
+    "write_hf_folder": "hf",
+    "forward_logits": "logprobs",
+    "model_logprobs": "logprobs",
+    "token_entropy": "logprobs",
+    "token_logprobs": "logprobs",
+}
 
 __all__ = [
     "ATTENTION_BACKENDS",
-    "AttentionBackend",
     "FAMILIES",
     "FLAVORS",
+    "AttentionBackend",
     "HFModelInfo",
     "attention_backend_of",
     "attention_for_device",
     "build_model",
     "build_model_config",
+    "flavor_errors",
     "flops_per_token",
     "forward_logits",
     "hf_config_dict",
     "hf_to_titan_state_dict",
+    "init_buffers",
     "init_weights",
     "load_hf_folder",
     "model_logprobs",
@@ -72,3 +84,35 @@ __all__ = [
     "validate_flavor",
     "write_hf_folder",
 ]
+
+if TYPE_CHECKING:
+    from forge_core.models.build import build_model, flops_per_token, init_buffers, init_weights, num_params
+    from forge_core.models.catalog import FAMILIES, FLAVORS, flavor_errors, validate_flavor
+    from forge_core.models.flavors import (
+        ATTENTION_BACKENDS,
+        AttentionBackend,
+        attention_backend_of,
+        attention_for_device,
+        build_model_config,
+    )
+    from forge_core.models.hf import (
+        HFModelInfo,
+        hf_config_dict,
+        hf_to_titan_state_dict,
+        load_hf_folder,
+        titan_to_hf_state_dict,
+        write_hf_folder,
+    )
+    from forge_core.models.logprobs import forward_logits, model_logprobs, token_entropy, token_logprobs
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'forge_core.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"forge_core.models.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,8 +1,8 @@
 """Build torchtitan models from a forgeflow `ModelConfig`, initialise them, count parameters and FLOPs.
 
-    model = build_model(cfg.model, vocab_size, device="meta", attention="sdpa")
-    # (parallelize / fully_shard here when distributed)
-    init_weights(model, seed=cfg.seed, device="cpu")
+model = build_model(cfg.model, vocab_size, device="meta", attention="sdpa")
+# (parallelize / fully_shard here when distributed)
+init_weights(model, seed=cfg.seed, device="cpu")
 """
 
 from __future__ import annotations
@@ -56,6 +56,22 @@ def init_weights(model: Decoder, seed: int, *, device: str | torch.device | None
         torch.manual_seed(seed)
         with torch.no_grad():
             model.init_states(buffer_device=buffer_device)
+    return model
+
+
+def init_buffers(model: Decoder, *, device: str | torch.device) -> Decoder:
+    """Materialise a meta model on `device` with its buffers (RoPE caches) computed but weights left unset.
+
+    For loading a checkpoint next (`model.load_state_dict(load_hf_folder(...)[0])`): it skips drawing random
+    weights that would be overwritten anyway, which matters for real-size models on CPU.
+    """
+    from torchtitan.protocols.module import Module
+
+    model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, Module):
+            # torchtitan's per-module buffer hook; init_states calls it after the parameter initialisers.
+            module._init_self_buffers(buffer_device=torch.device(device))
     return model
 
 

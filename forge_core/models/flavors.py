@@ -25,7 +25,9 @@ from torchtitan.models.common import (
     Decoder,
     Embedding,
     FlexAttention,
+    FusedQKVLinear,
     Linear,
+    QKVLinear,
     RMSNorm,
     ScaledDotProductAttention,
     VarlenAttention,
@@ -33,11 +35,21 @@ from torchtitan.models.common import (
 )
 
 from forge_core.config.schema import ModelConfig
+from forge_core.models.catalog import FAMILIES, FLAVORS, FORGE_FLAVORS, validate_flavor
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "FAMILIES",
+    "FLAVORS",
+    "AttentionBackend",
+    "attention_backend_of",
+    "attention_for_device",
+    "build_model_config",
+    "validate_flavor",
+]
 
 AttentionBackend = Literal["sdpa", "flex", "varlen"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
-
-FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
 
 # Placeholder vocab of the forgeflow flavors; build_model_config always applies the tokenizer's size.
 _PLACEHOLDER_VOCAB = 64
@@ -135,32 +147,16 @@ _FORGE_FLAVORS: dict[str, dict[str, Callable[[], Decoder.Config]]] = {
         ),
     },
     "qwen3": {
-        "tiny": _qwen3_forge_flavor(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384),
-        "small": _qwen3_forge_flavor(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768),
+        "tiny": _qwen3_forge_flavor(
+            dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384
+        ),
+        "small": _qwen3_forge_flavor(
+            dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768
+        ),
     },
 }
 
-# torchtitan's dense registry flavors (real sizes, meant for GPU). The MoE flavors of qwen3 are left out:
-# their HF export needs Qwen3MoeConfig and expert splitting, which forgeflow does not handle.
-_TITAN_FLAVORS: dict[str, tuple[str, ...]] = {
-    "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
-    "qwen3": ("debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
-}
-
-FLAVORS: dict[str, tuple[str, ...]] = {
-    family: tuple(_FORGE_FLAVORS[family]) + _TITAN_FLAVORS[family] for family in FAMILIES
-}
-
-
-def validate_flavor(family: str, flavor: str) -> None:
-    """Raise ValueError naming the valid choices when `family`/`flavor` is unknown."""
-    if family not in FLAVORS:
-        raise ValueError(f"model.family={family!r}: unknown model family; valid families: {list(FAMILIES)}")
-    if flavor not in FLAVORS[family]:
-        raise ValueError(
-            f"model.flavor={flavor!r}: unknown flavor for model.family={family!r}; "
-            f"valid flavors: {list(FLAVORS[family])}"
-        )
+assert {family: tuple(flavors) for family, flavors in _FORGE_FLAVORS.items()} == FORGE_FLAVORS
 
 
 def attention_for_device(device_type: str) -> AttentionBackend:
@@ -216,10 +212,43 @@ def _with_vocab(config: Decoder.Config, vocab_size: int) -> Decoder.Config:
     )
 
 
-def _with_attention(config: Decoder.Config, max_seq_len: int, attention: str) -> Decoder.Config:
+def _qkv_base_init(family: str) -> dict:
+    # The per-tensor initialiser torchtitan wraps for its fused wqkv; its fused init is documented as
+    # bit-identical to initialising separate wq/wk/wv with it.
+    if family == "llama3":
+        from torchtitan.models import llama3 as tt_family
+    else:
+        from torchtitan.models import qwen3 as tt_family
+    return tt_family._LINEAR_INIT
+
+
+def _separate_qkv(attn, family: str):
+    """Replace torchtitan's fused `wqkv` by separate wq/wk/wv projections.
+
+    With the fused layout, `model.state_dict()` keys (wq/wk/wv, made by a state-dict hook) are not parameter
+    names, which breaks `torch.distributed.checkpoint.state_dict.get_model_state_dict` / `set_model_state_dict`
+    (FQN lookup fails). Separate projections keep parameters, state-dict keys and torchtitan's canonical names
+    identical, so DCP, FSDP full-state-dict gathering and HF conversion all see one naming.
+    """
+    qkv = attn.qkv_linear
+    if not isinstance(qkv, FusedQKVLinear.Config):
+        return attn
+    init = _qkv_base_init(family)
+    dim = qkv.wqkv.in_features
+    return dataclasses.replace(
+        attn,
+        qkv_linear=QKVLinear.Config(
+            head_dim=qkv.head_dim,
+            wq=Linear.Config(in_features=dim, out_features=qkv.n_heads * qkv.head_dim, param_init=init),
+            wkv=Linear.Config(in_features=dim, out_features=qkv.n_kv_heads * qkv.head_dim, param_init=init),
+        ),
+    )
+
+
+def _with_attention(config: Decoder.Config, family: str, max_seq_len: int, attention: str) -> Decoder.Config:
     layers = []
     for layer in config.layers:
-        attn = layer.attention
+        attn = _separate_qkv(layer.attention, family)
         attn = dataclasses.replace(
             attn,
             rope=dataclasses.replace(attn.rope, max_seq_len=max_seq_len),
@@ -231,6 +260,9 @@ def _with_attention(config: Decoder.Config, max_seq_len: int, attention: str) ->
 
 def build_model_config(cfg: ModelConfig, vocab_size: int, *, attention: AttentionBackend) -> Decoder.Config:
     """torchtitan model config for `cfg.family`/`cfg.flavor` with the tokenizer's vocab and `cfg.max_seq_len`.
+
+    Attention uses separate wq/wk/wv projections (torchtitan's registry fuses them into `wqkv`; see
+    `_separate_qkv` for why forgeflow does not), initialised exactly as torchtitan initialises the fused one.
 
     `attention` is explicit on purpose: "sdpa" for CPU (FlexAttention has no CPU backward), "flex" on GPU;
     `attention_for_device(device.type)` gives forgeflow's choice. Raises ValueError for an unknown
@@ -244,4 +276,4 @@ def build_model_config(cfg: ModelConfig, vocab_size: int, *, attention: Attentio
     _inner_attention_config(attention)  # validate before building anything
     config = _base_config(cfg.family, cfg.flavor)
     config = _with_vocab(config, vocab_size)
-    return _with_attention(config, cfg.max_seq_len, attention)
+    return _with_attention(config, cfg.family, cfg.max_seq_len, attention)

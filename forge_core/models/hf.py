@@ -8,7 +8,8 @@ Export (end of an SFT/GRPO stage, rank 0, full unsharded state dict of plain ten
 Import (object-store folders: download them first with `store.reader(uri).download_dir(prefix, local)`):
 
     state_dict, info = load_hf_folder("/tmp/policy")
-    model = build_model(info.to_model_config(max_seq_len=256), info.vocab_size, device="cpu", attention="sdpa")
+    model = build_model(info.to_model_config(max_seq_len=256), info.vocab_size, attention="sdpa")
+    init_buffers(model, device="cpu")
     model.load_state_dict(state_dict)
 
 Weight names and layouts go through torchtitan's own `Llama3StateDictAdapter` / `Qwen3StateDictAdapter`,
@@ -38,8 +39,19 @@ _FAMILY_OF_MODEL_TYPE = {v: k for k, v in _HF_MODEL_TYPE.items()}
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-# Files of an HF model folder that describe the model, not the tokenizer: never copied from a tokenizer folder.
-_MODEL_FILES = {"config.json", "generation_config.json", WEIGHTS_FILE, WEIGHTS_INDEX_FILE}
+# Files of an HF model folder that describe the model, not the tokenizer: never copied from a tokenizer folder
+# (a tokenizer_dir may be a whole model folder; a stray weight shard would be loaded by vLLM next to ours).
+_MODEL_FILES = {"config.json", "generation_config.json"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def _is_tokenizer_file(path: Path) -> bool:
+    return (
+        path.is_file()
+        and not path.name.startswith(".")
+        and path.name not in _MODEL_FILES
+        and not path.name.endswith(_WEIGHT_SUFFIXES)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -302,7 +314,9 @@ def load_hf_folder(local_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor
     folder = Path(local_dir)
     config_path = folder / "config.json"
     if not config_path.exists():
-        raise ValueError(f"{config_path}: not found; pass a local HF model folder (download storage URIs first)")
+        raise ValueError(
+            f"{config_path}: not found; pass a local HF model folder (download storage URIs first)"
+        )
     hf_config = transformers.AutoConfig.from_pretrained(folder)
     family = _family_of(hf_config, config_path)
     problems = _unsupported_hf_features(hf_config)
@@ -407,7 +421,7 @@ def write_hf_folder(
 
     if tokenizer_dir is not None:
         for src in sorted(Path(tokenizer_dir).iterdir()):
-            if src.is_file() and src.name not in _MODEL_FILES and not src.name.startswith("."):
+            if _is_tokenizer_file(src):
                 _write_file_atomically(out / src.name, lambda tmp, src=src: shutil.copyfile(src, tmp))
     _write_file_atomically(out / "config.json", lambda tmp: Path(tmp).write_text(_json(config)))
     _write_file_atomically(

@@ -1,8 +1,8 @@
 """Per-token log-probabilities from a torchtitan decoder, shared by the trainers and the rollout parity checks.
 
-    logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)      # fp32, grad flows when enabled
-    logits_BLV = forward_logits(model, input_ids_BL, positions_BL)
-    logp_BL, entropy_BL = token_logprobs(logits_BLV, target_ids_BL), token_entropy(logits_BLV)
+logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)      # fp32, grad flows when enabled
+logits_BLV = forward_logits(model, input_ids_BL, positions_BL)
+logp_BL, entropy_BL = token_logprobs(logits_BLV, target_ids_BL), token_entropy(logits_BLV)
 """
 
 from __future__ import annotations

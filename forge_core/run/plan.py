@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forge_core.config import RunConfig, config_to_dict
+from forge_core.config import RunConfig, config_to_dict, select_sections
 from forge_core.launch import LaunchSpec
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ObjectStore, code_version, content_key
@@ -59,8 +59,7 @@ class StagePlan:
 
 def stage_key_material(cfg: RunConfig, stage: str) -> dict:
     """The slice of the resolved config that identifies a stage's output."""
-    full = config_to_dict(cfg)
-    return {section: full[section] for section in STAGE_CONFIG_SECTIONS[stage]}
+    return select_sections(cfg, STAGE_CONFIG_SECTIONS[stage])
 
 
 def plan_stage(
@@ -93,13 +92,17 @@ def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] |
     """The worker command for a planned stage: torchrun for training stages, one process otherwise."""
     resources = getattr(cfg.launch, plan.stage)
     distributed = plan.stage in DISTRIBUTED_STAGES
+    env = dict(extra_env or {})
+    if cfg.storage.endpoint_url:
+        # The worker reads its spec before it has a config: tell it where a custom S3 endpoint is.
+        env.setdefault("FORGE_S3_ENDPOINT_URL", cfg.storage.endpoint_url)
     return LaunchSpec(
         module="forge_core.run",
         args=[plan.stage, "--spec", plan.spec_uri],
         nproc_per_node=resources.nproc_per_node if distributed else 1,
         nnodes=resources.nnodes if distributed else 1,
         rdzv_endpoint=resources.rdzv_endpoint if distributed else None,
-        env=dict(extra_env or {}),
+        env=env,
         deadline_s=resources.deadline_s,
         rank0_only_logs=cfg.logging.rank0_only,
         torchrun=distributed,

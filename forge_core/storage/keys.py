@@ -42,7 +42,10 @@ def _check_plain_json(obj, where: str) -> None:
     if isinstance(obj, dict):
         for key, value in obj.items():
             if not isinstance(key, str):
-                raise ValueError(f"{where}: key {key!r} is {type(key).__name__}; content keys need str keys")
+                # ValueError, not TypeError: this is a user's config value, reported like any other.
+                raise ValueError(  # noqa: TRY004
+                    f"{where}: key {key!r} is {type(key).__name__}; content keys need str keys"
+                )
             _check_plain_json(value, f"{where}.{key}")
         return
     raise ValueError(
@@ -56,7 +59,9 @@ def content_key(stage: str, config: dict, input_hashes: dict[str, str], code_ver
     `input_hashes` maps input name -> that input's manifest sha256 (`store.manifest_sha256(uri)`).
     """
     if not isinstance(input_hashes, dict):
-        raise TypeError(f"input_hashes must be a dict name -> manifest sha256, got {type(input_hashes).__name__}")
+        raise TypeError(
+            f"input_hashes must be a dict name -> manifest sha256, got {type(input_hashes).__name__}"
+        )
     identity = {"stage": stage, "config": config, "inputs": input_hashes, "code_version": code_version}
     return hashlib.sha256(canonical_json(identity).encode("ascii")).hexdigest()[:KEY_HEX_CHARS]
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 MANIFEST_NAME = "_MANIFEST.json"
 CHECKPOINTS_DIR = "_checkpoints"
 FORMAT_VERSION = 1
+# Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
+TEMP_MARKER = ".forge-tmp-"
 
 
 def utc_now_iso() -> str:
     """UTC timestamp with fixed width (microseconds, +00:00), so string order is time order."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Manifest:
         """Parse a manifest; raises ValueError (with the reason) when it is not one this code can read."""
         raw = json.loads(data.decode("utf-8"))
         if not isinstance(raw, dict):
-            raise ValueError(f"manifest is a JSON {type(raw).__name__}, expected an object")
+            raise ValueError(f"manifest is a JSON {type(raw).__name__}, expected an object")  # noqa: TRY004
         version = raw.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(f"manifest format_version={version!r}; this forgeflow reads {FORMAT_VERSION}")

@@ -7,6 +7,7 @@ and `storage.retry_backoff_s` are the only knobs and a test can count what happe
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +25,6 @@ _TRANSIENT_S3_CODES = frozenset(
         "ServiceUnavailable",
         "SlowDown",
         "RequestTimeout",
-        "RequestTimeTooSkewed",
         "Throttling",
         "ThrottlingException",
         "OperationAborted",
@@ -36,7 +36,14 @@ _TRANSIENT_S3_CODES = frozenset(
 )
 _TRANSIENT_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.ETIMEDOUT})
 _ACCESS_S3_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled", "403"}
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "AllAccessDisabled",
+        "403",
+    }
 )
 
 
@@ -56,29 +63,29 @@ def _s3_error_code(exc: BaseException) -> str | None:
     return None
 
 
-def _is_transient_one(exc: BaseException) -> bool:
-    # Imported lazily: botocore/aiohttp are only needed when s3 is in use.
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError, IncompleteReadError, ResponseParserError
-    except ImportError:  # pragma: no cover - s3fs is a hard dependency
-        BotoConnectionError = HTTPClientError = IncompleteReadError = ResponseParserError = ()  # noqa: N806
-    try:
-        from aiohttp import ClientConnectionError, ClientPayloadError, ServerTimeoutError
-    except ImportError:  # pragma: no cover
-        ClientConnectionError = ClientPayloadError = ServerTimeoutError = ()  # noqa: N806
-    transient_types = (
-        ConnectionError,
-        TimeoutError,
-        BotoConnectionError,
-        HTTPClientError,
+@functools.cache
+def _transient_types() -> tuple[type[BaseException], ...]:
+    # Imported on first use: a file:// run never pays for loading botocore and aiohttp.
+    from aiohttp import ClientConnectionError, ClientPayloadError, ServerTimeoutError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError, IncompleteReadError
+    from botocore.parsers import ResponseParserError
+
+    return (
+        ConnectionError,  # builtin: refused, reset, aborted
+        TimeoutError,  # builtin; s3fs maps RequestTimeout to it
+        BotoConnectionError,  # EndpointConnectionError, ConnectTimeoutError
+        HTTPClientError,  # ConnectionClosedError, ReadTimeoutError
         IncompleteReadError,
-        ResponseParserError,
+        ResponseParserError,  # throttling responses with invalid XML
         ClientConnectionError,
         ClientPayloadError,
         ServerTimeoutError,
     )
-    if isinstance(exc, transient_types):
+
+
+def _is_transient_one(exc: BaseException) -> bool:
+    if isinstance(exc, _transient_types()):
         return True
     if _s3_error_code(exc) in _TRANSIENT_S3_CODES:
         return True
@@ -92,7 +99,9 @@ def is_transient(exc: BaseException) -> bool:
 
 def is_access_denied(exc: BaseException) -> bool:
     """True for authorization failures (PermissionError from s3fs, or the raw S3 codes)."""
-    return any(isinstance(e, PermissionError) or _s3_error_code(e) in _ACCESS_S3_CODES for e in _exception_chain(exc))
+    return any(
+        isinstance(e, PermissionError) or _s3_error_code(e) in _ACCESS_S3_CODES for e in _exception_chain(exc)
+    )
 
 
 class Retrier:
@@ -121,7 +130,12 @@ class Retrier:
                 delay = min(self.backoff_s * 2**attempt, self.max_sleep_s)
                 log.warning(
                     "storage: %s failed (%s: %s); retry %d/%d in %.2fs",
-                    what, type(exc).__name__, exc, attempt + 1, self.retries, delay,
+                    what,
+                    type(exc).__name__,
+                    exc,
+                    attempt + 1,
+                    self.retries,
+                    delay,
                 )
                 self.retried += 1
                 time.sleep(delay)

@@ -27,7 +27,7 @@ from forge_core.storage.errors import (
     ArtifactNotCommitted,
     StorageAccessError,
 )
-from forge_core.storage.manifest import MANIFEST_NAME, Manifest, utc_now_iso
+from forge_core.storage.manifest import MANIFEST_NAME, TEMP_MARKER, Manifest, utc_now_iso
 from forge_core.storage.retry import Retrier
 from forge_core.storage.streams import FsFileSink, PartSink, S3MultipartSink
 from forge_core.storage.uris import check_name, normalize_root_uri, safe_join, split_scheme
@@ -35,7 +35,6 @@ from forge_core.storage.uris import check_name, normalize_root_uri, safe_join, s
 log = logging.getLogger(__name__)
 
 POINTERS_DIR = "_pointers"
-TEMP_MARKER = ".forge-tmp-"
 ENDPOINT_ENV_VARS = ("FORGE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
 
 
@@ -65,11 +64,12 @@ def _make_filesystem(scheme: str, client_kwargs: dict):
 
     # Retries are ours alone (Retrier): botocore's and s3fs's would multiply with them and hide failures.
     # No listing cache: other processes (DCP ranks, other stages) write under our prefixes.
+    # fsspec caches the instance per (options, thread), so stores on one endpoint share one client: creating
+    # an aiobotocore client costs about a second.
     fs = s3fs.S3FileSystem(
         client_kwargs=client_kwargs,
         config_kwargs={"retries": {"total_max_attempts": 1}},
         use_listings_cache=False,
-        skip_instance_cache=True,
     )
     fs.retries = 1
     return fs
@@ -78,8 +78,14 @@ def _make_filesystem(scheme: str, client_kwargs: dict):
 class ObjectStore:
     """Artifacts under one root URI. See the module docstring for a usage example."""
 
-    def __init__(self, root_uri: str, endpoint_url: str | None = None, region: str | None = None,
-                 retries: int = 5, retry_backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        root_uri: str,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        retries: int = 5,
+        retry_backoff_s: float = 0.5,
+    ) -> None:
         self.root = normalize_root_uri(root_uri)
         self.scheme = split_scheme(self.root)[0]
         self.endpoint_url = (endpoint_url or endpoint_from_env()) if self.scheme == "s3" else None
@@ -130,7 +136,9 @@ class ObjectStore:
         """The fsspec path (protocol stripped) of a URI of this store's scheme."""
         scheme, _ = split_scheme(uri)
         if scheme != self.scheme:
-            raise ValueError(f"URI {uri!r} has scheme {scheme!r}, but this store ({self.root}) is {self.scheme}://")
+            raise ValueError(
+                f"URI {uri!r} has scheme {scheme!r}, but this store ({self.root}) is {self.scheme}://"
+            )
         return self.fs._strip_protocol(uri)
 
     def uri_of(self, path: str) -> str:
@@ -147,6 +155,8 @@ class ObjectStore:
         return self.retrier.call(what, fn, *args, **kwargs)
 
     def _check_root_once(self) -> None:
+        """Fail fast on a missing bucket: without this check s3fs reports "no such object" for every key,
+        so a typo in storage.root would look like an empty store."""
         if self._root_checked:
             return
         bucket = self.root.removeprefix("s3://").split("/", 1)[0]
@@ -158,6 +168,10 @@ class ObjectStore:
                 f"storage.root={self.root}: bucket {bucket!r} does not exist {where}; create it "
                 f"(e.g. `aws s3 mb s3://{bucket}`) or point storage.root at an existing bucket"
             ) from exc
+        except StorageAccessError as exc:
+            # HeadBucket needs s3:ListBucket; a role limited to object get/put may still do all we need,
+            # and a real denial surfaces (as StorageAccessError) on the first object operation.
+            log.info("storage: cannot check bucket %s (%s); continuing", bucket, exc)
         self._root_checked = True
 
     def exists(self, uri: str) -> bool:
@@ -172,7 +186,9 @@ class ObjectStore:
         return self.call(f"get {uri}", self.fs.cat_file, self.path_of(uri))
 
     def get_range(self, uri: str, start: int, end: int) -> bytes:
-        return self.call(f"get {uri} [{start}:{end}]", self.fs.cat_file, self.path_of(uri), start=start, end=end)
+        return self.call(
+            f"get {uri} [{start}:{end}]", self.fs.cat_file, self.path_of(uri), start=start, end=end
+        )
 
     def put_bytes(self, uri: str, data: bytes) -> None:
         """Write one small object atomically: a reader sees the old object, nothing, or all of `data`.
@@ -203,7 +219,9 @@ class ObjectStore:
     def list_files(self, uri: str) -> dict[str, int]:
         """All objects under the prefix `uri` (recursively): {uri: size}; {} when there are none."""
         found = self.call(f"list {uri}", self.fs.find, self.path_of(uri), detail=True)
-        return {self.uri_of(path): int(info["size"]) for path, info in found.items() if info.get("type") == "file"}
+        return {
+            self.uri_of(path): int(info["size"]) for path, info in found.items() if info.get("type") == "file"
+        }
 
     def open_part_sink(self, uri: str) -> PartSink:
         """Where a streaming artifact file goes: S3 multipart with per-part retries, or an fsspec file."""
@@ -237,7 +255,9 @@ class ObjectStore:
         try:
             return Manifest.from_json_bytes(data)
         except (ValueError, TypeError, KeyError) as exc:
-            raise ArtifactCorrupted(f"artifact {uri}: {MANIFEST_NAME} is unreadable: {exc}", uri, MANIFEST_NAME) from exc
+            raise ArtifactCorrupted(
+                f"artifact {uri}: {MANIFEST_NAME} is unreadable: {exc}", uri, MANIFEST_NAME
+            ) from exc
 
     def read_manifest(self, uri: str) -> Manifest:
         return self.parse_manifest(uri, self.manifest_bytes(uri))
@@ -257,7 +277,8 @@ class ObjectStore:
         self.path_of(uri)
         if self.is_committed(uri):
             raise ArtifactAlreadyCommitted(
-                f"artifact {uri} is already committed; artifacts are immutable, write to a new key instead", uri
+                f"artifact {uri} is already committed; artifacts are immutable, write to a new key instead",
+                uri,
             )
         return ArtifactWriter(self, uri, kind=kind, stage=stage)
 
@@ -308,4 +329,6 @@ class ObjectStore:
         try:
             return json.loads(data)["uri"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"pointer {self.pointer_uri(name)} is not a valid pointer record: {exc}") from exc
+            raise ValueError(
+                f"pointer {self.pointer_uri(name)} is not a valid pointer record: {exc}"
+            ) from exc

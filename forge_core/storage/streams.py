@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 from collections.abc import Callable
 
 from forge_core.storage.manifest import FileEntry
 from forge_core.storage.retry import Retrier
+
+log = logging.getLogger(__name__)
 
 # S3 needs parts of >= 5 MiB except the last; 8 MiB keeps memory small and requests few.
 PART_BYTES = 8 * 2**20
@@ -66,8 +69,9 @@ class S3MultipartSink(PartSink):
         self._parts: list[dict] = []
 
     def _call(self, method: str, **kwargs):
-        return self._retrier.call(f"{method} {self._what}", self._fs.call_s3, method,
-                                  Bucket=self._bucket, Key=self._key, **kwargs)
+        return self._retrier.call(
+            f"{method} {self._what}", self._fs.call_s3, method, Bucket=self._bucket, Key=self._key, **kwargs
+        )
 
     def upload_part(self, data: bytes) -> None:
         if self._upload_id is None:
@@ -82,17 +86,19 @@ class S3MultipartSink(PartSink):
         else:
             if tail:
                 self.upload_part(tail)
-            self._call("complete_multipart_upload", UploadId=self._upload_id,
-                       MultipartUpload={"Parts": self._parts})
+            self._call(
+                "complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": self._parts}
+            )
         self._fs.invalidate_cache(f"{self._bucket}/{self._key}")
 
     def abort(self) -> None:
         if self._upload_id is not None:
             try:
-                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                 UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001 - best effort; the original error is the one to report
-                pass
+                self._fs.call_s3(
+                    "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
+                )
+            except Exception as exc:  # noqa: BLE001 - best effort; the original error is the one to report
+                log.debug("abort_multipart_upload of %s failed: %s", self._what, exc)
 
 
 class HashingWriter(io.IOBase):
@@ -102,8 +108,13 @@ class HashingWriter(io.IOBase):
     upload fails) it aborts the upload, calls `on_abort()` and records nothing.
     """
 
-    def __init__(self, sink: PartSink, on_commit: Callable[[FileEntry], None],
-                 on_abort: Callable[[], None] = lambda: None, part_bytes: int = PART_BYTES) -> None:
+    def __init__(
+        self,
+        sink: PartSink,
+        on_commit: Callable[[FileEntry], None],
+        on_abort: Callable[[], None] = lambda: None,
+        part_bytes: int = PART_BYTES,
+    ) -> None:
         super().__init__()
         self._sink = sink
         self._on_commit = on_commit
@@ -165,8 +176,8 @@ class HashingWriter(io.IOBase):
         # IOBase.__del__ would close() = finish and record a file its writer abandoned half-written.
         try:
             self.abort()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
+        except Exception as exc:  # noqa: BLE001 - never raise from a finalizer
+            log.debug("aborting an abandoned artifact file failed: %s", exc)
 
 
 class VerifyingReader(io.RawIOBase):
@@ -176,8 +187,13 @@ class VerifyingReader(io.RawIOBase):
     is not supported: verification needs every byte in order.
     """
 
-    def __init__(self, read_range: Callable[[int, int], bytes], expected: FileEntry,
-                 on_mismatch: Callable[[str], None], chunk_bytes: int = PART_BYTES) -> None:
+    def __init__(
+        self,
+        read_range: Callable[[int, int], bytes],
+        expected: FileEntry,
+        on_mismatch: Callable[[str], None],
+        chunk_bytes: int = PART_BYTES,
+    ) -> None:
         super().__init__()
         self._read_range = read_range
         self._expected = expected
@@ -196,7 +212,7 @@ class VerifyingReader(io.RawIOBase):
         if self._chunk_pos >= len(self._chunk):
             self._fetch_next_chunk()
         n = min(len(buffer), len(self._chunk) - self._chunk_pos)
-        buffer[:n] = self._chunk[self._chunk_pos: self._chunk_pos + n]
+        buffer[:n] = self._chunk[self._chunk_pos : self._chunk_pos + n]
         self._chunk_pos += n
         return n
 

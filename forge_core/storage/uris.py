@@ -18,7 +18,7 @@ def split_scheme(uri: str) -> tuple[str, str]:
     match = _SCHEME_RE.match(uri)
     if not match:
         return "file", uri
-    return match.group(1).lower(), uri[match.end():]
+    return match.group(1).lower(), uri[match.end() :]
 
 
 def normalize_root_uri(root: str) -> str:

@@ -1,11 +1,11 @@
 """ArtifactWriter: write files under an artifact prefix, then commit with `_MANIFEST.json` written last.
 
-    w = store.writer(uri, kind="sft", stage="sft")
-    with w.open("metrics.jsonl") as f:          # streamed in parts, hashed on the way
-        f.write(b"...")
-    w.put_dir("/tmp/hf_model", "policy")        # an HF model folder
-    w.adopt_existing("")                        # files another tool (DCP) wrote under the prefix
-    manifest = w.commit(config=cfg_dict, inputs={"data": data_uri}, metrics={"loss": 1.2})
+w = store.writer(uri, kind="sft", stage="sft")
+with w.open("metrics.jsonl") as f:          # streamed in parts, hashed on the way
+    f.write(b"...")
+w.put_dir("/tmp/hf_model", "policy")        # an HF model folder
+w.adopt_existing("")                        # files another tool (DCP) wrote under the prefix
+manifest = w.commit(config=cfg_dict, inputs={"data": data_uri}, metrics={"loss": 1.2})
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from forge_core.storage.keys import code_version
 from forge_core.storage.manifest import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
+    TEMP_MARKER,
     FileEntry,
     InputRef,
     Manifest,
@@ -97,7 +98,9 @@ class ArtifactWriter:
 
     def _check_not_committed(self) -> None:
         if self._manifest is not None:
-            raise ArtifactAlreadyCommitted(f"artifact {self.uri} was committed by this writer already", self.uri)
+            raise ArtifactAlreadyCommitted(
+                f"artifact {self.uri} was committed by this writer already", self.uri
+            )
 
     # ---- writing --------------------------------------------------------------------------------------
 
@@ -106,13 +109,13 @@ class ArtifactWriter:
         if mode != "wb":
             raise ValueError(f"artifact files are write-once binary streams: mode must be 'wb', got {mode!r}")
         rel = self._writable_rel(rel)
-        self._open.add(rel)
 
         def record(entry: FileEntry) -> None:
             self._open.discard(rel)
             self._files[rel] = entry
 
         sink = self.store.open_part_sink(self.file_uri(rel))
+        self._open.add(rel)
         return HashingWriter(sink, on_commit=record, on_abort=lambda: self._open.discard(rel))
 
     def write_bytes(self, rel: str, data: bytes) -> FileEntry:
@@ -169,7 +172,7 @@ class ArtifactWriter:
         nested = {rel.rsplit("/", 1)[0] + "/" for rel in listing if rel.endswith("/" + MANIFEST_NAME)}
         adopted = []
         for rel, size in sorted(listing.items()):
-            if _is_reserved(rel) or ".forge-tmp-" in rel or any(rel.startswith(n) for n in nested):
+            if _is_reserved(rel) or TEMP_MARKER in rel or any(rel.startswith(n) for n in nested):
                 continue
             self._files[rel] = self._hash_stored_file(rel, size)
             adopted.append(rel)
@@ -179,7 +182,7 @@ class ArtifactWriter:
 
     def _rel_of(self, file_uri: str) -> str:
         assert file_uri.startswith(self.uri + "/"), (file_uri, self.uri)
-        return file_uri[len(self.uri) + 1:]
+        return file_uri[len(self.uri) + 1 :]
 
     def _hash_stored_file(self, rel: str, size: int) -> FileEntry:
         uri = self.file_uri(rel)
@@ -191,7 +194,9 @@ class ArtifactWriter:
 
     # ---- commit ---------------------------------------------------------------------------------------
 
-    def commit(self, config: dict, inputs: dict[str, str], metrics: dict, schema: dict | None = None) -> Manifest:
+    def commit(
+        self, config: dict, inputs: dict[str, str], metrics: dict, schema: dict | None = None
+    ) -> Manifest:
         """Write `_MANIFEST.json` (one atomic put, last): from now on the artifact exists for readers.
 
         `inputs` maps name -> committed artifact URI; each is recorded with its manifest sha256.
@@ -199,7 +204,9 @@ class ArtifactWriter:
         """
         self._check_not_committed()
         if self._open:
-            raise ValueError(f"artifact {self.uri}: files still open for writing: {sorted(self._open)}; close them")
+            raise ValueError(
+                f"artifact {self.uri}: files still open for writing: {sorted(self._open)}; close them"
+            )
         table_schemas = {**self._schema, **(schema or {})}
         unknown = sorted(set(table_schemas) - set(self._files))
         if unknown:
@@ -212,14 +219,21 @@ class ArtifactWriter:
             files=dict(sorted(self._files.items())),
             schema=table_schemas,
             config=config,
-            inputs={name: InputRef(uri, self.store.manifest_sha256(uri)) for name, uri in sorted(inputs.items())},
+            inputs={
+                name: InputRef(uri, self.store.manifest_sha256(uri)) for name, uri in sorted(inputs.items())
+            },
             code_version=code_version(),
             host=socket.gethostname(),
             created_at=self.created_at,
             committed_at=utc_now_iso(),
             metrics=_finite_or_text(metrics),
         )
-        data = manifest.to_json_bytes()
+        try:
+            data = manifest.to_json_bytes()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"artifact {self.uri}: config and metrics must be plain JSON data: {exc}"
+            ) from exc
         if self.store.is_committed(self.uri):
             raise ArtifactAlreadyCommitted(
                 f"artifact {self.uri} was committed by another writer meanwhile; keeping theirs", self.uri
@@ -237,6 +251,7 @@ class ArtifactWriter:
             if stored.get(rel) != entry.size
         }
         if wrong:
-            details = ", ".join(f"{rel}: expected {exp} bytes, stored {got}" for rel, (exp, got) in sorted(wrong.items()))
+            details = ", ".join(
+                f"{rel}: expected {exp} bytes, stored {got}" for rel, (exp, got) in sorted(wrong.items())
+            )
             raise StorageError(f"artifact {self.uri}: not committing, files missing or wrong size: {details}")
-

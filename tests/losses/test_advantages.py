@@ -65,7 +65,8 @@ def test_zero_variance_groups_are_dropped_and_get_exactly_zero_advantage():
 
 
 def test_single_completion_group_counts_as_zero_variance():
-    adv, keep, _ = compute_advantages(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([0, 1, 1]), AdvantageConfig())
+    rewards, groups = torch.tensor([3.0, 1.0, 0.0]), torch.tensor([0, 1, 1])
+    adv, keep, _ = compute_advantages(rewards, groups, AdvantageConfig())
     assert keep.tolist() == [False, True, True]
     assert adv[0].item() == 0.0
 

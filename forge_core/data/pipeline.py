@@ -1,0 +1,276 @@
+"""The prepare stage as a library call: source -> tokenizer -> validated, tokenized splits -> one artifact.
+
+    from forge_core.data import prepare_data
+    manifest = prepare_data(cfg, output_uri, store)   # cfg.data says what to read; returns the committed manifest
+
+As a worker: `python -m forge_core.run prepare --spec <output_uri>/_spec.json` (one process).
+
+The artifact (kind `data`) holds `sft.parquet`, `rl_prompts.parquet`, `eval.parquet`, `rejects.parquet` and
+`tokenizer/` (see forge_core.data.schemas). Where rows go:
+- demo task: its own disjoint splits (data.demo): sft -> sft, rl -> rl_prompts, eval -> eval;
+- a file source: each valid row goes to eval when a hash of its prompt and the seed falls under
+  data.eval_fraction (a prompt never lands on both sides), otherwise to both sft and rl_prompts.
+The source streams in batches of data.batch_rows rows (one Parquet row group each), so memory does not grow
+with the row count. Identical inputs and config give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from forge_core.config import RunConfig, config_to_dict
+from forge_core.data import demo
+from forge_core.data.layouts import ExampleBatch, Layout, layout_from_config
+from forge_core.data.rejects import Reject, RejectCounter, RejectReason, check_reject_share
+from forge_core.data.schemas import TABLES, TOKENIZER_DIR, prompt_id, prompts_batch, rejects_batch, sft_batch
+from forge_core.data.sources import read_source
+from forge_core.data.tokenizer import (
+    TRAINED_SPECIAL_TOKENS,
+    HFTokenizer,
+    load_tokenizer,
+    train_demo_tokenizer,
+    train_text_tokenizer,
+)
+from forge_core.storage import Manifest, ObjectStore
+from forge_core.storage.uris import split_scheme
+
+log = logging.getLogger(__name__)
+
+DEMO_SOURCE = "demo"
+TRAIN_DESTINATIONS = ("sft", "rl_prompts")
+EVAL_DESTINATIONS = ("eval",)
+DEMO_DESTINATIONS = {"sft": ("sft",), "rl": ("rl_prompts",), "eval": ("eval",)}
+# Config sections that determine a data artifact (the same slice forge_core.run.plan keys it by).
+STAGE_CONFIG_SECTIONS = ("seed", "data", "model")
+
+
+@dataclass
+class Chunk:
+    """Examples bound for the same tables, plus the rejects and the row count read to produce them."""
+
+    examples: ExampleBatch
+    destinations: tuple[str, ...]
+    rejects: list[Reject]
+    rows_read: int
+
+
+@dataclass
+class TokenizedExamples:
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # each ends with EOS
+
+
+def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifest:
+    """Run the prepare stage in this process and commit its artifact at `output_uri`.
+
+    Raises DataSourceError / TokenizerError (ValueErrors naming the file or setting) for unusable input and
+    RejectThresholdExceeded when more than data.max_reject_fraction of the rows were rejected; nothing is
+    committed then.
+    """
+    started = time.perf_counter()
+    data = cfg.data
+    if data.source == DEMO_SOURCE:
+        splits = demo.generate_splits(
+            data.demo.num_digits, data.demo.num_sft, data.demo.num_rl, data.demo.num_eval, cfg.seed
+        )
+        tokenizer = _tokenizer(cfg, store, lambda: _demo_texts(splits["sft"]))
+        layout_adds_special_tokens = True
+        chunks = _demo_chunks(splits, data.batch_rows)
+    else:
+        options = storage_options_for(data.source, store)
+        pre_training_layout = layout_from_config(data, data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS)
+        tokenizer = _tokenizer(cfg, store, lambda: _source_texts(cfg, pre_training_layout, options))
+        layout = layout_from_config(data, tokenizer.chat_template, tokenizer.special_tokens)
+        layout_adds_special_tokens = layout.adds_special_tokens
+        chunks = _source_chunks(cfg, layout, options)
+
+    writer = store.writer(output_uri, kind="data", stage="prepare")
+    for name, content in sorted(tokenizer.files.items()):
+        writer.write_bytes(f"{TOKENIZER_DIR}/{name}", content)
+    counter = RejectCounter()
+    rows = {split: 0 for split in TABLES}
+    with ExitStack() as stack:
+        tables = {
+            split: stack.enter_context(writer.table_writer(rel, schema)) for split, (rel, schema) in TABLES.items()
+        }
+        for chunk in chunks:
+            kept, tokenized, too_long = tokenize_chunk(chunk.examples, tokenizer, layout_adds_special_tokens,
+                                                       data.max_seq_len)
+            rejects = chunk.rejects + too_long
+            counter.rows_read += chunk.rows_read
+            counter.add(rejects)
+            _write_chunk(tables, rows, kept, tokenized, chunk.destinations, rejects)
+    seconds = time.perf_counter() - started
+    log.info("prepare %s: %s; rows %s in %.1fs", data.source, counter.summary(), rows, seconds)
+    check_reject_share(counter, data.max_reject_fraction, data.source)
+    metrics = {
+        "rows": rows,
+        "rows_read": counter.rows_read,
+        "rejects_by_reason": dict(sorted(counter.by_reason.items())),
+        "reject_fraction": counter.share(),
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "bos_id": tokenizer.bos_id,
+        "pad_id": tokenizer.pad_id,
+        "seconds": seconds,
+        "rows_per_s": counter.rows_read / seconds if seconds > 0 else 0.0,
+    }
+    return writer.commit(config=stage_config(cfg), inputs={}, metrics=metrics)
+
+
+def stage_config(cfg: RunConfig) -> dict:
+    """The config slice recorded in a data artifact's manifest."""
+    full = config_to_dict(cfg)
+    return {section: full[section] for section in STAGE_CONFIG_SECTIONS}
+
+
+def storage_options_for(uri: str, store: ObjectStore) -> dict:
+    """The store's fsspec options (S3 endpoint) for URIs on the store's own scheme; none for others."""
+    return dict(store.storage_options) if split_scheme(uri)[0] == store.scheme else {}
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------------
+
+
+def _tokenizer(cfg: RunConfig, store: ObjectStore, training_texts: Callable[[], Iterable[str]]) -> HFTokenizer:
+    """data.tokenizer.path if set, else a BPE trained on `training_texts()`; plus the configured chat template."""
+    settings = cfg.data.tokenizer
+    if settings.path is not None:
+        tokenizer = load_tokenizer(settings.path, storage_options_for(settings.path, store))
+    elif cfg.data.source == DEMO_SOURCE:
+        tokenizer = train_demo_tokenizer(training_texts(), settings.vocab_size, cfg.data.max_seq_len, demo.ALPHABET)
+    else:
+        tokenizer = train_text_tokenizer(training_texts(), settings.vocab_size, cfg.data.max_seq_len)
+    if settings.chat_template is not None:
+        log.info("saving data.tokenizer.chat_template with the tokenizer (replaces its own template)")
+        tokenizer = tokenizer.with_chat_template(settings.chat_template)
+    return tokenizer
+
+
+def _demo_texts(examples: list[demo.AdditionExample]) -> Iterator[str]:
+    for example in examples:
+        yield example.prompt
+        yield example.completion
+
+
+def _source_texts(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[str]:
+    """Prompts and completions of the train rows (a first pass; its rejects are counted in the second)."""
+    for chunk in _source_chunks(cfg, layout, options):
+        if chunk.destinations == TRAIN_DESTINATIONS:
+            for prompt, completion in zip(chunk.examples.prompts, chunk.examples.completions):
+                yield prompt
+                yield completion
+
+
+# --- chunks of examples ------------------------------------------------------------------------------------
+
+
+def _demo_chunks(splits: dict[str, list[demo.AdditionExample]], batch_rows: int) -> Iterator[Chunk]:
+    for split, destinations in DEMO_DESTINATIONS.items():
+        examples = splits[split]
+        for start in range(0, len(examples), batch_rows):
+            batch = ExampleBatch(f"{demo.SOURCE_NAME}/{split}")
+            for row, example in enumerate(examples[start:start + batch_rows], start=start):
+                metadata = f'{{"a": {example.a}, "b": {example.b}, "num_digits": {example.num_digits}}}'
+                batch.append(row, example.prompt, example.completion, example.ground_truth, metadata)
+            yield Chunk(batch, destinations, [], len(batch))
+
+
+def _source_chunks(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[Chunk]:
+    data = cfg.data
+    held_out = EvalSplitter(cfg.seed, data.eval_fraction)
+    for raw in read_source(data.source, data.format, layout.fields, data.batch_rows, options):
+        examples, rejects = layout.to_examples(raw)
+        eval_rows = [i for i, prompt in enumerate(examples.prompts) if held_out(prompt)]
+        if eval_rows:
+            eval_set = set(eval_rows)
+            train_rows = [i for i in range(len(examples)) if i not in eval_set]
+            yield Chunk(examples.take(train_rows), TRAIN_DESTINATIONS, raw.rejects + rejects, raw.rows_read)
+            yield Chunk(examples.take(eval_rows), EVAL_DESTINATIONS, [], 0)
+        else:
+            yield Chunk(examples, TRAIN_DESTINATIONS, raw.rejects + rejects, raw.rows_read)
+
+
+class EvalSplitter:
+    """`splitter(prompt)` is True for held-out prompts: crc32 of the prompt, salted by the seed, under a cut."""
+
+    def __init__(self, seed: int, fraction: float) -> None:
+        self._salt = zlib.crc32(f"forgeflow-eval-split:{seed}".encode())
+        self._cut = int(fraction * 2**32)
+
+    def __call__(self, prompt: str) -> bool:
+        return zlib.crc32(prompt.encode("utf-8"), self._salt) < self._cut
+
+
+# --- tokenizing and writing --------------------------------------------------------------------------------
+
+
+def _encoder(backend) -> Callable:
+    # encode_batch_fast (tokenizers >= 0.21) skips computing offsets, which we do not use.
+    return getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+
+def end_with_eos(ids: list[int], eos_id: int) -> list[int]:
+    """Completion ids ending in exactly one final EOS: cut after the last EOS already there, else append one.
+
+    A chat template may write EOS (and a newline after it) into the text; generation stops at EOS, so what
+    follows it is never produced and must not be trained on.
+    """
+    if eos_id in ids:
+        last = len(ids) - 1 - ids[::-1].index(eos_id)
+        return ids[: last + 1]
+    ids.append(eos_id)
+    return ids
+
+
+def tokenize_chunk(
+    examples: ExampleBatch, tokenizer: HFTokenizer, add_special_tokens: bool, max_seq_len: int
+) -> tuple[ExampleBatch, TokenizedExamples, list[Reject]]:
+    """Tokenize prompts and completions separately (as generation sees them); reject rows over max_seq_len."""
+    if not len(examples):
+        return examples, TokenizedExamples([], []), []
+    encode = _encoder(tokenizer.backend)
+    prompt_ids = [e.ids for e in encode(examples.prompts, add_special_tokens=add_special_tokens)]
+    eos_id = tokenizer.eos_id
+    completion_ids = [end_with_eos(e.ids, eos_id) for e in encode(examples.completions, add_special_tokens=False)]
+    too_long = [i for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)) if len(p) + len(c) > max_seq_len]
+    if not too_long:
+        return examples, TokenizedExamples(prompt_ids, completion_ids), []
+    rejects = [
+        Reject(
+            examples.source,
+            examples.rows[i],
+            RejectReason.TOO_LONG,
+            f"{len(prompt_ids[i]) + len(completion_ids[i])} tokens (prompt + completion + EOS) > "
+            f"data.max_seq_len={max_seq_len}",
+            json.dumps({"prompt": examples.prompts[i], "completion": examples.completions[i]}, ensure_ascii=False),
+        )
+        for i in too_long
+    ]
+    dropped = set(too_long)
+    keep = [i for i in range(len(examples)) if i not in dropped]
+    tokenized = TokenizedExamples([prompt_ids[i] for i in keep], [completion_ids[i] for i in keep])
+    return examples.without(too_long), tokenized, rejects
+
+
+def _write_chunk(tables, rows: dict[str, int], examples: ExampleBatch, tokenized: TokenizedExamples,
+                 destinations: tuple[str, ...], rejects: list[Reject]) -> None:
+    if rejects:
+        tables["rejects"].write_batch(rejects_batch(rejects))
+        rows["rejects"] += len(rejects)
+    if not len(examples):
+        return
+    ids = [prompt_id(p, g) for p, g in zip(examples.prompts, examples.ground_truths)]
+    for split in destinations:
+        if split == "sft":
+            batch = sft_batch(tokenized.prompt_ids, tokenized.completion_ids, ids)
+        else:
+            batch = prompts_batch(examples, tokenized.prompt_ids, ids)
+        tables[split].write_batch(batch)
+        rows[split] += batch.num_rows

@@ -1,0 +1,235 @@
+"""In-stage checkpoints: DCP (model + optimizer + LR schedule + step + data cursor + per-rank RNG) written
+through fsspec straight into the object store, each committed as its own artifact by a manifest.
+
+Layout: `<output_uri>/_checkpoints/step-<N>/` holds DCP's files (`.metadata`, `__<rank>_0.distcp`) and
+`_MANIFEST.json` (kind "checkpoint"), written by rank 0 after every rank has finished writing. A checkpoint
+without a manifest does not exist; one whose files do not match their manifest is refused, and resume falls
+back to the previous committed one (with a warning naming the corrupt file).
+
+    ckpt = Checkpointer(store, output_uri, dist_ctx, stage="sft", config=cfg_dict, inputs={"data": data_uri})
+    ckpt.save(step, {"model": ModelState(model), "optimizer": opt, "lr_scheduler": sched}, data_cursor)
+    resume = ckpt.load_latest(same_components)      # ResumeState(step, data_cursor, uri) or None
+    ref = latest_committed_checkpoint(store, output_uri)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.stateful import Stateful
+
+from forge_core.engine.distributed import DistContext, barrier, broadcast_object
+from forge_core.engine.rng import capture_rng_state, restore_rng_state
+from forge_core.storage import CHECKPOINTS_DIR, ArtifactCorrupted, ObjectStore
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KIND = "checkpoint"
+_STEP_DIR = re.compile(r"step-(\d+)$")
+_VERIFY_CHUNK_BYTES = 8 * 2**20
+
+
+class CheckpointCorrupted(ValueError):
+    """Every committed checkpoint of a run failed verification: resuming would silently restart from step 0."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    uri: str
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What a trainer continues from: the last completed optimizer step and the sampler's cursor."""
+
+    step: int
+    data_cursor: dict
+    uri: str
+
+
+def checkpoint_uri(store: ObjectStore, output_uri: str, step: int) -> str:
+    return store.join(output_uri, CHECKPOINTS_DIR, f"step-{step}")
+
+
+def committed_checkpoints(store: ObjectStore, output_uri: str) -> list[CheckpointRef]:
+    """Committed checkpoints of the run at `output_uri`, newest step first."""
+    base = store.join(output_uri, CHECKPOINTS_DIR)
+    refs = []
+    for uri in store.list_committed(CHECKPOINT_KIND, under=base):
+        match = _STEP_DIR.search(uri.rstrip("/"))
+        if match:
+            refs.append(CheckpointRef(step=int(match.group(1)), uri=uri.rstrip("/")))
+    return sorted(refs, key=lambda ref: ref.step, reverse=True)
+
+
+def latest_committed_checkpoint(store: ObjectStore, output_uri: str) -> CheckpointRef | None:
+    """The newest committed checkpoint of the run at `output_uri` (not verified), or None."""
+    refs = committed_checkpoints(store, output_uri)
+    return refs[0] if refs else None
+
+
+def verify_checkpoint(store: ObjectStore, ref: CheckpointRef) -> None:
+    """Read every file of the checkpoint against its manifest; raises ArtifactCorrupted naming the file."""
+    reader = store.reader(ref.uri)
+    for rel in reader.files():
+        with reader.open(rel) as stream:
+            while stream.read(_VERIFY_CHUNK_BYTES):
+                pass
+
+
+class ModelState(Stateful):
+    """DCP view of a (possibly FSDP/TP-sharded) model.
+
+    torchtitan modules keep canonical state-dict keys themselves (e.g. FusedQKVLinear saves `wq`/`wk`/`wv`
+    through state-dict hooks), which `torch.distributed.checkpoint.state_dict.get_model_state_dict` cannot
+    follow; the module's own `state_dict`/`load_state_dict` can, as in torchtitan's checkpointer."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.model.load_state_dict(state_dict)
+
+
+class _TrainState(Stateful):
+    """Step and data cursor (identical on every rank, so DCP stores them once)."""
+
+    def __init__(self, step: int = 0, data_cursor: dict | None = None) -> None:
+        self.step = step
+        self.data_cursor = data_cursor or {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "data_cursor": json.dumps(self.data_cursor, sort_keys=True)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.data_cursor = json.loads(state_dict["data_cursor"])
+
+
+class _RankRngState(Stateful):
+    """This rank's RNG streams under a rank-specific key, so every rank saves and restores its own."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.key = f"rank{rank}"
+        self.device = device
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: capture_rng_state(self.device)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict[self.key]
+
+
+class Checkpointer:
+    """Saves and restores a run's checkpoints under `<output_uri>/_checkpoints/` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        output_uri: str,
+        dist_ctx: DistContext,
+        *,
+        stage: str,
+        config: dict,
+        inputs: dict[str, str],
+    ) -> None:
+        self.store = store
+        self.output_uri = output_uri.rstrip("/")
+        self.dist = dist_ctx
+        self.stage = stage
+        self.config = config
+        self.inputs = inputs
+
+    # ---- save ---------------------------------------------------------------------------------------------
+
+    def save(self, step: int, components: dict[str, Stateful], data_cursor: dict) -> CheckpointRef:
+        """Collective: every rank writes its shards, then rank 0 commits the manifest. Returns the checkpoint.
+
+        A step that is already committed (e.g. saved again right after resuming) is left as it is."""
+        ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
+        if broadcast_object(self.store.is_committed(ref.uri) if self.dist.is_rank0 else None):
+            return ref
+        state = self._state(components, _TrainState(step, data_cursor))
+        writer = FsspecWriter(self.store.fsspec_path(ref.uri), **self.store.storage_options)
+        dcp.save(state, storage_writer=writer)
+        error = self._commit(ref) if self.dist.is_rank0 else None
+        error = broadcast_object(error)
+        if error:
+            raise RuntimeError(f"checkpoint {ref.uri}: commit failed on rank 0: {error}")
+        barrier()
+        return ref
+
+    def _commit(self, ref: CheckpointRef) -> str | None:
+        try:
+            writer = self.store.writer(ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
+            writer.adopt_existing()
+            writer.commit(config=self.config, inputs=self.inputs, metrics={"step": ref.step})
+        except Exception as exc:  # reported to every rank, which then all raise
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _state(self, components: dict[str, Stateful], train_state: _TrainState) -> dict[str, Stateful]:
+        reserved = {"train_state", "rng"} & set(components)
+        assert not reserved, f"component names {reserved} are reserved by the checkpointer"
+        return {**components, "train_state": train_state, "rng": _RankRngState(self.dist.rank, self.dist.device)}
+
+    # ---- load ---------------------------------------------------------------------------------------------
+
+    def load_latest(self, components: dict[str, Stateful]) -> ResumeState | None:
+        """Collective: restore the newest checkpoint that verifies, or return None when there is none.
+
+        Raises CheckpointCorrupted when checkpoints exist but none of them verifies."""
+        chosen = broadcast_object(self._choose_checkpoint() if self.dist.is_rank0 else None)
+        if isinstance(chosen, str):
+            raise CheckpointCorrupted(chosen)
+        if chosen is None:
+            return None
+        return self.load(chosen, components)
+
+    def load(self, ref: CheckpointRef, components: dict[str, Stateful]) -> ResumeState:
+        """Collective: restore `ref` (already verified) into `components` and this rank's RNG streams."""
+        train_state = _TrainState()
+        state = self._state(components, train_state)
+        reader = FsspecReader(self.store.fsspec_path(ref.uri), **self.store.storage_options)
+        rng_prefix = f"rng.{state['rng'].key}."
+        if not any(key.startswith(rng_prefix) for key in reader.read_metadata().state_dict_metadata):
+            raise ValueError(
+                f"checkpoint {ref.uri} has no RNG state for rank {self.dist.rank}: it was written by a run with "
+                "fewer ranks; resume with the world size it was written with"
+            )
+        dcp.load(state, storage_reader=reader)
+        restore_rng_state(state["rng"].loaded, self.dist.device)
+        log.info("resumed from %s (step %d)", ref.uri, train_state.step)
+        return ResumeState(step=train_state.step, data_cursor=train_state.data_cursor, uri=ref.uri)
+
+    def _choose_checkpoint(self) -> CheckpointRef | str | None:
+        """Rank 0: newest verifying checkpoint, None when there is none, or an error message when all fail."""
+        failures = []
+        for ref in committed_checkpoints(self.store, self.output_uri):
+            try:
+                verify_checkpoint(self.store, ref)
+            except ArtifactCorrupted as exc:
+                log.warning("checkpoint %s is corrupt, falling back to an older one: %s", ref.uri, exc)
+                failures.append(str(exc))
+                continue
+            return ref
+        if failures:
+            return (
+                f"every committed checkpoint under {self.output_uri}/{CHECKPOINTS_DIR} is corrupt: "
+                + "; ".join(failures)
+                + ". Delete the corrupt step-<N> folders (or the whole output prefix) to start the stage afresh"
+            )
+        return None

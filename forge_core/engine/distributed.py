@@ -1,0 +1,159 @@
+"""Device and process-group setup: one code path for a plain `python` process (world size 1) and for N ranks
+under torchrun (or any launcher that sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT).
+
+    dist_ctx = init_distributed("auto")        # CUDA + NCCL when a GPU is visible, else CPU + gloo
+    total = all_reduce_sum(3.0, dist_ctx.world_group)
+
+We deliberately do not use `torchtitan.tools.utils.device_type`/`device_module`: on a CPU-only host they
+fall back to "cuda", and `device_module.set_device` would fail there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+T = TypeVar("T")
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process runs: its global rank, the world size, and its compute device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+
+def resolve_device_type(choice: DeviceChoice) -> str:
+    """"auto" -> "cuda" when a GPU is visible, else "cpu". Asking for "cuda" without a GPU is a user error."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "training.device='cuda': no CUDA device is visible on this host; use training.device=auto or cpu"
+        )
+    if choice not in ("cpu", "cuda"):
+        raise ValueError(f"training.device={choice!r}: unknown; use 'auto', 'cpu' or 'cuda'")
+    return choice
+
+
+def _launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in _TORCHRUN_ENV)
+
+
+def _backend_for(device_type: str) -> str:
+    # On GPU, CPU tensors still need a backend (object collectives, DCP planning): gloo serves those.
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) -> DistContext:
+    """Initialise the default process group once per process and return this rank's `DistContext`.
+
+    Under torchrun the env:// rendezvous is used. A plain process without the torchrun variables becomes a
+    world of size 1 over an in-memory store (no port, no network), so the same trainer code runs in tests and
+    notebooks. Calling it again returns the context of the existing group.
+    """
+    device_type = resolve_device_type(device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch_device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch_device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if _launched_by_torchrun():
+            dist.init_process_group(backend=_backend_for(device_type), timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=_backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    return DistContext(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=torch_device
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if this process created one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(value: float, group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """Sum a Python float over `group` (None = no reduction: the group is a single rank)."""
+    if group is None:
+        return float(value)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return float(tensor.item())
+
+
+def all_reduce_tensors(
+    values: dict[str, torch.Tensor], max_keys: frozenset[str], group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """Reduce a dict of scalar tensors over `group`: SUM, or MAX for keys in `max_keys`. Two collectives at
+    most, whatever the number of keys."""
+    if group is None or not values:
+        return dict(values)
+    out: dict[str, torch.Tensor] = {}
+    for op, keys in (
+        (dist.ReduceOp.SUM, [k for k in values if k not in max_keys]),
+        (dist.ReduceOp.MAX, [k for k in values if k in max_keys]),
+    ):
+        if not keys:
+            continue
+        stacked = torch.stack([values[k].detach().float().reshape(()) for k in keys])
+        dist.all_reduce(stacked, op=op, group=group)
+        out.update({k: stacked[i] for i, k in enumerate(keys)})
+    return out
+
+
+def run_on_rank0(fn: Callable[[], T], dist_ctx: DistContext) -> T | None:
+    """Run `fn` on rank 0 only; other ranks get None. An exception on rank 0 is re-raised on every rank (same
+    type when it is a ValueError, else RuntimeError), so no rank waits forever in a later collective."""
+    result, error = None, None
+    if dist_ctx.is_rank0:
+        try:
+            result = fn()
+        except Exception as exc:  # re-raised below, on every rank
+            error = exc
+    failure = broadcast_object(None if error is None else (isinstance(error, ValueError), str(error)))
+    if error is not None:
+        raise error
+    if failure is not None:
+        is_value_error, message = failure
+        raise (ValueError if is_value_error else RuntimeError)(f"rank 0 failed: {message}")
+    return result
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send a picklable object from rank `src` to every rank (identity in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

@@ -1,0 +1,241 @@
+"""The training engine: everything a trainer needs below the loss, built in one place.
+
+    engine = Engine.Config(model=cfg.model, vocab_size=64, training=cfg.training,
+                           optimizer=cfg.sft.optimizer, total_steps=cfg.sft.steps, seed=cfg.seed).build()
+    # or: Engine.Config.from_run_config(cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps).build()
+
+Build order (torchtitan's): process group + device -> ParallelDims meshes -> model on `meta` ->
+parallelize (TP on GPU, activation checkpointing, compile on GPU, FSDP2 per block + root) -> `to_empty` +
+init from the seed -> optional HF weights -> AdamW + LR schedule. Works as a plain single process (world 1)
+and under torchrun with N ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.config import Configurable
+
+from forge_core.config.schema import ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
+from forge_core.engine.checkpoint import ModelState
+from forge_core.engine.distributed import DistContext, init_distributed, run_on_rank0
+from forge_core.engine.optim import build_lr_schedule, build_optimizer, clip_gradients, current_lr
+from forge_core.engine.parallel import (
+    ParallelPlan,
+    add_tp_sharding,
+    build_parallel_dims,
+    dp_group,
+    dp_mesh_info,
+    parallelize_model,
+)
+from forge_core.engine.rng import seed_everything
+from forge_core.models import (
+    attention_for_device,
+    build_model_config,
+    flops_per_token,
+    init_weights,
+    load_hf_folder,
+    num_params,
+)
+
+log = logging.getLogger(__name__)
+
+_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_param_dtype(mixed_precision: str, device_type: str) -> torch.dtype:
+    """Compute dtype of the parameters in forward/backward (master weights and reductions stay fp32)."""
+    if mixed_precision == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if mixed_precision not in _PARAM_DTYPES:
+        raise ValueError(
+            f"training.mixed_precision={mixed_precision!r}: unknown; use 'auto', 'fp32' or 'bf16'"
+        )
+    return _PARAM_DTYPES[mixed_precision]
+
+
+def _gpu_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None  # no meaningful peak for CPUs: MFU is reported on GPU only
+    from torchtitan.tools.utils import get_peak_flops
+
+    return float(get_peak_flops(torch.cuda.get_device_name(device)))
+
+
+class Engine(Configurable):
+    """Owns the distributed context, the parallelized model, the optimizer and the LR schedule."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        model: ModelConfig
+        vocab_size: int
+        total_steps: int
+        training: TrainingConfig = field(default_factory=TrainingConfig)
+        optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+        seed: int = 0
+        # Local HF folder to start from (download storage URIs first); None = random init from `seed`.
+        init_weights_dir: str | None = None
+
+        @classmethod
+        def from_run_config(
+            cls,
+            cfg: RunConfig,
+            vocab_size: int,
+            optimizer: OptimizerConfig,
+            total_steps: int,
+            init_weights_dir: str | None = None,
+        ) -> Engine.Config:
+            return cls(
+                model=cfg.model,
+                vocab_size=vocab_size,
+                total_steps=total_steps,
+                training=cfg.training,
+                optimizer=optimizer,
+                seed=cfg.seed,
+                init_weights_dir=init_weights_dir,
+            )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.dist: DistContext = init_distributed(config.training.device)
+        self.device = self.dist.device
+        seed_everything(config.seed, self.dist.rank)
+        self.parallel_dims = build_parallel_dims(
+            config.training.parallelism, self.dist.world_size, self.dist.device_type
+        )
+        self.dp_degree, self.dp_rank = dp_mesh_info(self.parallel_dims)
+        self.dp_group = dp_group(self.parallel_dims)
+        self.plan = ParallelPlan(
+            device_type=self.dist.device_type,
+            param_dtype=resolve_param_dtype(config.training.mixed_precision, self.dist.device_type),
+            activation_checkpoint=config.training.activation_checkpoint,
+            compile=config.training.compile,
+        )
+        self.model_config = self._build_model_config()
+        self.model = self._build_model()
+        self.num_params = num_params(self.model)
+        self.optimizers = build_optimizer(self.model, config.optimizer, self.dist.device_type)
+        self.lr_schedulers = build_lr_schedule(self.optimizers, config.optimizer, config.total_steps)
+        self.peak_flops = _gpu_peak_flops(self.device)
+
+    # ---- build steps --------------------------------------------------------------------------------------
+
+    def _build_model_config(self):
+        cfg = self.config
+        model_config = build_model_config(
+            cfg.model, cfg.vocab_size, attention=attention_for_device(self.dist.device_type)
+        )
+        if self.parallel_dims.tp_enabled:
+            add_tp_sharding(model_config, cfg.model.family)
+        return model_config
+
+    def _build_model(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = self.model_config.build()
+        parallelize_model(model, self.parallel_dims, self.plan)
+        # Materialise shards and buffers. DTensor random ops on CPU meshes draw per shard, so these values
+        # depend on the world size; the weights are then replaced by rank 0's unsharded initialisation (or
+        # its HF checkpoint), which makes 1 rank and N ranks start from the same model.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            init_weights(model, seed=self.config.seed, device=self.device)
+        initial = run_on_rank0(self._initial_full_weights, self.dist)
+        self.load_full_state_dict(initial, model)
+        model.train()
+        return model
+
+    def _initial_full_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the unsharded starting weights (HF checkpoint, or random init from the seed) on CPU."""
+        if self.config.init_weights_dir is not None:
+            return self._read_hf_weights(self.config.init_weights_dir)
+        cpu_config = build_model_config(self.config.model, self.config.vocab_size, attention="sdpa")
+        with torch.device("meta"):
+            unsharded = cpu_config.build()
+        init_weights(unsharded, seed=self.config.seed, device="cpu")
+        return unsharded.state_dict()
+
+    def _read_hf_weights(self, folder: str) -> dict[str, torch.Tensor]:
+        state_dict, info = load_hf_folder(folder)
+        expected = (self.config.model.family, self.config.model.flavor, self.config.vocab_size)
+        found = (info.family, info.flavor, info.vocab_size)
+        if found != expected:
+            raise ValueError(
+                f"model.hf_path={folder}: holds family/flavor/vocab {found}, but the run is configured for "
+                f"{expected}; set model.family/model.flavor to match the checkpoint"
+            )
+        return state_dict
+
+    # ---- training-step helpers ----------------------------------------------------------------------------
+
+    def clip_gradients(self) -> float:
+        """Total gradient norm over all ranks before clipping (clipped to optimizer.grad_clip when > 0)."""
+        return clip_gradients(self.model, self.config.optimizer.grad_clip)
+
+    def step_optimizer(self) -> None:
+        """Apply the accumulated gradients, advance the LR schedule, clear gradients."""
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+
+    @property
+    def lr(self) -> float:
+        return current_lr(self.optimizers)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return flops_per_token(self.model_config, seq_len)
+
+    def checkpoint_components(self) -> dict[str, Stateful]:
+        """What a checkpoint holds besides step, data cursor and RNG."""
+        return {"model": ModelState(self.model), "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded state dict (torchtitan keys, master dtype) on CPU, on rank 0 only; other
+        ranks get an empty dict. Tensors are gathered one at a time, so peak memory is one full tensor."""
+        full = {}
+        for key, value in self.model.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if self.dist.is_rank0:
+                full[key] = value.detach().to("cpu")
+        return full
+
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor] | None, model: torch.nn.Module | None = None
+    ) -> None:
+        """Collective: load an unsharded state dict held by rank 0 (other ranks pass None) into the sharded
+        model; rank 0's values are scattered/broadcast to every rank."""
+        model = self.model if model is None else model
+        targets = model.state_dict()
+        if self.dist.is_rank0:
+            missing = sorted(set(targets) - set(state_dict))
+            if missing:
+                raise ValueError(f"state dict lacks {len(missing)} model weights, e.g. {missing[:5]}")
+        loaded = {}
+        for key, target in targets.items():
+            if self.dist.is_rank0:
+                source = state_dict[key].to(device=self.device, dtype=target.dtype)
+            else:
+                source = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            if isinstance(target, DTensor):
+                source = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=0)
+            elif self.dist.world_size > 1:
+                torch.distributed.broadcast(source, src=0)
+            loaded[key] = source
+        model.load_state_dict(loaded)
+
+    def describe(self) -> dict:
+        return {
+            "world_size": self.dist.world_size,
+            "device": str(self.device),
+            "dp_degree": self.dp_degree,
+            "tp": self.parallel_dims.tp,
+            "param_dtype": str(self.plan.param_dtype).removeprefix("torch."),
+            "num_params": self.num_params,
+            "model": dataclasses.asdict(self.config.model),
+        }

@@ -1,0 +1,178 @@
+"""Parallelism: torchtitan `ParallelDims` for dp_replicate x dp_shard x tp, applied to a meta-device model.
+
+    parallel_dims = build_parallel_dims(cfg.training.parallelism, world_size=2, device_type="cpu")
+    parallelize_model(model, parallel_dims, plan)     # TP (GPU) -> activation checkpointing -> compile -> FSDP2
+
+We use torchtitan's "partial_dtensor" SPMD backend: DTensor for the model-parallel axis (tp) only, FSDP2's
+`fully_shard` for data parallelism. FSDP is applied in every run, world size 1 included, so there is one code
+path; `fully_shard` also installs the mixed-precision policy. FSDP's gradient division is switched off:
+losses divide by the global normalizer themselves and gradients are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import parallel_dims as titan_parallel_dims
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+from forge_core.config.schema import ParallelismConfig
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How to wrap the model, resolved from TrainingConfig for one device type."""
+
+    device_type: str
+    param_dtype: torch.dtype
+    activation_checkpoint: bool
+    compile: bool
+
+
+def _resolve_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int, int]:
+    if cfg.dp_replicate < 1 or cfg.tp < 1:
+        raise ValueError(
+            f"training.parallelism: dp_replicate={cfg.dp_replicate}, tp={cfg.tp}: both must be >= 1"
+        )
+    dp_shard = cfg.dp_shard
+    if dp_shard == -1:
+        dp_shard, rest = divmod(world_size, cfg.dp_replicate * cfg.tp)
+        if rest or dp_shard < 1:
+            raise ValueError(
+                f"training.parallelism: dp_replicate={cfg.dp_replicate} * tp={cfg.tp} does not divide the world "
+                f"size {world_size}; choose degrees whose product divides the number of ranks"
+            )
+    if dp_shard < 1:
+        raise ValueError(f"training.parallelism.dp_shard={dp_shard}: must be -1 (all remaining ranks) or >= 1")
+    if cfg.dp_replicate * dp_shard * cfg.tp != world_size:
+        raise ValueError(
+            f"training.parallelism: dp_replicate={cfg.dp_replicate} * dp_shard={dp_shard} * tp={cfg.tp} != "
+            f"world size {world_size}; set dp_shard=-1 or make the product equal the number of ranks"
+        )
+    return cfg.dp_replicate, dp_shard, cfg.tp
+
+
+@contextlib.contextmanager
+def _mesh_device_type(device_type: str):
+    # torchtitan 0.3.0's build_mesh reads a module-level `device_type` that is "cuda" even on a CPU-only host
+    # (torchtitan's own CPU tests patch it the same way). Pin it to our device while the meshes are built;
+    # the meshes keep their device type afterwards.
+    saved = titan_parallel_dims.device_type
+    titan_parallel_dims.device_type = device_type
+    try:
+        yield
+    finally:
+        titan_parallel_dims.device_type = saved
+
+
+def build_parallel_dims(cfg: ParallelismConfig, world_size: int, device_type: str) -> ParallelDims:
+    """Validate the degrees against the world size and build every device mesh on `device_type`."""
+    dp_replicate, dp_shard, tp = _resolve_degrees(cfg, world_size)
+    if tp > 1 and device_type != "cuda":
+        raise ValueError(
+            f"training.parallelism.tp={tp}: tensor parallelism needs GPUs (device is {device_type}); "
+            "set training.parallelism.tp=1 on CPU"
+        )
+    parallel_dims = ParallelDims(
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        cp=1,
+        tp=tp,
+        pp=1,
+        ep=1,
+        world_size=world_size,
+        spmd_backend="partial_dtensor",
+    )
+    with _mesh_device_type(device_type):
+        parallel_dims.build_mesh()
+    return parallel_dims
+
+
+def dp_mesh_info(parallel_dims: ParallelDims) -> tuple[int, int]:
+    """(data-parallel degree, this rank's index in it): what the sampler shards the global batch by."""
+    if not parallel_dims.dp_enabled:
+        return 1, 0
+    batch_mesh = parallel_dims.get_mesh("batch")
+    return batch_mesh.size(), batch_mesh.get_local_rank()
+
+
+def dp_group(parallel_dims: ParallelDims) -> torch.distributed.ProcessGroup | None:
+    """Process group that loss normalizers and metrics are reduced over (None when dp degree is 1)."""
+    if not parallel_dims.dp_enabled:
+        return None
+    return parallel_dims.get_mesh("batch").get_group()
+
+
+def _apply_tensor_parallel(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    # The model config carries torchtitan's sharding declarations (set by `add_tp_sharding` before build);
+    # parallelize() turns them into DTensor placements on the tp mesh.
+    model.parallelize(parallel_dims)
+
+
+def _apply_activation_checkpointing(model: nn.Module) -> None:
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    FullAC.Config().build(dump_folder="").apply(model)
+
+
+def _apply_compile(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=parallel_dims)
+
+
+def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype) -> None:
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    apply_fsdp_to_decoder(
+        model,
+        parallel_dims.get_mesh(names),
+        param_dtype=param_dtype,
+        reduce_dtype=torch.float32,
+        pp_enabled=False,
+    )
+    if parallel_dims.world_mesh.device_type == "cpu":
+        _use_sum_reductions(model)
+
+
+def _use_sum_reductions(model: nn.Module) -> None:
+    # FSDP turns gradient_divide_factor=1 into ReduceOp.PREMUL_SUM, which gloo lacks; plain SUM (with the
+    # trivial factor applied as a separate scale) gives the same sums.
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, plan: ParallelPlan) -> nn.Module:
+    """Apply TP, activation checkpointing, per-block compile and FSDP2 (in torchtitan's order) to a model on
+    the meta device. Returns the same module object, wrapped in place."""
+    if parallel_dims.tp_enabled:
+        _apply_tensor_parallel(model, parallel_dims)
+    if plan.activation_checkpoint:
+        _apply_activation_checkpointing(model)
+    if plan.compile:
+        if plan.device_type != "cuda":
+            raise ValueError("training.compile=true: torch.compile is enabled on GPU only; set it to false on CPU")
+        _apply_compile(model, parallel_dims)
+    _apply_fsdp(model, parallel_dims, plan.param_dtype)
+    return model
+
+
+def add_tp_sharding(model_config, family: str, *, sequence_parallel: bool = True) -> None:
+    """Attach torchtitan's TP sharding declarations to a model config (needed before build when tp > 1)."""
+    if family == "llama3":
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(model_config, enable_sp=sequence_parallel)
+    elif family == "qwen3":
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(model_config, enable_sp=sequence_parallel, enable_ep=False)
+    else:
+        raise ValueError(f"model.family={family!r}: no tensor-parallel plan; use tp=1")

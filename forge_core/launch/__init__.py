@@ -1,0 +1,90 @@
+"""forgeflow's launcher: runs a worker module under torchrun (or plain python) and owns its process tree.
+
+Usage::
+
+    from forge_core.launch import LaunchSpec, launch, start
+
+    spec = LaunchSpec("forge_core.run", ["sft", "--spec", spec_uri], nproc_per_node=2, deadline_s=3600)
+    result = launch(spec, log=logger)             # blocks; or handle = start(spec, log) ... handle.wait()
+    result.raise_for_outcome()                    # LaunchFailed(result) with .retryable unless SUCCESS
+
+The command is `sys.executable -m torch.distributed.run --nproc-per-node N --nnodes M --node-rank R
+(--standalone | --rdzv-backend c10d --rdzv-endpoint host:port) --max-restarts 0 --log-dir <tmp> --tee 3
+-m <module> <args>`, or `sys.executable -m <module> <args>` with `torchrun=False`. The child runs in its own
+session; the launcher tracks every descendant (ranks live in their own sessions) and every process whose
+environment carries its `FORGE_LAUNCH_ID`, and ends them all: SIGTERM, `kill_grace_s`, then SIGKILL.
+Worker output reaches `log` (a callable or a `logging.Logger`) line by line, each torchrun worker line
+prefixed `[rank<global rank>]:`; `rank0_only_logs` forwards only rank 0's lines (plus torchrun's and the
+launcher's own; on a node without global rank 0 that is no worker line at all). The result's `tail` keeps
+the last `tail_lines` lines of every rank. Order is kept per rank and per stream: torchrun tails each rank's
+stdout and stderr separately, so a rank's prints and its logging (stderr) may interleave ~0.1 s apart.
+
+Workers wrap their `main` in `record_errors` so a rank's exception lands in its error file.
+
+Outcome mapping (first rule that applies):
+
+==========  ===================================================================================
+CANCELLED   `handle.cancel()`, the `cancel_event`, `terminate_all_live()` (flow cancel/crash,
+            interpreter exit, SIGTERM to the launching process). Not to be retried.
+RETRYABLE   the launcher's `deadline_s` passed (the tree is ended first).
+RETRYABLE   the root's exit status was lost because something else reaped it (Popen would report 0);
+            FATAL instead if a rank recorded a fatal exception. Never SUCCESS.
+SUCCESS     exit code 0 and the launcher stopped nothing.
+FATAL       some rank raised a fatal type (by class hierarchy, most specific first):
+            `FatalStageError`, `ValueError` (so `ConfigError` and other user errors), `TypeError`,
+            `LookupError`, `AttributeError`, `NameError`, `ImportError`, `SyntaxError`,
+            `AssertionError`, `NotImplementedError`, `ArithmeticError`; or exited with code 78
+            (`EXIT_FATAL`, sysexits EX_CONFIG) without an exception.
+            `reason` = "rank 1: ValueError: <message>"; the traceback tail is in `rank_errors[1]`.
+RETRYABLE   some rank was killed by a signal (SIGKILL/OOM killer, SIGSEGV, preemption), raised a
+            retryable type (`RetryableStageError`, `OSError` and subclasses such as storage and
+            connection errors, `MemoryError`, `torch.OutOfMemoryError`, `torch.distributed.DistError`,
+            rendezvous errors, torchrun's `SignalException`), or exited with code 75 (`EXIT_RETRYABLE`,
+            EX_TEMPFAIL); also torchrun failing on its own (lost rendezvous/node) with no rank error.
+FATAL       some rank raised any other Python exception (e.g. a plain RuntimeError) and no rank
+            died from a signal or a retryable error (then it is taken as that death's collateral).
+RETRYABLE   a non-zero exit with no information at all.
+==========  ===================================================================================
+
+Reserved child environment: `FORGE_LAUNCH_ID`, `TORCHELASTIC_ERROR_FILE`,
+`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE` (set by the launcher; a `LaunchSpec.env` naming them is rejected).
+`PYTHONUNBUFFERED=1` is added unless the environment already sets it.
+"""
+
+from forge_core.launch.errors import (
+    EXIT_FATAL,
+    EXIT_RETRYABLE,
+    FatalStageError,
+    RetryableStageError,
+    record_errors,
+)
+from forge_core.launch.handle import (
+    LaunchHandle,
+    install_sigterm_handler,
+    launch,
+    live_handles,
+    start,
+    terminate_all_live,
+)
+from forge_core.launch.result import LaunchFailed, LaunchResult, Outcome, RankError
+from forge_core.launch.spec import LAUNCH_ID_ENV, LaunchSpec
+
+__all__ = [
+    "EXIT_FATAL",
+    "EXIT_RETRYABLE",
+    "LAUNCH_ID_ENV",
+    "FatalStageError",
+    "LaunchFailed",
+    "LaunchHandle",
+    "LaunchResult",
+    "LaunchSpec",
+    "Outcome",
+    "RankError",
+    "RetryableStageError",
+    "install_sigterm_handler",
+    "launch",
+    "live_handles",
+    "record_errors",
+    "start",
+    "terminate_all_live",
+]

@@ -1,0 +1,47 @@
+"""Names of the model families and flavors forgeflow builds. Pure Python: config validation imports it without
+pulling in torch or torchtitan (`forge_core.models.flavors` holds the builders for these names).
+
+    from forge_core.models.catalog import FLAVORS, flavor_errors
+    flavor_errors("llama3", "tiny")   # -> [] ; an unknown name -> ["model.flavor='x': ... valid flavors: [...]"]
+"""
+
+from __future__ import annotations
+
+FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
+
+# forgeflow's CPU flavors (see forge_core.models.flavors for their sizes).
+FORGE_FLAVORS: dict[str, tuple[str, ...]] = {
+    "llama3": ("tiny", "small"),
+    "qwen3": ("tiny", "small"),
+}
+
+# torchtitan 0.3.0's dense registry flavors (real sizes, meant for GPU). qwen3's MoE flavors are left out: their
+# HF export needs Qwen3MoeConfig and expert splitting, which forgeflow does not handle.
+TITAN_FLAVORS: dict[str, tuple[str, ...]] = {
+    "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
+    "qwen3": ("debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
+}
+
+FLAVORS: dict[str, tuple[str, ...]] = {
+    family: FORGE_FLAVORS[family] + TITAN_FLAVORS[family] for family in FAMILIES
+}
+
+
+def flavor_errors(family: str, flavor: str) -> list[str]:
+    """Config-style messages for an unknown family or flavor (empty when both are valid)."""
+    if family not in FLAVORS:
+        return [f"model.family={family!r}: unknown model family; valid families: {list(FAMILIES)}"]
+    if flavor not in FLAVORS[family]:
+        message = (
+            f"model.flavor={flavor!r}: unknown flavor for model.family={family!r}; "
+            f"valid flavors: {list(FLAVORS[family])}"
+        )
+        return [message]
+    return []
+
+
+def validate_flavor(family: str, flavor: str) -> None:
+    """Raise ValueError naming the valid choices when `family`/`flavor` is unknown."""
+    errors = flavor_errors(family, flavor)
+    if errors:
+        raise ValueError(errors[0])

@@ -1,0 +1,46 @@
+"""Reward functions for rollouts and evaluation: a registry with versions, user functions by import path,
+and weighted sums with one column per component.
+
+    from forge_core.rewards import RewardSet, resolve_reward
+    rewards = RewardSet.from_config(cfg.rollout.rewards)      # [{name: exact_answer, weight: 1.0}, ...]
+    scored = rewards.score(completions, ground_truths, refs)  # .columns["reward_exact_answer"], .total
+    resolve_reward("my_pkg.scoring:brevity").fn(text, truth)  # user function: fn(completion, ground_truth, **kw)
+
+Built-ins: exact_answer, per_digit, numeric_answer, answer_format, math_verify (needs `pip install math-verify`).
+"""
+
+from forge_core.rewards.answers import final_number, parse_number, tagged_answer
+from forge_core.rewards.registry import (
+    RewardFn,
+    RewardSpec,
+    builtin_reward_names,
+    register_reward,
+    resolve_reward,
+)
+from forge_core.rewards.scoring import (
+    COLUMN_PREFIX,
+    TOTAL_COLUMN,
+    RewardComponent,
+    RewardFunctionError,
+    RewardSet,
+    ScoredRewards,
+    column_key,
+)
+
+__all__ = [
+    "COLUMN_PREFIX",
+    "TOTAL_COLUMN",
+    "RewardComponent",
+    "RewardFn",
+    "RewardFunctionError",
+    "RewardSet",
+    "RewardSpec",
+    "ScoredRewards",
+    "builtin_reward_names",
+    "column_key",
+    "final_number",
+    "parse_number",
+    "register_reward",
+    "resolve_reward",
+    "tagged_answer",
+]

@@ -1,0 +1,81 @@
+"""The built-in reward functions. Each takes `(completion, ground_truth, **kwargs)` and returns a float.
+
+| name | score | kwargs |
+| --- | --- | --- |
+| `exact_answer` | 1 if the tagged answer equals the ground truth exactly (demo task: `<answer>0168</answer>`), else 0 | `tag` |
+| `per_digit` | share of ground-truth characters the tagged answer gets right, position by position, in [0, 1] | `tag` |
+| `numeric_answer` | 1 if the final number equals the reference's final number within tolerance (GSM8K), else 0 | `tag`, `rel_tol`, `abs_tol` |
+| `answer_format` | 1 if the completion holds exactly one non-empty, well-formed answer tag, else 0 | `tag` |
+| `math_verify` | 1 if HF math-verify finds the completion's answer equivalent to the ground truth (needs `math-verify`) | none |
+
+A malformed completion (no tag, no number) scores 0: that is the model's mistake, not an error. A ground truth
+that cannot be scored at all (no number for `numeric_answer`) raises ValueError: that is a data problem.
+"""
+
+from __future__ import annotations
+
+import math
+
+from forge_core.rewards.answers import DEFAULT_TAG, final_number, tag_counts, tagged_answer
+from forge_core.rewards.registry import RewardFn, register_optional_reward, register_reward
+
+
+@register_reward("exact_answer", version="1")
+def exact_answer(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG) -> float:
+    answer = tagged_answer(completion, tag)
+    return float(answer is not None and answer == ground_truth.strip())
+
+
+@register_reward("per_digit", version="1")
+def per_digit(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG) -> float:
+    """Partial credit, a smoother GRPO signal than exact match: a too-long answer is penalised by dividing by
+    the longer of the two lengths, so only the exact answer scores 1."""
+    answer = tagged_answer(completion, tag)
+    truth = ground_truth.strip()
+    if answer is None or not truth:
+        return 0.0
+    matches = sum(1 for got, want in zip(answer, truth) if got == want)
+    return matches / max(len(answer), len(truth))
+
+
+@register_reward("numeric_answer", version="1")
+def numeric_answer(
+    completion: str,
+    ground_truth: str,
+    *,
+    tag: str = DEFAULT_TAG,
+    rel_tol: float = 1e-6,
+    abs_tol: float = 1e-6,
+) -> float:
+    truth = final_number(ground_truth, tag)
+    if truth is None:
+        raise ValueError(
+            f"ground truth {ground_truth[-80:]!r} has no number; numeric_answer expects GSM8K-style answers "
+            "('... #### 42' or '42')"
+        )
+    answer = final_number(completion, tag)
+    return float(answer is not None and math.isclose(answer, truth, rel_tol=rel_tol, abs_tol=abs_tol))
+
+
+@register_reward("answer_format", version="1")
+def answer_format(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG) -> float:
+    opens, closes = tag_counts(completion, tag)
+    if opens != 1 or closes != 1:
+        return 0.0
+    answer = tagged_answer(completion, tag)
+    return float(bool(answer))
+
+
+def _math_verify_reward() -> RewardFn:
+    from math_verify import parse, verify
+
+    def math_verify(completion: str, ground_truth: str) -> float:
+        gold = parse(ground_truth)
+        if not gold:
+            raise ValueError(f"math-verify cannot parse the ground truth {ground_truth[-80:]!r}")
+        return float(verify(gold, parse(completion)))
+
+    return math_verify
+
+
+register_optional_reward("math_verify", module="math_verify", distribution="math-verify", factory=_math_verify_reward)

@@ -1,0 +1,148 @@
+"""Reward functions by name: the built-in registry, optional ones backed by a package, and user functions
+given by import path.
+
+    spec = resolve_reward("exact_answer")                 # RewardSpec(name, fn, version)
+    spec = resolve_reward("my_pkg.rewards:brevity")       # fn(completion, ground_truth, **kwargs) -> float
+    spec.fn("<answer>0168</answer>", "0168")              # 1.0
+
+A reward function takes the completion text and the ground truth (plus the component's `kwargs` from the
+config) and returns a number. Every function carries a version string that is stored with the rollouts, so
+a table says which scorer produced its rewards: built-ins bump it when their behaviour changes; a user
+function's version is its `version` attribute if it has one, else a hash of its source code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class RewardFn(Protocol):
+    def __call__(self, completion: str, ground_truth: str, **kwargs) -> float: ...
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A resolved reward function: the name it was asked for, the callable and its version."""
+
+    name: str
+    fn: RewardFn
+    version: str
+
+
+@dataclass(frozen=True)
+class OptionalReward:
+    """A built-in reward backed by a package that forgeflow does not require."""
+
+    module: str  # importable module name
+    distribution: str  # what to pip install
+    factory: Callable[[], RewardFn]  # builds the function once the module imports
+
+
+_BUILTINS: dict[str, RewardSpec] = {}
+_OPTIONAL: dict[str, OptionalReward] = {}
+_IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+def register_reward(name: str, version: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a built-in reward under `name`; bump `version` whenever its scores change."""
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        if name in _BUILTINS or name in _OPTIONAL:
+            raise ValueError(f"reward {name!r} is registered twice; pick another name")
+        _BUILTINS[name] = RewardSpec(name=name, fn=fn, version=version)
+        return fn
+
+    return decorate
+
+
+def register_optional_reward(name: str, module: str, distribution: str, factory: Callable[[], RewardFn]) -> None:
+    """Add a built-in reward that needs `module`; resolving it without the module installed is a ValueError."""
+    if name in _BUILTINS or name in _OPTIONAL:
+        raise ValueError(f"reward {name!r} is registered twice; pick another name")
+    _OPTIONAL[name] = OptionalReward(module=module, distribution=distribution, factory=factory)
+
+
+def builtin_reward_names() -> list[str]:
+    """Every registered name, including optional rewards whose package may be missing."""
+    _load_builtins()
+    return sorted([*_BUILTINS, *_OPTIONAL])
+
+
+def resolve_reward(name: str) -> RewardSpec:
+    """The reward function for a registered name or a `package.module:function` import path.
+
+    Raises ValueError naming the reward and the fix for an unknown name, a missing optional package, an
+    import path that does not import, or an object that is not callable.
+    """
+    _load_builtins()
+    if name in _BUILTINS:
+        return _BUILTINS[name]
+    if name in _OPTIONAL:
+        return _resolve_optional(name, _OPTIONAL[name])
+    if ":" in name:
+        return _resolve_import_path(name)
+    raise ValueError(
+        f"reward {name!r}: unknown; use one of {builtin_reward_names()} or your own function as "
+        "'package.module:function' (signature fn(completion: str, ground_truth: str, **kwargs) -> float)"
+    )
+
+
+def _load_builtins() -> None:
+    # The built-in functions register themselves when their module is imported.
+    from forge_core.rewards import builtin  # noqa: F401
+
+
+def _resolve_optional(name: str, optional: OptionalReward) -> RewardSpec:
+    if importlib.util.find_spec(optional.module) is None:
+        raise ValueError(
+            f"reward {name!r} needs the {optional.distribution!r} package, which is not installed; "
+            f"run `pip install {optional.distribution}` (or `pip install 'forgeflow[math]'`) or drop the "
+            f"{name!r} reward component"
+        )
+    try:
+        version = importlib.metadata.version(optional.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return RewardSpec(name=name, fn=optional.factory(), version=f"{optional.distribution}=={version}")
+
+
+def _resolve_import_path(path: str) -> RewardSpec:
+    if not _IMPORT_PATH_RE.match(path):
+        raise ValueError(
+            f"reward {path!r}: not an import path; write it as 'package.module:function', e.g. "
+            "'my_rewards.scoring:brevity'"
+        )
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"reward {path!r}: cannot import module {module_name!r} ({exc}); install the package or add its "
+            "folder to PYTHONPATH on every machine that runs the rollout stage"
+        ) from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return RewardSpec(name=path, fn=fn, version=_user_version(fn))
+
+
+def _user_version(fn: Callable) -> str:
+    explicit = getattr(fn, "version", None)
+    if explicit is not None:
+        return str(explicit)
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        # No source to hash (a builtin or C extension): its qualified name is the best identity there is.
+        return f"name:{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return "src:" + hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,227 @@
+"""Worker entry point of the GRPO stage (one process per rank under torchrun, or one plain process):
+
+    torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo --spec <output_uri>/_spec.json
+    python -m forge_core.run grpo --spec <output_uri>/_spec.json            # world size 1
+
+Inputs (`spec.inputs`):
+  policy     a committed `sft` or `grpo` artifact; training starts from its exported weights (`policy/`),
+             so any policy can start GRPO.
+  rollouts   a committed `rollouts` artifact (`rollouts.parquet`) sampled from that policy.
+  reference  optional: the frozen reference policy for the KL term (only read when grpo.loss.kl_coef > 0).
+             Default: the SFT policy at the root of the lineage (the policy input itself when it is an `sft`
+             artifact, else the reference recorded by the parent `grpo` stage).
+Params: `iteration` (int, default 0) seeds the mini-batch order of this rollout batch.
+
+Output `<output_uri>` (kind `grpo`): `policy/` (committed HF folder for the next rollout), the DCP checkpoints
+`_checkpoints/step-N/` (the last one is the stage's final state), `train_summary.json` (stage metrics and
+every step's metrics) and a manifest with lineage (policy, rollouts, reference) and metrics.
+
+Optimizer state: every GRPO stage starts a fresh AdamW and LR schedule over its own steps
+(`epochs * samples / mini_batch_size`). A stage is then a function of (policy weights, rollouts, config)
+alone: any policy can start it, whatever world size or optimizer wrote the parent. A retried stage resumes
+from its own newest in-stage checkpoint (model, optimizer, schedule, RNG and step metrics), exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from forge_core.config import RunConfig, config_to_dict
+from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
+from forge_core.engine.distributed import broadcast_object, run_on_rank0
+from forge_core.losses.grpo import build_policy_loss
+from forge_core.metrics import build_sinks
+from forge_core.models import load_hf_folder
+from forge_core.run.spec import StageSpec
+from forge_core.storage import ArtifactError, ObjectStore
+from forge_core.trainers.base import ArtifactContext
+from forge_core.trainers.grpo import GRPOTrainer, RolloutBatch, rollouts_to_rl_batch, summarize_steps
+from forge_core.trainers.rl_batch import RLBatch
+from forge_core.trainers.stage import commit_stage, download_policy, export_policy, stage_kind
+
+log = logging.getLogger(__name__)
+
+STAGE = "grpo"
+POLICY_INPUT = "policy"
+ROLLOUTS_INPUT = "rollouts"
+REFERENCE_INPUT = "reference"
+ROLLOUTS_TABLE = "rollouts.parquet"
+
+
+@dataclass(frozen=True)
+class GRPOInputs:
+    """The stage's resolved inputs: what it trains from, on, and (for the KL term) towards."""
+
+    policy_uri: str
+    rollouts_uri: str
+    reference_uri: str | None
+
+    def lineage(self) -> dict[str, str]:
+        inputs = {POLICY_INPUT: self.policy_uri, ROLLOUTS_INPUT: self.rollouts_uri}
+        if self.reference_uri is not None:
+            inputs[REFERENCE_INPUT] = self.reference_uri
+        return inputs
+
+
+def _required_input(spec: StageSpec, name: str, what: str) -> str:
+    uri = spec.inputs.get(name)
+    if not uri:
+        raise ValueError(
+            f"stage spec {spec.output_uri}: inputs has no {name!r} entry (got {sorted(spec.inputs)}); "
+            f"the GRPO stage needs the URI of {what}"
+        )
+    return uri
+
+
+def reference_policy_uri(store: ObjectStore, spec: StageSpec, policy_kind: str) -> str | None:
+    """The KL reference: `inputs.reference`, else the SFT root of the policy's lineage (None if unknown)."""
+    if spec.inputs.get(REFERENCE_INPUT):
+        stage_kind(store, spec.inputs[REFERENCE_INPUT], REFERENCE_INPUT)
+        return spec.inputs[REFERENCE_INPUT]
+    policy_uri = spec.inputs[POLICY_INPUT]
+    if policy_kind == "sft":
+        return policy_uri
+    parent_ref = store.read_manifest(policy_uri).inputs.get(REFERENCE_INPUT)
+    return parent_ref.uri if parent_ref is not None else None
+
+
+def resolve_inputs(store: ObjectStore, spec: StageSpec, kl_on: bool) -> GRPOInputs:
+    policy_uri = _required_input(spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to train)")
+    rollouts_uri = _required_input(spec, ROLLOUTS_INPUT, "a committed rollouts artifact sampled from the policy")
+    kind = stage_kind(store, policy_uri, POLICY_INPUT)
+    reference_uri = reference_policy_uri(store, spec, kind)
+    if kl_on and reference_uri is None:
+        raise ValueError(
+            f"grpo.loss.kl_coef>0: inputs.{POLICY_INPUT}={policy_uri} records no reference policy in its "
+            f"lineage; pass inputs.{REFERENCE_INPUT}=<sft artifact URI> or set grpo.loss.kl_coef=0"
+        )
+    return GRPOInputs(policy_uri, rollouts_uri, reference_uri)
+
+
+def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> RolloutBatch:
+    """The verified rollout table as a training batch, with a check of its lineage and lengths."""
+    source = f"inputs.{ROLLOUTS_INPUT}={inputs.rollouts_uri}/{ROLLOUTS_TABLE}"
+    try:
+        table = store.reader(inputs.rollouts_uri).read_table(ROLLOUTS_TABLE)
+    except (ArtifactError, FileNotFoundError) as exc:
+        raise ValueError(f"{source}: cannot read the rollout artifact: {exc}") from exc
+    rollouts = rollouts_to_rl_batch(table, cfg.grpo.advantage, source=source)
+    longest = int(rollouts.batch.lengths_B.max()) + 1
+    if longest > cfg.model.max_seq_len:
+        raise ValueError(
+            f"{source}: a prompt + response has {longest} tokens, more than model.max_seq_len="
+            f"{cfg.model.max_seq_len}; raise model.max_seq_len or lower rollout.sampling.max_new_tokens"
+        )
+    stats = dict(rollouts.stats)
+    if "policy_uri" in table.column_names:
+        sampled_by = {uri.rstrip("/").removesuffix("/policy") for uri in table.column("policy_uri").to_pylist()}
+        on_input_policy = sampled_by == {inputs.policy_uri.rstrip("/")}
+        if not on_input_policy:
+            log.warning(
+                "rollouts were sampled by %s, not by inputs.policy=%s: the first step is off-policy (the ratio "
+                "against the generator's logprobs still corrects for it, up to clipping)",
+                sorted(sampled_by), inputs.policy_uri,
+            )
+        stats["rollout/sampled_by_input_policy"] = float(on_input_policy)
+    return RolloutBatch(batch=rollouts.batch, stats=stats)
+
+
+def plan_seed(seed: int, iteration: int) -> int:
+    """The mini-batch order's seed for one rollout batch: distinct per iteration, fixed by the run seed."""
+    return int(np.random.SeedSequence([seed, iteration]).generate_state(1)[0])
+
+
+def _hf_vocab_size(policy_dir: Path) -> int:
+    return int(json.loads((policy_dir / "config.json").read_text())["vocab_size"])
+
+
+def _load_policy_weights(engine: Engine, folder: Path | None) -> None:
+    """Collective: replace the engine's weights with an HF folder read on rank 0."""
+    engine.load_full_state_dict(load_hf_folder(folder)[0] if engine.dist.is_rank0 else None)
+
+
+def attach_reference_logprobs(
+    trainer: GRPOTrainer,
+    batch: RLBatch,
+    store: ObjectStore,
+    inputs: GRPOInputs,
+    policy_dir: Path | None,
+    workdir: Path,
+) -> RLBatch:
+    """Collective: the batch with the reference policy's logprobs, scored by this engine before training.
+    When the reference is not the starting policy its weights are swapped in and the policy's restored."""
+    if inputs.reference_uri == inputs.policy_uri:
+        return trainer.with_reference_logprobs(batch)
+    engine = trainer.engine
+    ref_dir = run_on_rank0(
+        lambda: download_policy(store, inputs.reference_uri, workdir / "reference", REFERENCE_INPUT), engine.dist
+    )
+    _load_policy_weights(engine, ref_dir)
+    batch = trainer.with_reference_logprobs(batch)
+    _load_policy_weights(engine, policy_dir)
+    return batch
+
+
+def main(spec: StageSpec) -> None:
+    """Train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module docstring)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = spec.run_config()
+    store = ObjectStore.from_config(cfg.storage)
+    if store.is_committed(spec.output_uri):
+        log.info("%s is already committed; nothing to do", spec.output_uri)
+        return
+    config = config_to_dict(cfg)
+    iteration = int(spec.params.get("iteration", 0))
+    loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens)
+    inputs = resolve_inputs(store, spec, kl_on=loss.kl is not None)
+    dist_ctx = init_distributed(cfg.training.device)
+    with tempfile.TemporaryDirectory(prefix="forge-grpo-") as tmp:
+        workdir = Path(tmp)
+        policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist_ctx)
+        vocab_size = broadcast_object(_hf_vocab_size(policy_dir) if dist_ctx.is_rank0 else None)
+        rollouts = read_rollouts(store, cfg, inputs)
+        steps = cfg.grpo.epochs * (rollouts.batch.batch_size // cfg.grpo.mini_batch_size)
+        engine = Engine.Config.from_run_config(
+            cfg, vocab_size, cfg.grpo.optimizer, max(steps, 1), init_weights_dir=policy_dir
+        ).build()
+        lineage = inputs.lineage()
+        trainer = GRPOTrainer(
+            engine,
+            cfg.grpo,
+            loss,
+            sink=build_sinks(cfg.logging, f"{cfg.name}-{STAGE}-{iteration}", engine.dist.rank, config=config),
+            checkpointer=Checkpointer(store, spec.output_uri, engine.dist, stage=STAGE, config=config, inputs=lineage),
+            artifacts=ArtifactContext(store, STAGE, config, lineage),
+        )
+        try:
+            batch = rollouts.batch
+            if loss.kl is not None:
+                batch = attach_reference_logprobs(trainer, batch, store, inputs, policy_dir, workdir)
+            resume = trainer.load_checkpoint()
+            history = resume.data_cursor["history"] if resume is not None else []
+            history = trainer.fit(batch, plan_seed(cfg.seed, iteration), history, log_extra=rollouts.stats)
+            metrics = {
+                **rollouts.stats,
+                **summarize_steps(history),
+                "iteration": iteration,
+                "resumed_from_step": resume.step if resume is not None else 0,
+                "optimizer_init": "fresh",
+            }
+            policy_uri = export_policy(trainer, spec.output_uri, str(policy_dir) if policy_dir else None, metrics)
+            layout = {k: v for k, v in engine.describe().items() if not isinstance(v, dict)}
+            metrics = {**metrics, "policy_uri": policy_uri, **layout}
+            trainer.sink.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+            summary = {"metrics": metrics, "steps": history}
+            run_on_rank0(
+                lambda: commit_stage(store, spec.output_uri, STAGE, config, lineage, metrics, summary), engine.dist
+            )
+            log.info("committed %s (policy %s)", spec.output_uri, policy_uri)
+        finally:
+            trainer.close()
+            destroy_distributed()

@@ -1,0 +1,229 @@
+"""TitanTrainer: the training machinery shared by SFT and GRPO, built by composition over an `Engine`.
+
+One forward/backward path for every loss:
+
+    model forward -> fp32 target_logprobs_BL (+ no-grad entropy_BL when loss.needs_entropy)
+                  -> loss(ModelOutputs, batch, global_normalizer) -> backward
+
+    engine = Engine.Config.from_run_config(cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps).build()
+    trainer = TitanTrainer(engine, sink=build_sinks(cfg.logging, "run", engine.dist.rank))
+    metrics = trainer.train_step(batch.split(micro_batch_size), TokenCrossEntropy())
+    eval_metrics = trainer.evaluate(eval_batches, TokenCrossEntropy())
+    logp_BL = trainer.compute_logprobs(batch)          # no grad; reference / trainer-vs-generator gap
+
+Collectives: FSDP gathers parameters in every forward, so `train_step`, `evaluate` and `compute_logprobs`
+must be called on every rank with the same number of micro-batches (rows may differ).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from forge_core.engine import Checkpointer, CheckpointRef, Engine, ResumeState
+from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
+from forge_core.faults import maybe_inject_fault
+from forge_core.losses.base import Loss, LossOutput, ModelOutputs, reduce_metric_dicts
+from forge_core.metrics import MetricsSink, NullSink
+from forge_core.models import forward_logits, token_entropy, token_logprobs, write_hf_folder
+from forge_core.storage import ObjectStore
+from forge_core.trainers.batch import TokenBatch
+
+log = logging.getLogger(__name__)
+
+POLICY_KIND = "policy"
+_LOSS_KEY = "__loss"
+_TOKENS_KEY = "__tokens"
+
+
+@dataclass
+class ArtifactContext:
+    """Where and under which lineage the trainer commits artifacts (exported policies)."""
+
+    store: ObjectStore
+    stage: str
+    config: dict = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)
+
+
+class TitanTrainer:
+    """Generic trainer over an `Engine`: forward/backward with an injected loss, optimizer steps, evaluation,
+    log-probabilities, checkpoints, weight export and metric recording. Subclasses own data and loops."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        sink: MetricsSink | None = None,
+        checkpointer: Checkpointer | None = None,
+        artifacts: ArtifactContext | None = None,
+    ) -> None:
+        self.engine = engine
+        self.sink = sink or NullSink()
+        self.checkpointer = checkpointer
+        self.artifacts = artifacts
+        self.step = 0  # completed optimizer steps
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def rank(self) -> int:
+        return self.engine.dist.rank
+
+    # ---- the one forward path -------------------------------------------------------------------------------
+
+    def _model_outputs(self, batch: TokenBatch, with_entropy: bool) -> ModelOutputs:
+        logits_BLV = forward_logits(self.model, batch.input_ids_BL, batch.positions_BL)
+        target_logprobs_BL = token_logprobs(logits_BLV, batch.target_ids_BL)
+        entropy_BL = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy_BL = token_entropy(logits_BLV.detach())
+        return ModelOutputs(target_logprobs_BL=target_logprobs_BL, entropy_BL=entropy_BL)
+
+    def forward_backward(self, batch: TokenBatch, loss: Loss, global_normalizer: float) -> LossOutput:
+        """Forward one micro-batch, apply `loss`, backpropagate (gradients accumulate). Returns the detached
+        LossOutput."""
+        batch = batch.to(self.device)
+        result = loss(self._model_outputs(batch, loss.needs_entropy), batch, global_normalizer)
+        result.loss.backward()
+        return LossOutput(loss=result.loss.detach(), metrics=result.metrics)
+
+    def global_normalizer(self, micro_batches: Sequence[TokenBatch], loss: Loss) -> float:
+        """Sum of `loss.normalizer` over this rank's micro-batches and all data-parallel ranks."""
+        local = sum(loss.normalizer(mb) for mb in micro_batches)
+        return all_reduce_sum(local, self.engine.dp_group, self.device)
+
+    # ---- optimizer step -------------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[TokenBatch], loss: Loss) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches (its share of the global batch).
+
+        Gradients are summed over micro-batches and ranks while every micro-batch loss is divided by the
+        global normalizer, so the step equals one big batch however it is split. Returns metrics: loss,
+        grad_norm, lr (used by this step), tokens, step_time_s, tokens_per_s, mfu (GPU), plus the loss's own
+        summarized metrics. Fires the FORGE_FAULT hook after the update.
+        """
+        if not micro_batches:
+            raise ValueError("train_step: no micro-batches")
+        start = time.perf_counter()
+        normalizer = self.global_normalizer(micro_batches, loss)
+        outputs = [self.forward_backward(mb, loss, normalizer) for mb in micro_batches]
+        grad_norm = self.engine.clip_gradients()
+        lr = self.engine.lr
+        self.engine.step_optimizer()
+        self.step += 1
+        metrics = self._reduce_outputs(outputs, micro_batches, loss)
+        elapsed = time.perf_counter() - start
+        metrics.update(grad_norm=grad_norm, lr=lr, step_time_s=elapsed)
+        metrics.update(self._throughput(metrics["tokens"], micro_batches, elapsed))
+        maybe_inject_fault(self.rank, self.step)
+        return metrics
+
+    def _reduce_outputs(
+        self, outputs: list[LossOutput], micro_batches: Sequence[TokenBatch], loss: Loss
+    ) -> dict[str, float]:
+        """Loss, token count and the loss's metrics, reduced over micro-batches and data-parallel ranks in a
+        single collective (two when the loss has max-reduced metrics)."""
+        values = reduce_metric_dicts([o.metrics for o in outputs], loss.max_reduced_metrics)
+        values[_LOSS_KEY] = torch.stack([o.loss.float() for o in outputs]).sum()
+        values[_TOKENS_KEY] = torch.tensor(float(sum(mb.num_tokens() for mb in micro_batches)))
+        values = {k: v.to(self.device) for k, v in values.items()}
+        reduced = {k: float(v) for k, v in all_reduce_tensors(values, loss.max_reduced_metrics, self.engine.dp_group).items()}
+        metrics = {"loss": reduced.pop(_LOSS_KEY), "tokens": reduced.pop(_TOKENS_KEY)}
+        metrics.update(loss.summarize(reduced))
+        return metrics
+
+    def _throughput(self, tokens: float, micro_batches: Sequence[TokenBatch], elapsed: float) -> dict[str, float]:
+        out = {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+        if self.engine.peak_flops:
+            seq_len = max(mb.seq_len for mb in micro_batches)
+            flops = self.engine.flops_per_token(seq_len) * tokens
+            out["mfu"] = flops / (elapsed * self.engine.peak_flops * self.engine.dist.world_size)
+        return out
+
+    # ---- no-grad passes -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[TokenBatch], loss: Loss) -> dict[str, float]:
+        """`loss` over `batches` (every rank passes its shard, same count on every rank) without updating
+        anything: {"loss": ..., **loss.summarize(...)}."""
+        if not batches:
+            raise ValueError("evaluate: no batches")
+        self.model.eval()
+        try:
+            normalizer = self.global_normalizer(batches, loss)
+            outputs = []
+            for batch in batches:
+                batch = batch.to(self.device)
+                result = loss(self._model_outputs(batch, loss.needs_entropy), batch, normalizer)
+                outputs.append(LossOutput(loss=result.loss.detach(), metrics=result.metrics))
+        finally:
+            self.model.train()
+        metrics = self._reduce_outputs(outputs, batches, loss)
+        metrics.pop("tokens")
+        return metrics
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """fp32 log p(target_ids_BL) under the current weights, shape [B, L], on the trainer's device."""
+        return self._model_outputs(batch.to(self.device), with_entropy=False).target_logprobs_BL
+
+    # ---- checkpoints, export, metrics -----------------------------------------------------------------------
+
+    def _require_checkpointer(self) -> Checkpointer:
+        if self.checkpointer is None:
+            raise ValueError("this trainer was built without a checkpointer; pass checkpointer=Checkpointer(...)")
+        return self.checkpointer
+
+    def save_checkpoint(self, step: int, data_cursor: dict) -> CheckpointRef:
+        """Collective: commit model + optimizer + LR schedule + step + data cursor + RNG at `step`."""
+        return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor)
+
+    def load_checkpoint(self) -> ResumeState | None:
+        """Collective: restore the newest valid committed checkpoint; sets `self.step`. None when there is
+        none (a fresh start)."""
+        resume = self._require_checkpointer().load_latest(self.engine.checkpoint_components())
+        if resume is not None:
+            self.step = resume.step
+        return resume
+
+    def export_weights(self, uri: str, tokenizer_dir: str | None, metrics: dict | None = None) -> str:
+        """Collective: gather the full weights to rank 0, write an HF folder (safetensors + config + tokenizer
+        files) and commit it as a `policy` artifact at `uri`. Returns `uri`."""
+        if self.artifacts is None:
+            raise ValueError("this trainer was built without artifacts=ArtifactContext(...); cannot export")
+        full = self.engine.full_state_dict()
+
+        def write_and_commit() -> str:
+            ctx = self.artifacts
+            with tempfile.TemporaryDirectory(prefix="forge-export-") as tmp:
+                write_hf_folder(full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir)
+                writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
+                for path in sorted(Path(tmp).iterdir()):
+                    writer.put_file(path, path.name)
+                writer.commit(
+                    config=ctx.config, inputs=ctx.inputs, metrics={"step": self.step, **(metrics or {})}
+                )
+            return uri
+
+        run_on_rank0(write_and_commit, self.engine.dist)
+        return uri
+
+    def record_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.sink.log(metrics, self.step if step is None else step)
+
+    def close(self) -> None:
+        self.sink.close()

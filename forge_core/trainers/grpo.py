@@ -1,0 +1,266 @@
+"""GRPOTrainer: several optimizer steps of a GRPO-family loss on one committed rollout batch.
+
+    table = store.reader(rollouts_uri).read_table("rollouts.parquet")
+    rollouts = rollouts_to_rl_batch(table, cfg.grpo.advantage)        # advantages + aligned logprobs
+    trainer = GRPOTrainer(engine, cfg.grpo, build_policy_loss(cfg.grpo.loss, max_new_tokens), sink=sink,
+                          checkpointer=checkpointer)
+    batch = trainer.with_reference_logprobs(rollouts.batch) if kl_on else rollouts.batch  # ref = current weights
+    resume = trainer.load_checkpoint()                                   # mid-stage resume (or None)
+    history = trainer.fit(batch, seed=plan_seed, history=resume.data_cursor["history"] if resume else [])
+
+One rollout batch feeds `epochs * samples / mini_batch_size` optimizer steps (`rl_batch.plan_minibatches`):
+every step is one `TitanTrainer.train_step` over this rank's micro-batches, whose losses are divided by the
+mini-batch's global normaliser (summed over micro-batches and data-parallel ranks), so the update does not
+depend on how the mini-batch is split. The ratio in the loss is taken against the generator's stored
+logprobs, so the first step of a stage is exactly on-policy (ratio 1 where trainer and generator agree) and
+later steps are clipped against the policy that sampled the data.
+
+Resume: the plan of a rollout batch is a pure function of (samples, config, seed, rank), and the checkpoint
+stores the completed step count, the per-step metrics so far and every rank's RNG, so a resumed stage runs
+exactly the steps an uninterrupted one would have run next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from forge_core.config.schema import AdvantageConfig, GRPOConfig
+from forge_core.engine import Engine
+from forge_core.losses.grpo import ClippedPolicyLoss
+from forge_core.metrics.progress import emit_progress
+from forge_core.trainers.advantages import compute_advantages
+from forge_core.trainers.base import TitanTrainer
+from forge_core.trainers.batch import pad_token_rows
+from forge_core.trainers.rl_batch import MiniBatchStep, RLBatch, plan_minibatches
+
+log = logging.getLogger(__name__)
+
+# Columns of `rollouts.parquet` the trainer reads (the rollout stage writes more: rewards per component,
+# sampling params, seeds, ...).
+ROLLOUT_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "group_id", "reward", "finish_reason")
+TRUNCATED_FINISH_REASON = "length"
+
+# Step metrics that are maxima over a stage rather than means.
+_MAX_OVER_STEPS = frozenset({"policy/ratio_max", "policy/logprob_gap_max"})
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """A rollout batch ready for training: the RLBatch (advantages in, dropped completions masked out) and
+    the reward/advantage statistics of the whole batch."""
+
+    batch: RLBatch
+    stats: dict[str, float]
+
+
+def _group_indices(values: pa.ChunkedArray) -> torch.Tensor:
+    """Group ids of any Arrow type (ints, strings) as dense int64 codes."""
+    _, codes = np.unique(np.asarray(values.to_pylist(), dtype=object).astype(str), return_inverse=True)
+    return torch.from_numpy(codes.astype(np.int64))
+
+
+def _check_rollout_columns(table: pa.Table, source: str) -> None:
+    missing = [c for c in ROLLOUT_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{source}: missing columns {missing} (has {table.column_names}); GRPO reads {list(ROLLOUT_COLUMNS)} "
+            "from a rollout artifact written by the rollout stage"
+        )
+    if table.num_rows == 0:
+        raise ValueError(f"{source}: no rollouts; the rollout stage must sample at least one group")
+
+
+def rollouts_to_rl_batch(
+    table: pa.Table, advantage_cfg: AdvantageConfig, pad_id: int = 0, source: str = "rollouts.parquet"
+) -> RolloutBatch:
+    """Turn rollout rows into one right-padded RLBatch, in table order.
+
+    Row i is `prompt_ids + response_ids`; the model reads all but the last token and is scored on the next
+    one, so response token j is the target at position `len(prompt) - 1 + j`, where the generator's
+    `response_logprobs[j]` and the response mask are placed. Advantages come from `reward` within `group_id`;
+    completions with `finish_reason == "length"` are truncated (masked when `advantage_cfg.mask_truncated`).
+    """
+    _check_rollout_columns(table, source)
+    prompts = table.column("prompt_ids").to_pylist()
+    responses = table.column("response_ids").to_pylist()
+    logprobs = table.column("response_logprobs").to_pylist()
+    token_rows = []
+    for i, (prompt, response, response_logprobs) in enumerate(zip(prompts, responses, logprobs)):
+        if not prompt or not response:
+            raise ValueError(f"{source}: row {i} has an empty prompt or response; every rollout needs both")
+        if len(response_logprobs) != len(response):
+            raise ValueError(
+                f"{source}: row {i} has {len(response)} response tokens but {len(response_logprobs)} logprobs; "
+                "the generator must return one logprob per sampled token"
+            )
+        mask = np.zeros(len(prompt) + len(response), dtype=bool)
+        mask[len(prompt) :] = True
+        token_rows.append((np.asarray(prompt + response, dtype=np.int64), mask))
+    tokens = pad_token_rows(token_rows, pad_id=pad_id)
+    generator_BL = torch.zeros(tokens.input_ids_BL.shape, dtype=torch.float32)
+    for i, (prompt, response_logprobs) in enumerate(zip(prompts, logprobs)):
+        start = len(prompt) - 1
+        generator_BL[i, start : start + len(response_logprobs)] = torch.tensor(response_logprobs)
+
+    rewards_B = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float64)
+    truncated_B = torch.tensor(
+        [reason == TRUNCATED_FINISH_REASON for reason in table.column("finish_reason").to_pylist()]
+    )
+    advantages_B, keep_B, stats = compute_advantages(
+        rewards_B, _group_indices(table.column("group_id")), advantage_cfg, truncated_B
+    )
+    batch = RLBatch.from_token_batch(tokens, advantages_B, generator_BL).keep_rows(keep_B)
+    stats = {
+        **stats,
+        "rollout/samples": float(len(prompts)),
+        "rollout/response_tokens": float(sum(len(r) for r in responses)),
+    }
+    return RolloutBatch(batch=batch, stats=stats)
+
+
+def trim_padding(batch: RLBatch) -> RLBatch:
+    """Drop the trailing columns that are padding in every row (a micro-batch is padded to the longest row
+    of the whole rollout batch). Causal attention means no real token ever saw those columns."""
+    width = int(batch.lengths_B.max())
+    if width == batch.seq_len:
+        return batch
+    changes = {
+        f.name: value[:, :width]
+        for f in dataclasses.fields(batch)
+        if f.name.endswith("_BL") and isinstance(value := getattr(batch, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(batch, **changes)
+
+
+def summarize_steps(history: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Stage-level numbers from the per-step metrics: means over the steps that trained (maxima for the max
+    metrics), plus the trainer-vs-generator gap measured by the first step, before any update."""
+    trained = [m for m in history if not m.get("skipped")]
+    summary: dict[str, float] = {
+        "train/steps": float(len(trained)),
+        "train/skipped_steps": float(len(history) - len(trained)),
+    }
+    if not trained:
+        return summary
+    for key in sorted(trained[0]):
+        values = [float(m[key]) for m in trained if key in m]
+        summary[key] = max(values) if key in _MAX_OVER_STEPS else float(np.mean(values))
+    summary["train/time_s"] = float(sum(m.get("step_time_s", 0.0) for m in trained))
+    summary["final/loss"] = float(trained[-1]["loss"])
+    if not history[0].get("skipped"):
+        for name in ("mean", "max"):
+            key = f"policy/logprob_gap_{name}"
+            if key in history[0]:
+                summary[f"generator_gap/{name}"] = float(history[0][key])
+    return summary
+
+
+class GRPOTrainer(TitanTrainer):
+    """TitanTrainer plus GRPO's data plan: mini-batches x epochs over one rollout batch, reference logprobs
+    for the KL term, in-stage checkpoints and progress lines."""
+
+    def __init__(self, engine: Engine, cfg: GRPOConfig, loss: ClippedPolicyLoss, **kwargs) -> None:
+        super().__init__(engine, **kwargs)
+        self.cfg = cfg
+        self.loss = loss
+
+    # ---- the plan -----------------------------------------------------------------------------------------
+
+    def plan(self, num_samples: int, seed: int) -> list[MiniBatchStep]:
+        """Every optimizer step of a rollout batch of `num_samples`, for this rank."""
+        return plan_minibatches(
+            num_samples,
+            self.cfg.mini_batch_size,
+            self.cfg.micro_batch_size,
+            self.cfg.epochs,
+            seed=seed,
+            dp_rank=self.engine.dp_rank,
+            dp_size=self.engine.dp_degree,
+        )
+
+    def steps_per_batch(self, num_samples: int) -> int:
+        return self.cfg.epochs * (num_samples // self.cfg.mini_batch_size)
+
+    @staticmethod
+    def micro_batches(batch: RLBatch, step: MiniBatchStep) -> list[RLBatch]:
+        return [trim_padding(batch.select(rows)) for rows in step.micro_rows]
+
+    # ---- reference policy ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def with_reference_logprobs(self, batch: RLBatch) -> RLBatch:
+        """`batch` with `ref_logprobs_BL` = logprobs under the engine's CURRENT weights (call it while the
+        reference policy is loaded). Collective: each data-parallel rank scores an equal contiguous share of
+        the rows in micro-batches, then the shares are all-gathered, so every rank holds every row."""
+        dp_size, dp_rank = self.engine.dp_degree, self.engine.dp_rank
+        rows = batch.batch_size
+        if rows % dp_size:
+            raise ValueError(
+                f"rollout batch of {rows} samples: not divisible by the {dp_size} data-parallel ranks; make "
+                "rollout.prompts_per_iteration * group_size a multiple of the rank count"
+            )
+        share = rows // dp_size
+        mine = torch.arange(dp_rank * share, (dp_rank + 1) * share)
+        parts = []
+        for chunk in mine.split(self.cfg.micro_batch_size):
+            micro = batch.select(chunk)
+            logprobs_BL = self.compute_logprobs(trim_padding(micro)).float().cpu()
+            parts.append(torch.nn.functional.pad(logprobs_BL, (0, batch.seq_len - logprobs_BL.shape[1])))
+        local_BL = torch.cat(parts)
+        if self.engine.dp_group is None:
+            return dataclasses.replace(batch, ref_logprobs_BL=local_BL)
+        local_BL = local_BL.to(self.device)
+        gathered = [torch.empty_like(local_BL) for _ in range(dp_size)]
+        dist.all_gather(gathered, local_BL, group=self.engine.dp_group)
+        return dataclasses.replace(batch, ref_logprobs_BL=torch.cat(gathered).cpu())
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def fit(
+        self, batch: RLBatch, seed: int, history: Sequence[dict[str, float]] = (), log_extra: dict | None = None
+    ) -> list[dict[str, float]]:
+        """Run the plan's steps from `self.step` (0, or the resumed step) to the end. Returns the metrics of
+        every step of the stage (`history` holds those of the steps completed before a resume).
+
+        A mini-batch in which no completion carries loss (all dropped, e.g. zero reward variance) is skipped
+        rather than stepped: AdamW's momentum would still move the weights on a zero gradient. It counts as
+        a completed plan step (`self.step`) with metrics {"skipped": 1}. Checkpoints every `checkpoint_every`
+        steps and after the last one (the final checkpoint is part of the stage's output), when the trainer
+        has a checkpointer. `log_extra` (e.g. the rollout batch's reward statistics) is logged with step 1."""
+        plan = self.plan(batch.batch_size, seed)
+        carries_loss = self._minibatches_with_loss(batch, seed)
+        history = [dict(m) for m in history]
+        assert len(history) == self.step, f"{len(history)} step metrics for {self.step} completed steps"
+        for index in range(self.step, len(plan)):
+            step = plan[index]
+            if carries_loss[index]:
+                metrics = self.train_step(self.micro_batches(batch, step), self.loss)
+            else:
+                self.step += 1
+                metrics = {"skipped": 1.0}
+            metrics.update({"epoch": float(step.epoch), "minibatch": float(step.index)})
+            history.append(metrics)
+            self.record_metrics({**(log_extra or {}), **metrics} if self.step == 1 else metrics)
+            if self.rank == 0:
+                emit_progress("grpo", self.step, len(plan))
+            if self.checkpointer is not None and (
+                self.step % self.cfg.checkpoint_every == 0 or self.step == len(plan)
+            ):
+                self.save_checkpoint(self.step, {"history": history})
+        return history
+
+    def _minibatches_with_loss(self, batch: RLBatch, seed: int) -> list[bool]:
+        """Per plan step: does its whole mini-batch (all ranks) hold a token that carries loss? Every rank
+        derives the same answer without communicating: the mini-batch order does not depend on the rank."""
+        whole = plan_minibatches(
+            batch.batch_size, self.cfg.mini_batch_size, self.cfg.mini_batch_size, self.cfg.epochs, seed=seed
+        )
+        return [bool(batch.loss_mask_BL[step.micro_rows[0]].any()) for step in whole]

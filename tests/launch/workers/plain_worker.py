@@ -1,0 +1,45 @@
+"""A single-process worker for the launcher's plain-python path: `python -m plain_worker <mode> [n]`.
+
+Modes: `success` prints n numbered lines; `raise-value` raises ValueError under record_errors (imports
+torch); `hang` writes its pid to $PLAIN_WORKER_PID_FILE and sleeps.
+"""
+
+import os
+import sys
+import time
+
+
+def run_success(n):
+    for i in range(n):
+        print(f"plain line {i}")
+    print("launch id " + os.environ["FORGE_LAUNCH_ID"])
+
+
+def run_raise_value():
+    from forge_core.launch import record_errors
+
+    @record_errors
+    def main():
+        raise ValueError("data.path='missing.parquet': file not found; point data.path at a Parquet file")
+
+    main()
+
+
+def run_hang():
+    with open(os.environ["PLAIN_WORKER_PID_FILE"], "w") as f:
+        f.write(str(os.getpid()))
+    print("hanging", flush=True)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "success":
+        run_success(int(sys.argv[2]))
+    elif mode == "raise-value":
+        run_raise_value()
+    elif mode == "hang":
+        run_hang()
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
