@@ -66,8 +66,9 @@ class Workload:
         self.store = ObjectStore(f"file://{workdir}/store-{name}")
         self.cfg = config_from_dict({
             "storage": {"root": self.store.root},
+            "model": {"max_seq_len": 512},
             "data": {"source": str(self.source), "tokenizer": {"path": self.tokenizer_dir}, "batch_rows": batch_rows,
-                     "max_seq_len": 256, "max_reject_fraction": 0.0},
+                     "max_seq_len": 512, "max_reject_fraction": 0.0},
         })
         self.backend = load_tokenizer(self.tokenizer_dir).backend
         self.batches = [

@@ -1,9 +1,9 @@
 """The `forgeflow` command line: the common paths around the Prefect flows.
 
-    forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
-    forgeflow validate configs/qwen3_1_7b_gsm8k.yaml                       # check a config, all errors at once
-    forgeflow status [--config configs/demo_cpu.yaml]                      # recent runs + committed artifacts
-    forgeflow pools create gpu-a --gpus 8                                  # work pool + its GPU concurrency limit
+forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
+forgeflow validate configs/qwen3_1_7b_gsm8k.yaml                       # check a config, all errors at once
+forgeflow status [--config configs/demo_cpu.yaml]                      # recent runs + committed artifacts
+forgeflow pools create gpu-a --gpus 8                                  # work pool + its GPU concurrency limit
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     summary = post_train(args.config, args.overrides)
     for point in summary["evals"]:
-        print(f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}")
+        print(
+            f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}"
+        )
     print(f"final policy: {summary['final_policy_uri']}")
     return 0
 
@@ -66,7 +68,9 @@ async def _create_pool(name: str, gpus: int) -> None:
             print(f"work pool {name!r} exists")
         if gpus > 0:
             try:
-                await client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=gpus))
+                await client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=gpus)
+                )
                 print(f"global concurrency limit {name!r} = {gpus} GPUs created")
             except ObjectAlreadyExists:
                 print(f"global concurrency limit {name!r} exists")

@@ -49,8 +49,15 @@ class PipelineSummary:
                 f"| {point.label} | {point.accuracy:.3f} | {point.mean_reward:.3f} | `{point.policy_uri}` |"
             )
         return "\n".join(
-            [f"## forgeflow post-training (flow run `{self.flow_run_id}`)", "", *lines, "",
-             f"Data: `{self.data_uri}`", "", f"Final policy: `{self.final_policy_uri}`"]
+            [
+                f"## forgeflow post-training (flow run `{self.flow_run_id}`)",
+                "",
+                *lines,
+                "",
+                f"Data: `{self.data_uri}`",
+                "",
+                f"Final policy: `{self.final_policy_uri}`",
+            ]
         )
 
 
@@ -69,7 +76,7 @@ def kill_launches(flow, flow_run, state) -> None:
 
 
 def _eval_point(store: ObjectStore, label: str, policy_uri: str, eval_uri: str) -> EvalPoint:
-    metrics = store.reader(eval_uri).manifest["metrics"]
+    metrics = store.read_manifest(eval_uri).metrics
     return EvalPoint(label, policy_uri, eval_uri, float(metrics["accuracy"]), float(metrics["mean_reward"]))
 
 
@@ -94,7 +101,10 @@ def run_pipeline(cfg: RunConfig) -> PipelineSummary:
     data_uri = t.prepare(config_json)
     sft_uri = t.sft(config_json, data_uri)
     summary = PipelineSummary(
-        flow_run_id=str(flow_run.get_id() or "local"), data_uri=data_uri, sft_uri=sft_uri, final_policy_uri=sft_uri
+        flow_run_id=str(flow_run.get_id() or "local"),
+        data_uri=data_uri,
+        sft_uri=sft_uri,
+        final_policy_uri=sft_uri,
     )
     summary.evals.append(_eval_point(store, "sft", sft_uri, t.evaluate(config_json, sft_uri, data_uri)))
     logger.info("after SFT: accuracy %.3f", summary.evals[-1].accuracy)

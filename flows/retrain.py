@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
+from flows.post_train import kill_launches, stage_tasks
 from forge_core.config import config_to_json, load_config
 from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
-from flows.post_train import kill_launches, stage_tasks
 
 
 @dataclass
@@ -34,7 +34,7 @@ def promotion_pointer(run_name: str) -> str:
 
 
 def _accuracy(store: ObjectStore, eval_uri: str) -> float:
-    return float(store.reader(eval_uri).manifest["metrics"]["accuracy"])
+    return float(store.read_manifest(eval_uri).metrics["accuracy"])
 
 
 @flow(name="retrain", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
@@ -65,7 +65,9 @@ def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None =
         store.pointer_write(pointer, policy_uri)
         logger.info("promoted %s (accuracy %.3f, was %s)", policy_uri, candidate_accuracy, incumbent_accuracy)
     else:
-        logger.info("kept %s: candidate %.3f <= incumbent %.3f", incumbent, candidate_accuracy, incumbent_accuracy)
+        logger.info(
+            "kept %s: candidate %.3f <= incumbent %.3f", incumbent, candidate_accuracy, incumbent_accuracy
+        )
     return RetrainOutcome(policy_uri, candidate_accuracy, incumbent, incumbent_accuracy, promoted).__dict__
 
 

@@ -69,7 +69,7 @@ def clipped_surrogate(
     ratio = torch.exp(log_ratio)
     adv = advantages_B.float()[:, None]
     unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip.high, 1.0 + clip.low) * adv
+    clipped = ratio.clamp(1.0 - clip.low, 1.0 + clip.high) * adv
     loss = torch.where(mask_BL, -torch.minimum(unclipped, clipped), 0.0)
     ratio_d = ratio.detach()
     return SurrogateTerms(

@@ -38,7 +38,7 @@ def parse_progress_line(line: str) -> Progress | None:
     if start < 0:
         return None
     try:
-        payload = json.loads(line[start + len(PREFIX):])
+        payload = json.loads(line[start + len(PREFIX) :])
         return Progress(stage=str(payload["stage"]), step=int(payload["step"]), total=int(payload["total"]))
     except (ValueError, KeyError, TypeError):
         return None

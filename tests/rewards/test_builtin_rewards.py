@@ -81,7 +81,7 @@ def test_per_digit_partial_credit(completion, truth, expected):
         ("48 + 24 = 72 clips. #### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
         ("The answer is 72.", "#### 72", 1.0),  # last number of the text
         ("<answer>$1,234.50</answer> (was 7)", "1234.5", 1.0),  # the tag wins over later numbers
-        ("#### 0.3333333", "1/3", 1.0),  # within rel_tol=1e-6? no: abs 3e-8, rel 1e-7 -> yes
+        ("#### 0.3333333", "1/3", 1.0),  # off by 3e-8: within the default abs_tol=1e-6
         ("#### 0.33", "1/3", 0.0),
         ("#### -5", "-5", 1.0),
         ("no number at all", "5", 0.0),  # malformed completion: zero, not an error
