@@ -12,7 +12,7 @@ demo: install
 	@$(PY) -m flows.demo
 
 test: install
-	@$(PY) -m pytest -q $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-fast: install
 	@$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)

@@ -26,6 +26,7 @@ from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.trainers.base import ArtifactContext
 from forge_core.trainers.sft import SFTData, SFTTrainer
+from forge_core.trainers.stage import commit_stage, export_policy
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ STAGE = "sft"
 DATA_INPUT = "data"
 SFT_TABLE = "sft.parquet"
 TOKENIZER_DIR = "tokenizer"
-POLICY_DIR = "policy"
 
 
 @dataclass
@@ -101,12 +101,6 @@ def _vocab_size(cfg: RunConfig, inputs: SFTInputs, init_dir: str | None) -> int:
     return hf_vocab
 
 
-def _commit_stage(store: ObjectStore, spec: StageSpec, config: dict, metrics: dict) -> None:
-    writer = store.writer(spec.output_uri, kind=STAGE, stage=STAGE)
-    writer.write_json("train_summary.json", metrics)
-    writer.commit(config=config, inputs=dict(spec.inputs), metrics=metrics)
-
-
 def main(spec: StageSpec) -> None:
     """Train, export `<output_uri>/policy`, commit the `sft` artifact (see the module docstring)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -140,14 +134,17 @@ def main(spec: StageSpec) -> None:
         )
         try:
             summary = trainer.fit()
-            policy_uri = store.join(spec.output_uri, POLICY_DIR)
             metrics = summary.as_metrics()
-            if not store.is_committed(policy_uri):
-                trainer.export_weights(policy_uri, str(inputs.tokenizer_dir), metrics=metrics)
+            policy_uri = export_policy(trainer, spec.output_uri, str(inputs.tokenizer_dir), metrics)
             layout = {k: v for k, v in engine.describe().items() if not isinstance(v, dict)}
-            metrics = {**metrics, "policy_uri": policy_uri, **layout}
-            trainer.sink.summary(summary.as_metrics())
-            run_on_rank0(lambda: _commit_stage(store, spec, config, metrics), engine.dist)
+            stage_metrics = {**metrics, "policy_uri": policy_uri, **layout}
+            trainer.sink.summary(metrics)
+            run_on_rank0(
+                lambda: commit_stage(
+                    store, spec.output_uri, STAGE, config, dict(spec.inputs), stage_metrics, stage_metrics
+                ),
+                engine.dist,
+            )
             log.info("committed %s (policy %s)", spec.output_uri, policy_uri)
         finally:
             trainer.close()

@@ -24,6 +24,7 @@ from forge_core.config.schema import SFTConfig
 from forge_core.engine import Checkpointer, Engine
 from forge_core.losses import TokenCrossEntropy
 from forge_core.metrics import MetricsSink
+from forge_core.metrics.progress import emit_progress
 from forge_core.trainers.base import ArtifactContext, TitanTrainer
 from forge_core.trainers.batch import TokenBatch, pad_token_rows
 from forge_core.trainers.sampler import GlobalBatchSampler
@@ -168,6 +169,8 @@ class SFTTrainer(TitanTrainer):
         while self.step < self.cfg.steps:
             metrics = self.train_step(self.next_micro_batches(), self.loss)
             self._last_loss = metrics["loss"]
+            if self.rank == 0:
+                emit_progress("sft", self.step, self.cfg.steps)
             tokens += metrics["tokens"]
             train_time += metrics["step_time_s"]
             is_last = self.step == self.cfg.steps

