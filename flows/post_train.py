@@ -12,12 +12,15 @@ its launches down with it instead of leaving a task `Running` with orphaned rank
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from prefect import Task, flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
+from flows.report import StageRecord, format_table, plot_curves, stage_table
 from forge_core.config import RunConfig, config_to_json, load_config
 from forge_core.launch import install_sigterm_handler, terminate_all_live
 from forge_core.storage import ObjectStore
@@ -41,6 +44,8 @@ class PipelineSummary:
     final_policy_uri: str
     evals: list[EvalPoint] = field(default_factory=list)
     rollouts: list[str] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)  # rows of flows.report.stage_table
+    plot_path: str | None = None
 
     def as_markdown(self) -> str:
         lines = ["| stage | accuracy | mean reward | policy |", "| --- | --- | --- | --- |"]
@@ -91,37 +96,91 @@ def stage_tasks(cfg: RunConfig) -> StageTasks:
     )
 
 
+class _StageClock:
+    """Runs stage tasks in order, logging one line per start and finish, and keeps their wall times."""
+
+    def __init__(self, logger):
+        self._logger = logger
+        self.records: list[StageRecord] = []
+
+    def __call__(self, label: str, task: Task, *args) -> str:
+        self._logger.info("stage %s: start", label)
+        started = time.monotonic()
+        uri = task(*args)
+        seconds = time.monotonic() - started
+        self._logger.info("stage %s: done in %.1fs -> %s", label, seconds, uri)
+        self.records.append(StageRecord(label, uri, seconds))
+        return uri
+
+
 def run_pipeline(cfg: RunConfig) -> PipelineSummary:
     """The stage graph; called inside a flow so every stage is a task run."""
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
     config_json = config_to_json(cfg)
     t = stage_tasks(cfg)
+    run = _StageClock(logger)
 
-    data_uri = t.prepare(config_json)
-    sft_uri = t.sft(config_json, data_uri)
+    data_uri = run("prepare", t.prepare, config_json)
+    sft_uri = run("sft", t.sft, config_json, data_uri)
     summary = PipelineSummary(
         flow_run_id=str(flow_run.get_id() or "local"),
         data_uri=data_uri,
         sft_uri=sft_uri,
         final_policy_uri=sft_uri,
     )
-    summary.evals.append(_eval_point(store, "sft", sft_uri, t.evaluate(config_json, sft_uri, data_uri)))
+    eval_uri = run("eval-sft", t.evaluate, config_json, sft_uri, data_uri)
+    summary.evals.append(_eval_point(store, "sft", sft_uri, eval_uri))
     logger.info("after SFT: accuracy %.3f", summary.evals[-1].accuracy)
 
     policy_uri = sft_uri
     for iteration in range(cfg.grpo.iterations):
-        rollouts_uri = t.rollout(config_json, policy_uri, data_uri, iteration)
-        policy_uri = t.grpo(config_json, policy_uri, rollouts_uri, iteration)
+        n = iteration + 1
+        rollouts_uri = run(f"rollout-{n}", t.rollout, config_json, policy_uri, data_uri, iteration)
+        policy_uri = run(f"grpo-{n}", t.grpo, config_json, policy_uri, rollouts_uri, iteration)
         summary.rollouts.append(rollouts_uri)
-        eval_uri = t.evaluate(config_json, policy_uri, data_uri)
-        point = _eval_point(store, f"grpo-{iteration + 1}", policy_uri, eval_uri)
-        summary.evals.append(point)
-        logger.info("after GRPO iteration %d: accuracy %.3f", iteration + 1, point.accuracy)
+        eval_uri = run(f"eval-grpo-{n}", t.evaluate, config_json, policy_uri, data_uri)
+        summary.evals.append(_eval_point(store, f"grpo-{n}", policy_uri, eval_uri))
+        logger.info("after GRPO iteration %d: accuracy %.3f", n, summary.evals[-1].accuracy)
     summary.final_policy_uri = policy_uri
 
-    create_markdown_artifact(markdown=summary.as_markdown(), key="post-train-summary", description="summary")
+    summary.stages = stage_table(run.records, store)
+    summary.plot_path = str(_plot(cfg, summary, store))
+    _publish_summary(summary)
     return summary
+
+
+def _plot(cfg: RunConfig, summary: PipelineSummary, store: ObjectStore) -> Path:
+    rewards = [float(store.read_manifest(uri).metrics.get("reward_mean", 0.0)) for uri in summary.rollouts]
+    path = Path(cfg.logging.dir).resolve() / cfg.name / summary.flow_run_id / "curves.png"
+    return plot_curves([p.label for p in summary.evals], [p.accuracy for p in summary.evals], rewards, path)
+
+
+def _publish_summary(summary: PipelineSummary) -> None:
+    create_markdown_artifact(markdown=summary.as_markdown(), key="post-train-summary", description="summary")
+    create_table_artifact(
+        table=summary.stages, key="post-train-stages", description="stage times and metrics"
+    )
+    if summary.plot_path:
+        create_image_artifact(
+            image_url=Path(summary.plot_path).as_uri(),
+            key="post-train-curves",
+            description="held-out accuracy and rollout reward per iteration",
+        )
+
+
+def print_report(summary: dict) -> None:
+    """The end-of-run table a person reads in the terminal."""
+    print()
+    print(format_table(summary["stages"]))
+    print()
+    for point in summary["evals"]:
+        print(
+            f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}"
+        )
+    print(f"\nfinal policy: {summary['final_policy_uri']}")
+    print(f"plot:         {summary['plot_path']}")
+    print(f"flow run:     {summary['flow_run_id']}")
 
 
 @flow(name="post-train", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
@@ -134,4 +193,4 @@ def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | Non
 
 
 if __name__ == "__main__":
-    post_train(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", sys.argv[2:])
+    print_report(post_train(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", sys.argv[2:]))

@@ -17,6 +17,7 @@ message. A retried SFT/GRPO stage resumes from its last committed in-stage check
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -30,6 +31,7 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.tasks import exponential_backoff
+from tqdm import tqdm
 
 from forge_core.config import RunConfig, config_from_dict
 from forge_core.launch import LaunchFailed, launch
@@ -61,8 +63,12 @@ def _artifact_key(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:100]
 
 
+PROGRESS_BARS_ENV = "FORGE_PROGRESS_BARS"  # "1": also draw a terminal progress bar (the demo sets it)
+
+
 class _ProgressReporter:
-    """Turns the worker's progress lines into a Prefect progress artifact, other lines into logs."""
+    """Turns the worker's progress lines into a Prefect progress artifact (and an optional terminal bar);
+    every other line goes to the task's log."""
 
     def __init__(self, plan: StagePlan, logger):
         self._logger = logger
@@ -72,17 +78,31 @@ class _ProgressReporter:
             description=f"{plan.stage} -> {plan.output_uri}",
         )
         self._last_update = 0.0
+        self._bar = None
+        self._want_bar = os.environ.get(PROGRESS_BARS_ENV) == "1"
 
     def __call__(self, line: str) -> None:
         progress = parse_progress_line(line)
         if progress is None:
             self._logger.info(line)
             return
+        self._draw_bar(progress)
         now = time.monotonic()
         # Throttle: the API does not need more than a few updates a second.
         if progress.fraction >= 1.0 or now - self._last_update > 0.5:
             update_progress_artifact(self._artifact_id, progress=100.0 * progress.fraction)
             self._last_update = now
+
+    def _draw_bar(self, progress) -> None:
+        if not self._want_bar:
+            return
+        if self._bar is None:
+            self._bar = tqdm(total=progress.total, desc=progress.stage, unit="step", leave=False)
+        self._bar.update(progress.step - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _publish_stage_artifacts(plan: StagePlan, store: ObjectStore) -> None:
@@ -115,13 +135,16 @@ def run_stage(config_json: str, stage: str, inputs: dict[str, str], params: dict
     gpus = resources.gpus_per_node * resources.nnodes
     logger.info("%s: launching -> %s", stage, plan.output_uri)
     reporter = _ProgressReporter(plan, logger)
-    if gpus > 0:
-        # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a missing
-        # limit is an error instead of an unbounded oversubscription of the GPUs.
-        with concurrency(resources.pool, occupy=gpus, strict=True):
+    try:
+        if gpus > 0:
+            # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a
+            # missing limit is an error instead of an unbounded oversubscription of the GPUs.
+            with concurrency(resources.pool, occupy=gpus, strict=True):
+                result = launch(launch_spec_for(plan, cfg), log=reporter)
+        else:
             result = launch(launch_spec_for(plan, cfg), log=reporter)
-    else:
-        result = launch(launch_spec_for(plan, cfg), log=reporter)
+    finally:
+        reporter.close()
     logger.info("%s: %s in %.1fs", stage, result.outcome.name, result.duration_s)
     result.raise_for_outcome()
 

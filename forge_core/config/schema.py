@@ -12,6 +12,7 @@ Run from YAML:  `cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50", "se
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -261,7 +262,11 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
+    # Generation also stops after any of these strings (the string stays out of the text, its tokens stay in).
     stop: list[str] = field(default_factory=list)
+    # Seed of the rollouts; None = the run's seed. Each prompt's samples use a seed derived from this one,
+    # its group id and its prompt id, so they do not depend on batching or on the number of engines.
+    seed: int | None = None
 
     def check(self) -> list[str]:
         errors = []
@@ -271,8 +276,12 @@ class SamplingConfig:
             errors.append(f"rollout.sampling.temperature={self.temperature}: must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             errors.append(f"rollout.sampling.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < -1:
+            errors.append(f"rollout.sampling.top_k={self.top_k}: must be -1 (no cut) or >= 1")
         if self.max_new_tokens < 1:
             errors.append(f"rollout.sampling.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            errors.append(f"rollout.sampling.stop={self.stop!r}: every stop string must be a non-empty string")
         return errors
 
 
@@ -290,11 +299,24 @@ class RolloutConfig:
     prompts_per_iteration: int = 32
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rewards: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
-    # vLLM engine options.
+    # vLLM engine options. Data parallel: num_engines engines, each in its own process with its own cores
+    # (CPU) or tensor_parallel_size GPUs; tensor parallel is vLLM's own.
     num_engines: int = 1
     tensor_parallel_size: int = 1
+    # KV cache per engine (vLLM's kv_cache_memory_bytes), on CPU and GPU alike.
     kv_cache_gib: int = 1
+    # Most sequences one engine step holds; samples per iteration above it are queued by vLLM.
     max_num_seqs: int = 256
+    # Tokens per engine step (prefill chunking); None = vLLM's default.
+    max_num_batched_tokens: int | None = None
+    # "auto" = float32 on CPU (parity with the fp32 CPU trainer), the checkpoint's dtype on GPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # No CUDA graphs / torch.compile: fast start-up; turn off on GPU for long rollouts.
+    enforce_eager: bool = True
+    # CPU only: cores for vLLM's worker threads. "all" = every core this process may use; "auto" = vLLM's
+    # default, which keeps one core free for its scheduler (half the compute on a 2-core machine); or a
+    # list like "0-3" ("0-3|4-7" with tensor_parallel_size=2).
+    cpu_threads: str = "all"
 
     def check(self) -> list[str]:
         errors = []
@@ -302,6 +324,16 @@ class RolloutConfig:
             errors.append(f"rollout.prompts_per_iteration={self.prompts_per_iteration}: must be >= 1")
         if not self.rewards:
             errors.append("rollout.rewards=[]: name at least one reward component, e.g. exact_answer")
+        for name in ("num_engines", "tensor_parallel_size", "kv_cache_gib", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                errors.append(f"rollout.{name}={getattr(self, name)}: must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            errors.append(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1 or null")
+        if self.cpu_threads not in ("all", "auto") and not re.fullmatch(r"[0-9,\-|]+", self.cpu_threads):
+            errors.append(
+                f"rollout.cpu_threads={self.cpu_threads!r}: use 'all', 'auto' or a core list like '0-3' "
+                "('0-3|4-7' for two tensor-parallel workers)"
+            )
         return errors
 
 
@@ -401,10 +433,21 @@ class GRPOConfig:
 
 @dataclass
 class EvalConfig:
+    """Evaluation on the held-out `eval` split with the rollout rewards (forge_core.rollout.evaluation)."""
+
+    # The first num_prompts rows of the eval split (all of them when it has fewer).
     num_prompts: int = 500
     max_new_tokens: int = 16
-    # 1 = greedy exact match; k > 1 = pass@k with rollout.sampling temperature.
+    # 1 = greedy, accuracy = share of prompts whose greedy answer passes the first reward component;
+    # k > 1 = pass@k: k samples at rollout.sampling temperature, a prompt passes if any sample does.
     pass_k: int = 1
+
+    def check(self) -> list[str]:
+        errors = []
+        for name in ("num_prompts", "max_new_tokens", "pass_k"):
+            if getattr(self, name) < 1:
+                errors.append(f"eval.{name}={getattr(self, name)}: must be >= 1")
+        return errors
 
 
 @dataclass

@@ -73,7 +73,8 @@ def write_policy_artifact(
     folder = tokenizer_dir.parent / f"hf-{uri.rstrip('/').rsplit('/', 1)[-1]}"
     write_hf_folder(state_dict, cfg.model, vocab_size, folder, tokenizer_dir=tokenizer_dir)
     policy = store.writer(store.join(uri, POLICY_DIR), kind="policy", stage=kind)
-    policy.put_dir(folder)
+    for path in sorted(folder.iterdir()):
+        policy.put_file(path, path.name)
     policy.commit(config={}, inputs={}, metrics={})
     outer = store.writer(uri, kind=kind, stage=kind)
     outer.write_json("train_summary.json", {})

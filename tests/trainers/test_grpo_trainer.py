@@ -112,8 +112,9 @@ def test_first_step_is_on_policy_reinforce_with_baseline(tmp_path, distributed_c
     total = torch.sqrt(sum(g.square().sum() for g in expected.values()))
     assert total > 1e-3, "the test batch must carry a real policy gradient"
     for name, grad in expected.items():
-        # fp32, different batching (padded micro-batches vs one row at a time): measured max |diff| ~1e-8.
-        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # fp32 with different batching (padded micro-batches vs one row at a time): measured max |diff|
+        # 2.2e-8 for gradients up to 7e-2; the tolerance leaves ~20x slack.
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=5e-7, msg=name)
 
 
 def test_rollout_rows_align_with_targets(tmp_path):

@@ -1,0 +1,183 @@
+"""Generator: one vLLM engine that stays up across iterations and turns prompts into `Sample`s.
+
+    with Generator(policy_dir, cfg.rollout.sampling, EngineOptions.from_config(cfg.rollout)) as gen:
+        samples = gen.generate(prompts, seed=7)          # group_size samples per prompt, prompt order
+        gen.reload()                                     # weights rewritten in policy_dir: reload in place
+        gen.reload(new_policy_dir)                       # or load another folder of the same architecture
+        greedy = gen.generate(prompts, seed=7, sampling=evaluation_sampling(cfg.eval, cfg.rollout.sampling))
+
+vLLM starts worker processes with `spawn`, so a script that builds a Generator needs an
+`if __name__ == "__main__":` guard. Starting an engine takes tens of seconds on CPU; reloading weights into a
+running one takes milliseconds for small models, which is why the class keeps the engine and offers reload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from forge_core.config.schema import SamplingConfig
+from forge_core.rollout.engine import EngineOptions, engine_environment
+from forge_core.rollout.sampling import request_seed, vllm_sampling_params
+from forge_core.rollout.types import Prompt, Sample
+
+log = logging.getLogger(__name__)
+
+# config.json keys that may differ between two exports of the same architecture.
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype"})
+
+
+class Generator:
+    """A vLLM engine built from a local HF folder (see module docstring)."""
+
+    def __init__(
+        self, policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions | None = None
+    ) -> None:
+        self.policy_dir = Path(policy_dir)
+        self.sampling = sampling
+        self.engine = engine or EngineOptions()
+        _check_policy_folder(self.policy_dir)
+        start = time.perf_counter()
+        self._llm = _start_llm(self.policy_dir, self.engine)
+        self.startup_s = time.perf_counter() - start
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        log.info("vLLM engine up in %.1fs from %s", self.startup_s, self.policy_dir)
+
+    # ---- generation -----------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig | None = None
+    ) -> list[Sample]:
+        """`sampling.group_size` samples for every prompt, in prompt order then sample index.
+
+        Each prompt's samples are drawn with `request_seed(seed, group_id, prompt_id)`, so the same seed
+        gives the same samples whatever else is in the batch.
+        """
+        sampling = sampling or self.sampling
+        check_prompt_lengths(prompts, sampling, self.max_model_len)
+        requests = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
+        params = [vllm_sampling_params(sampling, request_seed(seed, p.group_id, p.prompt_id)) for p in prompts]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        return [sample for prompt, output in zip(prompts, outputs) for sample in _samples_of(prompt, output)]
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def reload(self, policy_dir: str | Path | None = None) -> float:
+        """Load new weights into the running engine; returns the seconds it took.
+
+        Without an argument the weights are re-read from the folder the engine uses (after a writer replaced
+        its safetensors); with a folder, that folder's weights are loaded (same architecture and tokenizer,
+        else ValueError). Cached prompt prefixes are dropped: they were computed with the old weights.
+        """
+        start = time.perf_counter()
+        if policy_dir is None or Path(policy_dir).resolve() == self.policy_dir.resolve():
+            self._llm.collective_rpc("reload_weights")
+        else:
+            new_dir = Path(policy_dir)
+            _check_policy_folder(new_dir)
+            _check_same_model(self.policy_dir, new_dir)
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
+            self.policy_dir = new_dir
+        self._llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    # ---- lifetime -------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine's processes (idempotent)."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is None:
+            return
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del llm
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def check_prompt_lengths(prompts: Sequence[Prompt], sampling: SamplingConfig, max_model_len: int) -> None:
+    """ValueError naming the first prompt that is empty or cannot fit max_new_tokens in the context."""
+    for prompt in prompts:
+        if not prompt.prompt_ids:
+            raise ValueError(f"prompt {prompt.prompt_id}: has no tokens; every prompt needs at least one")
+        total = len(prompt.prompt_ids) + sampling.max_new_tokens
+        if total > max_model_len:
+            raise ValueError(
+                f"prompt {prompt.prompt_id}: {len(prompt.prompt_ids)} tokens + max_new_tokens="
+                f"{sampling.max_new_tokens} = {total} exceeds the policy's context of {max_model_len}; lower "
+                "rollout.sampling.max_new_tokens (eval.max_new_tokens) or data.max_seq_len, or raise model.max_seq_len"
+            )
+
+
+def _start_llm(policy_dir: Path, engine: EngineOptions):
+    from vllm import LLM
+
+    with engine_environment(engine.environment()):
+        return LLM(**engine.llm_kwargs(policy_dir))
+
+
+def _samples_of(prompt: Prompt, output) -> list[Sample]:
+    samples = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        token_ids = tuple(int(t) for t in completion.token_ids)
+        samples.append(
+            Sample(
+                prompt_id=prompt.prompt_id,
+                group_id=prompt.group_id,
+                sample_index=int(completion.index),
+                prompt_ids=tuple(prompt.prompt_ids),
+                response_ids=token_ids,
+                response_logprobs=_sampled_logprobs(completion, token_ids, prompt),
+                response_text=completion.text,
+                finish_reason=str(completion.finish_reason),
+                ground_truth=prompt.ground_truth,
+            )
+        )
+    return samples
+
+
+def _sampled_logprobs(completion, token_ids: tuple[int, ...], prompt: Prompt) -> tuple[float, ...]:
+    positions = completion.logprobs
+    assert positions is not None and len(positions) == len(token_ids), (
+        f"vLLM returned {0 if positions is None else len(positions)} logprob positions for {len(token_ids)} tokens "
+        f"of prompt {prompt.prompt_id}"
+    )
+    # With logprobs=0 each position holds the sampled token (plus the top-1 when they differ).
+    return tuple(float(position[token].logprob) for position, token in zip(positions, token_ids))
+
+
+def _check_policy_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"policy folder {folder}: no config.json; pass a local HF model folder (a committed policy/ "
+            "downloaded with forge_core.rollout.fetch_policy)"
+        )
+
+
+def _model_config(folder: Path) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    return {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+
+
+def _check_same_model(current: Path, new: Path) -> None:
+    old_config, new_config = _model_config(current), _model_config(new)
+    if old_config != new_config:
+        changed = sorted(k for k in old_config.keys() | new_config.keys() if old_config.get(k) != new_config.get(k))
+        raise ValueError(
+            f"reload({new}): its config.json differs from the running engine's ({current}) in {changed}; "
+            "in-place reload only swaps weights, start a new Generator for another architecture"
+        )
+    old_tok, new_tok = current / "tokenizer.json", new / "tokenizer.json"
+    if old_tok.is_file() and new_tok.is_file() and old_tok.read_bytes() != new_tok.read_bytes():
+        raise ValueError(
+            f"reload({new}): its tokenizer.json differs from the running engine's ({current}); start a new "
+            "Generator for another tokenizer"
+        )

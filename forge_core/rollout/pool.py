@@ -1,0 +1,246 @@
+"""Data parallel generation: several vLLM engines, each in its own process, splitting the prompts.
+
+    with open_generator(policy_dir, sampling, engine, num_engines=2) as gen:   # a GeneratorPool
+        samples = gen.generate(prompts, seed=7)      # same samples as one engine (per-prompt seeds)
+
+`open_generator` returns a plain in-process `Generator` for one engine. For several, each replica is a
+spawned process that owns one `Generator`; it gets its own environment before vLLM is imported, so each
+engine has its own cores on CPU (`VLLM_CPU_OMP_THREADS_BIND`) or its own GPUs (`CUDA_VISIBLE_DEVICES`,
+`tensor_parallel_size` GPUs each). Prompts are cut into contiguous shards, one per replica, and the replicas
+generate concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from forge_core.config.schema import SamplingConfig
+from forge_core.rollout.engine import EngineOptions, cpu_ranges, on_cpu
+from forge_core.rollout.generator import Generator, check_prompt_lengths
+from forge_core.rollout.types import Prompt, Sample
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaError(RuntimeError):
+    """A replica process failed; the message carries its traceback."""
+
+
+def open_generator(
+    policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions, num_engines: int = 1
+) -> Generator | GeneratorPool:
+    """One engine in this process, or a pool of `num_engines` replica processes (same interface)."""
+    if num_engines < 1:
+        raise ValueError(f"rollout.num_engines={num_engines}: must be >= 1")
+    if num_engines == 1:
+        return Generator(policy_dir, sampling, engine)
+    return GeneratorPool(policy_dir, sampling, engine, num_engines)
+
+
+def replica_layouts(engine: EngineOptions, num_engines: int) -> list[tuple[EngineOptions, dict[str, str]]]:
+    """(engine options, extra environment) for each replica: disjoint cores on CPU, disjoint GPUs otherwise."""
+    if on_cpu():
+        cpus = sorted(os.sched_getaffinity(0))
+        per_replica = len(cpus) // num_engines
+        if per_replica < engine.tensor_parallel_size:
+            raise ValueError(
+                f"rollout.num_engines={num_engines} x tensor_parallel_size={engine.tensor_parallel_size} needs at "
+                f"least that many CPUs; this process may use {len(cpus)}"
+            )
+        layouts = []
+        for index in range(num_engines):
+            mine = cpus[index * per_replica : (index + 1) * per_replica]
+            cpu_threads = engine.cpu_threads
+            if cpu_threads in ("all", "auto"):
+                cpu_threads = _split(mine, engine.tensor_parallel_size)
+            layouts.append((dataclasses.replace(engine, cpu_threads=cpu_threads), {}))
+        return layouts
+    import torch
+
+    devices = _visible_gpus(torch.cuda.device_count())
+    needed = num_engines * engine.tensor_parallel_size
+    if len(devices) < needed:
+        raise ValueError(
+            f"rollout.num_engines={num_engines} x tensor_parallel_size={engine.tensor_parallel_size} = {needed} "
+            f"GPUs, but {len(devices)} are visible ({devices}); lower one of them"
+        )
+    tp = engine.tensor_parallel_size
+    return [
+        (engine, {"CUDA_VISIBLE_DEVICES": ",".join(devices[i * tp : (i + 1) * tp])}) for i in range(num_engines)
+    ]
+
+
+def _split(cpus: list[int], ranks: int) -> str:
+    from forge_core.rollout.engine import cpu_bind_lists
+
+    return cpu_bind_lists(cpus, ranks) if ranks > 1 else cpu_ranges(cpus)
+
+
+def _visible_gpus(count: int) -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    return [str(i) for i in range(count)]
+
+
+def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, sizes differing by at most one."""
+    base, extra = divmod(num_items, num_shards)
+    bounds, start = [], 0
+    for index in range(num_shards):
+        end = start + base + (1 if index < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class GeneratorPool:
+    """`num_engines` Generator replicas in spawned processes, behind the Generator interface."""
+
+    def __init__(self, policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions, num_engines: int):
+        self.policy_dir = Path(policy_dir)
+        self.sampling = sampling
+        self.engine = engine
+        self._replicas: list[_Replica] = []
+        context = mp.get_context("spawn")
+        try:
+            # Start every replica first, then wait: their start-ups overlap.
+            for index, (options, env) in enumerate(replica_layouts(engine, num_engines)):
+                self._replicas.append(_Replica.start(context, index, self.policy_dir, sampling, options, env))
+            startups = [replica.wait_ready() for replica in self._replicas]
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = max(startups)
+        self.max_model_len = self._replicas[0].max_model_len
+
+    def generate(
+        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig | None = None
+    ) -> list[Sample]:
+        check_prompt_lengths(prompts, sampling or self.sampling, self.max_model_len)
+        shards = [prompts[start:end] for start, end in shard_bounds(len(prompts), len(self._replicas))]
+        busy = [(replica, replica.send("generate", list(shard), seed, sampling)) for replica, shard in zip(self._replicas, shards) if shard]
+        return [sample for replica, _ in busy for sample in replica.receive()]
+
+    def reload(self, policy_dir: str | Path | None = None) -> float:
+        for replica in self._replicas:
+            replica.send("reload", None if policy_dir is None else str(policy_dir))
+        seconds = max(replica.receive() for replica in self._replicas)
+        if policy_dir is not None:
+            self.policy_dir = Path(policy_dir)
+        return seconds
+
+    def close(self) -> None:
+        replicas, self._replicas = self._replicas, []
+        for replica in replicas:
+            replica.stop()
+
+    def __enter__(self) -> GeneratorPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class _Replica:
+    index: int
+    process: Any
+    conn: Connection
+    max_model_len: int = 0
+
+    @classmethod
+    def start(cls, context, index: int, policy_dir: Path, sampling, options: EngineOptions, env: dict[str, str]):
+        parent, child = context.Pipe()
+        process = context.Process(
+            target=_replica_main,
+            args=(child, str(policy_dir), sampling, options, env),
+            name=f"forge-rollout-replica-{index}",
+            daemon=False,  # it spawns vLLM's own processes, which daemonic processes may not do
+        )
+        process.start()
+        child.close()
+        return cls(index=index, process=process, conn=parent)
+
+    def wait_ready(self) -> float:
+        status, payload = self._recv()
+        if status != "ready":
+            raise ReplicaError(f"rollout replica {self.index} failed to start:\n{payload}")
+        startup_s, self.max_model_len = payload
+        return startup_s
+
+    def send(self, method: str, *args) -> None:
+        self.conn.send((method, args))
+
+    def receive(self):
+        status, payload = self._recv()
+        if status == "ok":
+            return payload
+        exc, formatted = payload
+        failure = ReplicaError(f"rollout replica {self.index} failed:\n{formatted}")
+        if isinstance(exc, ValueError):
+            # A user error (bad prompt, bad folder) stays a ValueError, so the launcher does not retry it.
+            raise exc from failure
+        raise failure
+
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except EOFError as exc:
+            self.process.join(timeout=1)
+            raise ReplicaError(
+                f"rollout replica {self.index} (pid {self.process.pid}) died with exit code {self.process.exitcode}"
+            ) from exc
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+        self.conn.close()
+
+
+def _picklable(exc: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+    return exc
+
+
+def _replica_main(conn: Connection, policy_dir: str, sampling: SamplingConfig, options: EngineOptions, env: dict[str, str]) -> None:
+    """Body of a replica process: own environment, one Generator, then serve calls until told to close."""
+    os.environ.update(env)
+    try:
+        generator = Generator(policy_dir, sampling, options)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", (generator.startup_s, generator.max_model_len)))
+    try:
+        while True:
+            method, args = conn.recv()
+            if method == "close":
+                return
+            try:
+                conn.send(("ok", getattr(generator, method)(*args)))
+            except Exception as exc:
+                conn.send(("error", (_picklable(exc), traceback.format_exc())))
+    except EOFError:
+        return  # the parent went away
+    finally:
+        generator.close()

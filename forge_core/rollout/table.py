@@ -1,0 +1,152 @@
+"""The rollout table (`rollouts.parquet`): one row per sample, an explicit Arrow schema, and its statistics.
+
+| column | type | meaning |
+| --- | --- | --- |
+| prompt_id | string | the data stage's id of the prompt (join key back to rl_prompts) |
+| group_id | int64 | the prompt's position in the run's prompt stream (iteration * prompts_per_iteration + j) |
+| sample_index | int32 | 0 .. group_size-1 within the group |
+| prompt_ids, response_ids | list<int32> | the tokens the generator conditioned on and sampled |
+| response_logprobs | list<float32> | the generator's logprob of each sampled token (vLLM raw_logprobs) |
+| finish_reason | string | "stop" (EOS or stop string) or "length" (max_new_tokens) |
+| prompt_len, response_len | int32 | token counts |
+| response_text, ground_truth | string | what the rewards scored |
+| reward_<name> | float64 | one column per reward component, unweighted |
+| reward | float64 | the weighted sum of the components |
+| policy_uri, policy_version | string | the policy artifact that sampled and its manifest sha256 |
+| iteration, seed | int32, int64 | the GRPO iteration and the rollout seed |
+| sampling_params, reward_versions | string | JSON: sampling settings; {reward name: version} |
+
+    table = rollout_table(samples, scored, lineage)
+    metrics = rollout_metrics(table, primary_column="reward_exact_answer")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from forge_core.rewards import TOTAL_COLUMN, ScoredRewards
+from forge_core.rollout.types import Sample
+
+TOKEN_IDS = pa.list_(pa.int32())
+ROLLOUTS_TABLE = "rollouts.parquet"
+# A sample "passes" when the primary (first) reward component scores at least this.
+PASS_THRESHOLD = 1.0
+
+_SAMPLE_FIELDS = [
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("group_id", pa.int64(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("prompt_ids", TOKEN_IDS, nullable=False),
+    pa.field("response_ids", TOKEN_IDS, nullable=False),
+    pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("prompt_len", pa.int32(), nullable=False),
+    pa.field("response_len", pa.int32(), nullable=False),
+    pa.field("response_text", pa.string(), nullable=False),
+    pa.field("ground_truth", pa.string(), nullable=False),
+]
+_LINEAGE_FIELDS = [
+    pa.field("policy_uri", pa.string(), nullable=False),
+    pa.field("policy_version", pa.string(), nullable=False),
+    pa.field("iteration", pa.int32(), nullable=False),
+    pa.field("seed", pa.int64(), nullable=False),
+    pa.field("sampling_params", pa.string(), nullable=False),
+    pa.field("reward_versions", pa.string(), nullable=False),
+]
+
+
+@dataclass(frozen=True)
+class RolloutLineage:
+    """Where a batch of rollouts came from; repeated on every row so any row stands on its own."""
+
+    policy_uri: str
+    policy_version: str
+    iteration: int
+    seed: int
+    sampling_params: str  # JSON
+    reward_versions: str  # JSON
+
+
+def rollout_schema(reward_columns: Sequence[str]) -> pa.Schema:
+    reward_fields = [pa.field(c, pa.float64(), nullable=False) for c in reward_columns]
+    return pa.schema(
+        [*_SAMPLE_FIELDS, *reward_fields, pa.field(TOTAL_COLUMN, pa.float64(), nullable=False), *_LINEAGE_FIELDS]
+    )
+
+
+def rollout_table(samples: Sequence[Sample], scored: ScoredRewards, lineage: RolloutLineage) -> pa.Table:
+    """The rows of `samples` with their rewards and lineage, in the explicit rollout schema."""
+    n = len(samples)
+    if len(scored.total) != n:
+        raise ValueError(f"rollout_table: {n} samples but {len(scored.total)} rewards")
+    columns = {
+        "prompt_id": [s.prompt_id for s in samples],
+        "group_id": [s.group_id for s in samples],
+        "sample_index": [s.sample_index for s in samples],
+        "prompt_ids": [list(s.prompt_ids) for s in samples],
+        "response_ids": [list(s.response_ids) for s in samples],
+        "response_logprobs": [list(s.response_logprobs) for s in samples],
+        "finish_reason": [s.finish_reason for s in samples],
+        "prompt_len": [s.prompt_len for s in samples],
+        "response_len": [s.response_len for s in samples],
+        "response_text": [s.response_text for s in samples],
+        "ground_truth": [s.ground_truth for s in samples],
+        **scored.columns,
+        TOTAL_COLUMN: scored.total,
+        "policy_uri": [lineage.policy_uri] * n,
+        "policy_version": [lineage.policy_version] * n,
+        "iteration": [lineage.iteration] * n,
+        "seed": [lineage.seed] * n,
+        "sampling_params": [lineage.sampling_params] * n,
+        "reward_versions": [lineage.reward_versions] * n,
+    }
+    return pa.Table.from_pydict(columns, schema=rollout_schema(list(scored.columns)))
+
+
+def reward_columns_of(schema: pa.Schema) -> list[str]:
+    """The per-component reward columns of a rollout schema, in order."""
+    return [name for name in schema.names if name.startswith("reward_") and name != "reward_versions"]
+
+
+def rollout_metrics(table: pa.Table, primary_column: str) -> dict[str, float]:
+    """Reward, pass-rate, group and length statistics of a rollout table (the manifest's metrics).
+
+    pass_rate: share of samples whose primary reward reaches PASS_THRESHOLD; group_pass_rate: share of groups
+    with at least one such sample; zero_variance_group_fraction: groups whose samples all got the same
+    reward, which carry no GRPO signal.
+    """
+    rewards = np.asarray(table.column(TOTAL_COLUMN).to_pylist(), dtype=np.float64)
+    passed = np.asarray(table.column(primary_column).to_pylist(), dtype=np.float64) >= PASS_THRESHOLD
+    groups = np.asarray(table.column("group_id").to_pylist())
+    lengths = np.asarray(table.column("response_len").to_pylist(), dtype=np.int64)
+    truncated = np.asarray([r == "length" for r in table.column("finish_reason").to_pylist()])
+    group_ids, group_codes = np.unique(groups, return_inverse=True)
+    group_passed = np.zeros(len(group_ids), dtype=bool)
+    np.logical_or.at(group_passed, group_codes, passed)
+    group_min = np.full(len(group_ids), np.inf)
+    group_max = np.full(len(group_ids), -np.inf)
+    np.minimum.at(group_min, group_codes, rewards)
+    np.maximum.at(group_max, group_codes, rewards)
+    group_spread = group_max - group_min
+    metrics = {
+        "samples": float(table.num_rows),
+        "groups": float(len(group_ids)),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "pass_rate": float(passed.mean()),
+        "group_pass_rate": float(group_passed.mean()),
+        "zero_variance_group_fraction": float((group_spread == 0).mean()),
+        "response_len_mean": float(lengths.mean()),
+        "response_len_min": float(lengths.min()),
+        "response_len_max": float(lengths.max()),
+        "response_len_p50": float(np.median(lengths)),
+        "truncated_fraction": float(truncated.mean()),
+        "response_tokens": float(lengths.sum()),
+    }
+    for column in reward_columns_of(table.schema):
+        metrics[f"{column}_mean"] = float(np.mean(table.column(column).to_pylist()))
+    return metrics

@@ -1,0 +1,179 @@
+"""Worker entry point of the rollout stage (one plain process; vLLM starts its own):
+
+    python -m forge_core.run rollout --spec <output_uri>/_spec.json
+
+Inputs (`spec.inputs`):
+  policy   a committed `sft` or `grpo` artifact; its `policy/` HF folder is downloaded (verified, cached by
+           manifest hash) and loaded into vLLM.
+  data     a committed `data` artifact; this iteration's prompts come from its `rl_prompts.parquet`.
+Params: `iteration` (int >= 0, default 0) picks the prompts: positions [k*P, (k+1)*P) of a per-epoch
+permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts).
+
+Output `<output_uri>` (kind `rollouts`): `rollouts.parquet`, one row per sample with tokens, the generator's
+logprobs, finish reason, each reward component, the total reward and lineage (forge_core.rollout.table), and a
+manifest whose metrics hold reward mean/std, pass rate, length statistics, generation tokens/s and the engine
+start-up time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from forge_core.config import RunConfig, config_to_dict
+from forge_core.data.schemas import TABLES
+from forge_core.rewards import RewardSet
+from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.policy import PolicyRef, fetch_policy
+from forge_core.rollout.pool import open_generator
+from forge_core.rollout.prompts import check_prompt_table, iteration_indices, prompts_from_table
+from forge_core.rollout.sampling import rollout_seed, sampling_json
+from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
+from forge_core.rollout.types import Prompt
+from forge_core.run.spec import StageSpec
+from forge_core.storage import ArtifactError, ObjectStore
+
+log = logging.getLogger(__name__)
+
+STAGE = "rollout"
+KIND = "rollouts"
+POLICY_INPUT = "policy"
+DATA_INPUT = "data"
+PROMPTS_SPLIT = "rl_prompts"
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """Everything the stage decided before starting vLLM: inputs resolved, prompts picked, rewards built."""
+
+    cfg: RunConfig
+    store: ObjectStore
+    output_uri: str
+    inputs: dict[str, str]
+    iteration: int
+    seed: int
+    prompts: list[Prompt]
+    rewards: RewardSet
+    policy: PolicyRef
+
+
+def required_input(spec: StageSpec, name: str, what: str) -> str:
+    uri = spec.inputs.get(name)
+    if not uri:
+        raise ValueError(
+            f"stage spec {spec.output_uri}: inputs has no {name!r} entry (got {sorted(spec.inputs)}); the "
+            f"{spec.stage} stage needs the URI of {what}"
+        )
+    return uri
+
+
+def iteration_param(spec: StageSpec) -> int:
+    value = spec.params.get("iteration", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"stage spec {spec.output_uri}: params.iteration={value!r}; give an int >= 0")
+    return value
+
+
+def read_prompt_split(store: ObjectStore, data_uri: str, split: str) -> pa.Table:
+    """A prompts table (`rl_prompts` or `eval`) of a committed data artifact, verified."""
+    file_name = TABLES[split][0]
+    source = f"inputs.{DATA_INPUT}={data_uri}/{file_name}"
+    try:
+        table = store.reader(data_uri).read_table(file_name)
+    except (ArtifactError, FileNotFoundError) as exc:
+        raise ValueError(f"{source}: cannot read the data artifact's {split} table: {exc}") from exc
+    check_prompt_table(table, source)
+    if table.num_rows == 0:
+        raise ValueError(f"{source}: no prompts; the data stage must produce at least one {split} row")
+    return table
+
+
+def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed: int) -> list[Prompt]:
+    indices = iteration_indices(table.num_rows, per_iteration, iteration, seed)
+    return prompts_from_table(table.take(pa.array(indices)), first_group_id=iteration * per_iteration)
+
+
+def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
+    """Resolve and check everything that can fail cheaply; None when the output is already committed."""
+    cfg = spec.run_config()
+    store = ObjectStore.from_config(cfg.storage)
+    if store.is_committed(spec.output_uri):
+        return None
+    policy_uri = required_input(spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to sample)")
+    data_uri = required_input(spec, DATA_INPUT, "a committed data artifact (rl_prompts.parquet)")
+    iteration = iteration_param(spec)
+    rewards = RewardSet.from_config(cfg.rollout.rewards)  # a bad reward fails before vLLM starts
+    seed = rollout_seed(cfg.seed, cfg.rollout.sampling)
+    table = read_prompt_split(store, data_uri, PROMPTS_SPLIT)
+    prompts = iteration_prompts(table, cfg.rollout.prompts_per_iteration, iteration, seed)
+    policy = fetch_policy(store, policy_uri, POLICY_INPUT)
+    return RolloutPlan(
+        cfg=cfg,
+        store=store,
+        output_uri=spec.output_uri,
+        inputs={POLICY_INPUT: policy_uri, DATA_INPUT: data_uri},
+        iteration=iteration,
+        seed=seed,
+        prompts=prompts,
+        rewards=rewards,
+        policy=policy,
+    )
+
+
+def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
+    """Generate, score, write `rollouts.parquet` and commit; returns the table."""
+    sampling = plan.cfg.rollout.sampling
+    start = time.perf_counter()
+    samples = generator.generate(plan.prompts, seed=plan.seed, sampling=sampling)
+    generation_s = time.perf_counter() - start
+    scored = plan.rewards.score(
+        [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
+    )
+    lineage = RolloutLineage(
+        policy_uri=plan.policy.uri,
+        policy_version=plan.policy.version,
+        iteration=plan.iteration,
+        seed=plan.seed,
+        sampling_params=sampling_json(sampling, plan.seed),
+        reward_versions=json.dumps(plan.rewards.versions(), sort_keys=True),
+    )
+    table = rollout_table(samples, scored, lineage)
+    metrics = {
+        **rollout_metrics(table, plan.rewards.primary_column),
+        "prompts": float(len(plan.prompts)),
+        "iteration": plan.iteration,
+        "generation_s": generation_s,
+        "tokens_per_s": sum(s.response_len for s in samples) / generation_s if generation_s > 0 else 0.0,
+        "engine_startup_s": float(getattr(generator, "startup_s", 0.0)),
+        "num_engines": plan.cfg.rollout.num_engines,
+        "policy_version": plan.policy.version,
+        "reward_versions": plan.rewards.versions(),
+        "reward_weights": plan.rewards.weights(),
+        "primary_reward": plan.rewards.primary_column,
+    }
+    writer = plan.store.writer(plan.output_uri, kind=KIND, stage=STAGE)
+    writer.write_table(ROLLOUTS_TABLE, table)
+    writer.commit(config=config_to_dict(plan.cfg), inputs=plan.inputs, metrics=metrics)
+    log.info(
+        "committed %s: %d samples, reward %.3f +- %.3f, pass rate %.3f, %.0f tokens/s",
+        plan.output_uri, table.num_rows, metrics["reward_mean"], metrics["reward_std"], metrics["pass_rate"],
+        metrics["tokens_per_s"],
+    )
+    return table
+
+
+def main(spec: StageSpec) -> None:
+    """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    plan = plan_rollout(spec)
+    if plan is None:
+        log.info("%s is already committed; nothing to do", spec.output_uri)
+        return
+    rollout = plan.cfg.rollout
+    engine = EngineOptions.from_config(rollout, seed=plan.seed)
+    with open_generator(plan.policy.local_dir, rollout.sampling, engine, rollout.num_engines) as generator:
+        run_rollout(plan, generator)

@@ -1,0 +1,35 @@
+"""The FORGE_FAULT hook: parsing, once-only markers, and the in-process `raise_rank` action (kill_rank is
+exercised under torchrun by tests/trainers/test_sft_stage.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge_core.faults import Fault, InjectedFault, maybe_inject_fault, parse_faults
+
+
+def test_parse_several_faults():
+    assert parse_faults("kill_rank:1:3, raise_rank:0:5") == [Fault("kill_rank", 1, 3), Fault("raise_rank", 0, 5)]
+
+
+@pytest.mark.parametrize("spec", ["kill:1:3", "kill_rank:one:3", "kill_rank:1"])
+def test_bad_fault_specs_name_the_entry(spec):
+    with pytest.raises(ValueError, match="expected <action>:<rank>:<step>"):
+        parse_faults(spec)
+
+
+def test_raise_fires_only_on_its_rank_and_step(monkeypatch):
+    monkeypatch.setenv("FORGE_FAULT", "raise_rank:1:2")
+    maybe_inject_fault(rank=0, step=2)
+    maybe_inject_fault(rank=1, step=1)
+    with pytest.raises(InjectedFault, match="rank 1, step 2"):
+        maybe_inject_fault(rank=1, step=2)
+
+
+def test_once_marker_lets_a_retry_run_clean(monkeypatch, tmp_path):
+    monkeypatch.setenv("FORGE_FAULT", "raise_rank:0:1")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(tmp_path / "fired"))
+    with pytest.raises(InjectedFault):
+        maybe_inject_fault(rank=0, step=1)
+    assert (tmp_path / "fired").exists()
+    maybe_inject_fault(rank=0, step=1)  # the retry: no fault
