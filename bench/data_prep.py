@@ -26,11 +26,7 @@ from forge_core.data.pipeline import prepare_data
 from forge_core.data.tokenizer import load_tokenizer, train_demo_tokenizer, train_text_tokenizer
 from forge_core.storage import ObjectStore
 
-WORDS = (
-    "apples boxes dollars hours miles pages marbles cookies tickets students books friends each more less "
-    "than twice half total left spent bought sold gave found has had will would how many much does did the "
-    "a of to and in for with per day week after before every remaining costs earns reads walks"
-).split()
+WORDS = ["apples", "boxes", "dollars", "hours", "miles", "pages", "marbles", "cookies", "tickets", "students", "books", "friends", "each", "more", "less", "than", "twice", "half", "total", "left", "spent", "bought", "sold", "gave", "found", "has", "had", "will", "would", "how", "many", "much", "does", "did", "the", "a", "of", "to", "and", "in", "for", "with", "per", "day", "week", "after", "before", "every", "remaining", "costs", "earns", "reads", "walks"]
 
 
 def gsm8k_like_rows(num_rows: int, seed: int = 0) -> list[dict]:
@@ -112,12 +108,12 @@ class Workload:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        gsm_rows = gsm8k_like_rows(20_000)
+        gsm_rows = gsm8k_like_rows(4_000)
         gsm_tokenizer = train_text_tokenizer(
-            (t for r in gsm_rows[:5000] for t in (r["prompt"], r["completion"])), 8000, 256
+            (t for r in gsm_rows[:2000] for t in (r["prompt"], r["completion"])), 8000, 256
         )
-        gsm = Workload("gsm8k_like", gsm_rows, gsm_tokenizer, workdir, batch_rows=8192)
-        short_rows = demo_short_rows(50_000)
+        gsm = Workload("gsm8k_like", gsm_rows, gsm_tokenizer, workdir, batch_rows=1024)
+        short_rows = demo_short_rows(30_000)
         short_tokenizer = train_demo_tokenizer(
             (t for r in short_rows[:1000] for t in (r["prompt"], r["completion"])), 64, 64, demo.ALPHABET
         )

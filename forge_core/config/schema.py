@@ -97,9 +97,13 @@ class TokenizerConfig:
 class DemoTaskConfig:
     """Zero-padded multi-digit addition: `123+045=` -> `0168`. `num_digits` is the difficulty knob."""
 
+    # Digits per operand (the difficulty knob); the answer has num_digits + 1 digits, zero-padded.
     num_digits: int = 3
+    # Labelled examples for SFT (~1000 leaves GRPO room to improve at 3 digits, DESIGN.md section 8).
     num_sft: int = 1000
+    # Unlabelled prompts (with ground truth for the reward) for GRPO rollouts.
     num_rl: int = 20000
+    # Held-out prompts for evaluation; the three splits share no operand pair.
     num_eval: int = 500
 
     def check(self) -> list[str]:
@@ -124,14 +128,18 @@ class DataConfig:
     # "demo" generates the built-in task; otherwise a file or folder URI (file://, s3://, a local path) read
     # with `format` ("auto" = by file extension; a folder with state.json = datasets.save_to_disk).
     source: str = "demo"
+    # How to read data.source; auto = by file extension (.jsonl/.json/.ndjson, .parquet, .csv) or hf_disk for a
+    # folder with state.json.
     format: Literal["auto", "jsonl", "parquet", "csv", "hf_disk"] = "auto"
     # Record layout: plain prompt/completion columns, GSM8K (`question`, `answer ... #### 42`), or chat messages.
     layout: Literal["prompt_completion", "gsm8k", "chat"] = "prompt_completion"
-    # prompt_completion layout: the prompt and completion columns.
+    # prompt_completion layout: the prompt column.
     prompt_field: str = "prompt"
+    # prompt_completion layout: the completion column (SFT target; EOS is appended).
     completion_field: str = "completion"
-    # gsm8k layout: the question column and the answer column (reasoning, then `#### <number>`).
+    # gsm8k layout: the question column (the prompt).
     question_field: str = "question"
+    # gsm8k layout: the answer column (reasoning, then `#### <number>`; the number is the ground truth).
     answer_field: str = "answer"
     # chat layout: a list of {role, content}; the last (assistant) message is the completion.
     messages_field: str = "messages"
@@ -317,9 +325,17 @@ class RolloutConfig:
     # default, which keeps one core free for its scheduler (half the compute on a 2-core machine); or a
     # list like "0-3" ("0-3|4-7" with tensor_parallel_size=2).
     cpu_threads: str = "all"
+    # Run vLLM's engine core and worker inside the stage process (tensor_parallel_size=1 only): start-up in
+    # seconds instead of tens of seconds on CPU, no scheduler process competing for the cores.
+    engine_in_process: bool = False
 
     def check(self) -> list[str]:
         errors = []
+        if self.engine_in_process and self.tensor_parallel_size != 1:
+            errors.append(
+                f"rollout.engine_in_process=true: needs rollout.tensor_parallel_size=1 (got "
+                f"{self.tensor_parallel_size}); set engine_in_process=false for tensor parallelism"
+            )
         if self.prompts_per_iteration < 1:
             errors.append(f"rollout.prompts_per_iteration={self.prompts_per_iteration}: must be >= 1")
         if not self.rewards:

@@ -31,7 +31,7 @@ _EXPORTS = {
     "extract_answer": "forge_core.data.demo",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

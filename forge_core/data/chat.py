@@ -26,7 +26,7 @@ class ChatTemplateError(ValueError):
 class _GenerationBlock(Extension):
     """Accepts `{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) and renders it."""
 
-    tags = {"generation"}
+    tags = frozenset({"generation"})
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno

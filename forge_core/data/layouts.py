@@ -15,19 +15,17 @@ prompts get the tokenizer's special tokens (chat templates write BOS themselves,
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 import jinja2
 import pyarrow as pa
 
+from forge_core.data.answers import GSM8K_SEPARATOR, parse_gsm8k_answer
 from forge_core.data.chat import ChatTemplate, ChatTemplateError
 from forge_core.data.rejects import Reject, RejectReason, raw_text
 from forge_core.data.sources import RawBatch
 from forge_core.data.tokenizer import SpecialTokens
 
-GSM8K_SEPARATOR = "####"
-_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 _MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 NO_METADATA = "{}"
 
@@ -69,14 +67,6 @@ class ExampleBatch:
             [self.ground_truths[i] for i in indices],
             [self.metadata[i] for i in indices],
         )
-
-
-def parse_gsm8k_answer(answer: str) -> str | None:
-    """The final number after the last `####` (thousands commas removed), or None if there is none."""
-    if GSM8K_SEPARATOR not in answer:
-        return None
-    final = answer.rsplit(GSM8K_SEPARATOR, 1)[1].strip().replace(",", "")
-    return final if _NUMBER_RE.fullmatch(final) else None
 
 
 def _text_problem(value, name: str) -> tuple[RejectReason, str] | None:

@@ -75,39 +75,15 @@ def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifes
     """
     started = time.perf_counter()
     data = cfg.data
-    if data.source == DEMO_SOURCE:
-        splits = demo.generate_splits(
-            data.demo.num_digits, data.demo.num_sft, data.demo.num_rl, data.demo.num_eval, cfg.seed
-        )
-        tokenizer = _tokenizer(cfg, store, lambda: _demo_texts(splits["sft"]))
-        layout_adds_special_tokens = True
-        chunks = _demo_chunks(splits, data.batch_rows)
-    else:
-        options = storage_options_for(data.source, store)
-        pre_training_layout = layout_from_config(data, data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS)
-        tokenizer = _tokenizer(cfg, store, lambda: _source_texts(cfg, pre_training_layout, options))
-        layout = layout_from_config(data, tokenizer.chat_template, tokenizer.special_tokens)
-        layout_adds_special_tokens = layout.adds_special_tokens
-        chunks = _source_chunks(cfg, layout, options)
-
+    tokenizer, adds_special_tokens, chunks = _open_source(cfg, store)
     writer = store.writer(output_uri, kind="data", stage="prepare")
     for name, content in sorted(tokenizer.files.items()):
         writer.write_bytes(f"{TOKENIZER_DIR}/{name}", content)
-    counter = RejectCounter()
-    rows = {split: 0 for split in TABLES}
-    with ExitStack() as stack:
-        tables = {
-            split: stack.enter_context(writer.table_writer(rel, schema)) for split, (rel, schema) in TABLES.items()
-        }
-        for chunk in chunks:
-            kept, tokenized, too_long = tokenize_chunk(chunk.examples, tokenizer, layout_adds_special_tokens,
-                                                       data.max_seq_len)
-            rejects = chunk.rejects + too_long
-            counter.rows_read += chunk.rows_read
-            counter.add(rejects)
-            _write_chunk(tables, rows, kept, tokenized, chunk.destinations, rejects)
+    rows, counter = _write_splits(writer, chunks, tokenizer, adds_special_tokens, data.max_seq_len)
     seconds = time.perf_counter() - started
-    log.info("prepare %s: %s; rows %s in %.1fs", data.source, counter.summary(), rows, seconds)
+    log.info("prepare %s: wrote rows %s in %.1fs", data.source, rows, seconds)
+    if counter.rejected:
+        log.warning("prepare %s: %s (see rejects.parquet)", data.source, counter.summary())
     check_reject_share(counter, data.max_reject_fraction, data.source)
     metrics = {
         "rows": rows,
@@ -119,9 +95,43 @@ def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifes
         "bos_id": tokenizer.bos_id,
         "pad_id": tokenizer.pad_id,
         "seconds": seconds,
+        "wall_s": seconds,  # the stage body's wall time under the name every stage uses
         "rows_per_s": counter.rows_read / seconds if seconds > 0 else 0.0,
     }
     return writer.commit(config=stage_config(cfg), inputs={}, metrics=metrics)
+
+
+def _open_source(cfg: RunConfig, store: ObjectStore) -> tuple[HFTokenizer, bool, Iterator[Chunk]]:
+    """The tokenizer, whether prompts get its special tokens, and the (lazy) chunks of examples."""
+    data = cfg.data
+    if data.source == DEMO_SOURCE:
+        splits = demo.generate_splits(
+            data.demo.num_digits, data.demo.num_sft, data.demo.num_rl, data.demo.num_eval, cfg.seed
+        )
+        tokenizer = _tokenizer(cfg, store, lambda: _demo_texts(splits["sft"]))
+        return tokenizer, True, _demo_chunks(splits, data.batch_rows)
+    options = storage_options_for(data.source, store)
+    tokenizer = _tokenizer(cfg, store, lambda: _source_texts(cfg, options))
+    layout = layout_from_config(data, tokenizer.chat_template, tokenizer.special_tokens)
+    return tokenizer, layout.adds_special_tokens, _source_chunks(cfg, layout, options)
+
+
+def _write_splits(writer, chunks: Iterable[Chunk], tokenizer: HFTokenizer, adds_special_tokens: bool,
+                  max_seq_len: int) -> tuple[dict[str, int], RejectCounter]:
+    """Tokenize every chunk and stream it into the four tables; returns rows per table and reject counts."""
+    counter = RejectCounter()
+    rows = {split: 0 for split in TABLES}
+    with ExitStack() as stack:
+        tables = {
+            split: stack.enter_context(writer.table_writer(rel, schema)) for split, (rel, schema) in TABLES.items()
+        }
+        for chunk in chunks:
+            kept, tokenized, too_long = tokenize_chunk(chunk.examples, tokenizer, adds_special_tokens, max_seq_len)
+            rejects = chunk.rejects + too_long
+            counter.rows_read += chunk.rows_read
+            counter.add(rejects)
+            _write_chunk(tables, rows, kept, tokenized, chunk.destinations, rejects)
+    return rows, counter
 
 
 def stage_config(cfg: RunConfig) -> dict:
@@ -159,8 +169,11 @@ def _demo_texts(examples: list[demo.AdditionExample]) -> Iterator[str]:
         yield example.completion
 
 
-def _source_texts(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[str]:
-    """Prompts and completions of the train rows (a first pass; its rejects are counted in the second)."""
+def _source_texts(cfg: RunConfig, options: dict) -> Iterator[str]:
+    """Prompts and completions of the train rows for training a BPE: a first pass over the source whose
+    rejects are counted in the second. Chat records render with the configured template and the special
+    tokens every trained BPE has."""
+    layout = layout_from_config(cfg.data, cfg.data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS)
     for chunk in _source_chunks(cfg, layout, options):
         if chunk.destinations == TRAIN_DESTINATIONS:
             for prompt, completion in zip(chunk.examples.prompts, chunk.examples.completions):

@@ -16,6 +16,7 @@ does not need the `datasets` package.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from collections.abc import Iterator
@@ -122,6 +123,30 @@ def resolve_source(
     return fs, files
 
 
+def source_fingerprint(uri: str, fmt: str, storage_options: dict | None = None) -> str:
+    """sha256 over the names (relative to `uri`) and bytes of every file the source reads.
+
+    For content keys: a source rewritten in place gets a new key, a byte-identical copy elsewhere the same.
+    """
+    fs, files = resolve_source(uri, fmt, storage_options)
+    root = fsspec.core.url_to_fs(uri, **(storage_options or {}))[1]
+    paths = []
+    for source_file in files:
+        if source_file.format == "hf_disk":
+            paths += [p for p in fs.find(source_file.path) if posixpath.basename(p) != HF_STATE_FILE]
+            paths.append(f"{source_file.path.rstrip('/')}/{HF_STATE_FILE}")
+        else:
+            paths.append(source_file.path)
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(posixpath.relpath(path, root).encode("utf-8") + b"\x00")
+        with fs.open(path, "rb") as f:
+            while chunk := f.read(_READ_CHUNK_BYTES):
+                digest.update(chunk)
+        digest.update(b"\x00")
+    return digest.hexdigest()
+
+
 def _format_of(name: str, formats: list[str]) -> str | None:
     lowered = name.lower()
     for fmt in formats:
@@ -174,27 +199,28 @@ def _iter_lines(f) -> Iterator[bytes]:
 
 def _read_jsonl(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int):
     schema = pa.schema([pa.field(name, dtype) for name, dtype in fields.items()])
+    for index, (lines, rows) in enumerate(_jsonl_blocks(fs, source_file.path, batch_rows)):
+        batch = _parse_jsonl_lines(source_file.uri, lines, rows, schema)
+        if index == 0:
+            _check_jsonl_fields(source_file.uri, batch, lines, fields)
+        yield batch
+
+
+def _jsonl_blocks(fs, path: str, batch_rows: int) -> Iterator[tuple[list[bytes], list[int]]]:
+    """Up to `batch_rows` non-blank lines at a time, with their 0-based line numbers."""
     lines: list[bytes] = []
     rows: list[int] = []
-    first = True
-    with fs.open(source_file.path, "rb") as f:
+    with fs.open(path, "rb") as f:
         for number, line in enumerate(_iter_lines(f)):
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not records
             lines.append(line)
             rows.append(number)
             if len(lines) == batch_rows:
-                batch = _parse_jsonl_lines(source_file.uri, lines, rows, schema)
-                if first:
-                    _check_jsonl_fields(source_file.uri, batch, lines, fields)
-                    first = False
-                yield batch
+                yield lines, rows
                 lines, rows = [], []
     if lines:
-        batch = _parse_jsonl_lines(source_file.uri, lines, rows, schema)
-        if first:
-            _check_jsonl_fields(source_file.uri, batch, lines, fields)
-        yield batch
+        yield lines, rows
 
 
 def _parse_jsonl_lines(source: str, lines: list[bytes], rows: list[int], schema: pa.Schema) -> RawBatch:

@@ -202,7 +202,7 @@ class Engine(Configurable):
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             if self.dist.is_rank0:
-                full[key] = value.detach().to("cpu")
+                full[key] = value.detach().to("cpu", copy=True)  # never alias the live parameters
         return full
 
     def load_full_state_dict(

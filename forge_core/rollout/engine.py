@@ -26,6 +26,7 @@ from forge_core.config.schema import RolloutConfig
 
 GIB = 1 << 30
 CPU_THREADS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,23 @@ class EngineOptions:
     # CPU only: "all" (every core this process may use), "auto" (vLLM's own choice) or a core list
     # such as "0-3" ("0-3|4-7" for tensor_parallel_size=2).
     cpu_threads: str = "all"
+    # Run vLLM's engine core and its worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no
+    # process start-up (seconds instead of tens of seconds on CPU) and no scheduler process competing for
+    # cores; single device only (tensor_parallel_size=1), and the worker owns this process's torch threads.
+    in_process: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.in_process and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"rollout.engine_in_process=true with rollout.tensor_parallel_size={self.tensor_parallel_size}: "
+                "an in-process engine has one worker; set engine_in_process=false for tensor parallelism"
+            )
+        if self.in_process and self.cpu_threads not in ("all", "auto"):
+            raise ValueError(
+                f"rollout.engine_in_process=true with rollout.cpu_threads={self.cpu_threads!r}: an in-process "
+                "engine uses this process's threads; bind the process itself (taskset) or use cpu_threads=all"
+            )
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, seed: int = 0) -> EngineOptions:
@@ -53,6 +70,7 @@ class EngineOptions:
             tensor_parallel_size=rollout.tensor_parallel_size,
             enforce_eager=rollout.enforce_eager,
             cpu_threads=rollout.cpu_threads,
+            in_process=rollout.engine_in_process,
             seed=seed,
         )
 
@@ -78,6 +96,13 @@ class EngineOptions:
 
     def environment(self) -> dict[str, str]:
         """Environment variables the engine's processes must start with (they inherit ours at spawn)."""
+        if self.in_process:
+            env = {IN_PROCESS_ENV: "0"}
+            if on_cpu():
+                # vLLM drops its worker to 1 torch thread unless OMP_NUM_THREADS is set: in-process the worker
+                # is this process, which should keep every core it may use.
+                env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+            return env
         if not on_cpu() or self.cpu_threads == "auto":
             return {}
         if self.cpu_threads == "all":
@@ -143,3 +168,8 @@ def engine_environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        # An engine core started in this process freezes vLLM's view of the environment (envs cache); thaw
+        # it so the next engine built here sees the restored variables.
+        from vllm import envs
+
+        envs.disable_envs_cache()

@@ -47,16 +47,20 @@ def fetch_policy(store: ObjectStore, stage_uri: str, input_name: str = "policy",
     policy_uri = store.join(stage_uri, POLICY_DIR)
     try:
         kind = store.read_manifest(stage_uri).kind
-        version = store.manifest_sha256(policy_uri)
     except (ArtifactError, FileNotFoundError) as exc:
         raise ValueError(
-            f"inputs.{input_name}={stage_uri}: not a committed training-stage artifact with a committed "
-            f"{POLICY_DIR}/ ({exc}); pass the URI of a finished sft or grpo stage"
+            f"inputs.{input_name}={stage_uri}: not a committed artifact ({exc}); pass the URI of a finished sft "
+            "or grpo stage"
         ) from exc
     if kind not in POLICY_STAGE_KINDS:
         raise ValueError(
-            f"inputs.{input_name}={stage_uri}: a {kind!r} artifact; expected one of {list(POLICY_STAGE_KINDS)}"
+            f"inputs.{input_name}={stage_uri}: a {kind!r} artifact; expected one of {list(POLICY_STAGE_KINDS)} "
+            f"(the output of an SFT or GRPO stage, which holds {POLICY_DIR}/)"
         )
+    try:
+        version = store.manifest_sha256(policy_uri)
+    except (ArtifactError, FileNotFoundError) as exc:
+        raise ValueError(f"inputs.{input_name}={stage_uri}: its {POLICY_DIR}/ is not committed ({exc})") from exc
     root = cache_root or policy_cache_root()
     local_dir = root / version
     if not (local_dir / _COMPLETE_MARKER).is_file():

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.rewards import RewardSet
@@ -48,10 +49,13 @@ class EvalPlan:
     prompts: list[Prompt]
     rewards: RewardSet
     policy: PolicyRef
+    # perf_counter() when the stage body began: the manifest's wall_s (bench/orchestration_overhead.py)
+    started_at: float = field(default_factory=time.perf_counter)
 
 
 def plan_evaluation(spec: StageSpec) -> EvalPlan | None:
     """Resolve inputs, prompts and rewards; None when the output is already committed."""
+    started_at = time.perf_counter()
     cfg = spec.run_config()
     store = ObjectStore.from_config(cfg.storage)
     if store.is_committed(spec.output_uri):
@@ -75,6 +79,7 @@ def plan_evaluation(spec: StageSpec) -> EvalPlan | None:
         prompts=prompts,
         rewards=rewards,
         policy=policy,
+        started_at=started_at,
     )
 
 
@@ -90,6 +95,7 @@ def run_evaluation(plan: EvalPlan, generator) -> EvalOutcome:
         "reward_versions": plan.rewards.versions(),
         "primary_reward": plan.rewards.primary_column,
         "sampling": dataclasses.asdict(sampling),
+        "wall_s": time.perf_counter() - plan.started_at,
     }
     writer = plan.store.writer(plan.output_uri, kind=KIND, stage=STAGE)
     writer.write_table(RESULTS_TABLE, outcome.table)

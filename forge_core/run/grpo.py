@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,7 @@ def attach_reference_logprobs(
 
 def main(spec: StageSpec) -> None:
     """Train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module docstring)."""
+    started = time.perf_counter()  # the manifest's wall_s: the stage body, without interpreter start-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = spec.run_config()
     store = ObjectStore.from_config(cfg.storage)
@@ -215,7 +217,8 @@ def main(spec: StageSpec) -> None:
             }
             policy_uri = export_policy(trainer, spec.output_uri, str(policy_dir) if policy_dir else None, metrics)
             layout = {k: v for k, v in engine.describe().items() if not isinstance(v, dict)}
-            metrics = {**metrics, "policy_uri": policy_uri, **layout}
+            wall_s = time.perf_counter() - started
+            metrics = {**metrics, "policy_uri": policy_uri, **layout, "wall_s": wall_s}
             trainer.sink.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
             summary = {"metrics": metrics, "steps": history}
             run_on_rank0(

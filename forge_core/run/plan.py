@@ -62,6 +62,16 @@ def stage_key_material(cfg: RunConfig, stage: str) -> dict:
     return select_sections(cfg, STAGE_CONFIG_SECTIONS[stage])
 
 
+def source_content_hash(cfg: RunConfig, store: ObjectStore) -> str | None:
+    """Data prep reads files outside the store: their bytes are part of its key, so a source rewritten in
+    place is prepared again instead of hitting a stale artifact. None for the generated demo task."""
+    if cfg.data.source == "demo":
+        return None
+    from forge_core.data.sources import source_fingerprint
+
+    return source_fingerprint(cfg.data.source, cfg.data.format, store.storage_options)
+
+
 def plan_stage(
     cfg: RunConfig,
     store: ObjectStore,
@@ -76,6 +86,8 @@ def plan_stage(
     params = dict(params or {})
     input_hashes = {name: store.manifest_sha256(uri) for name, uri in sorted(inputs.items())}
     material = {"config": stage_key_material(cfg, stage), "params": params}
+    if stage == "prepare":
+        material["source"] = source_content_hash(cfg, store)
     key = content_key(stage, material, input_hashes, code_version())
     output_uri = store.artifact_uri(STAGE_KINDS[stage], key)
     spec = StageSpec(

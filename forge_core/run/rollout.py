@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
@@ -59,6 +59,8 @@ class RolloutPlan:
     prompts: list[Prompt]
     rewards: RewardSet
     policy: PolicyRef
+    # perf_counter() when the stage body began: the manifest's wall_s (bench/orchestration_overhead.py)
+    started_at: float = field(default_factory=time.perf_counter)
 
 
 def required_input(spec: StageSpec, name: str, what: str) -> str:
@@ -99,6 +101,7 @@ def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed:
 
 def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
     """Resolve and check everything that can fail cheaply; None when the output is already committed."""
+    started_at = time.perf_counter()
     cfg = spec.run_config()
     store = ObjectStore.from_config(cfg.storage)
     if store.is_committed(spec.output_uri):
@@ -121,6 +124,7 @@ def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
         prompts=prompts,
         rewards=rewards,
         policy=policy,
+        started_at=started_at,
     )
 
 
@@ -154,6 +158,7 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
         "reward_versions": plan.rewards.versions(),
         "reward_weights": plan.rewards.weights(),
         "primary_reward": plan.rewards.primary_column,
+        "wall_s": time.perf_counter() - plan.started_at,
     }
     writer = plan.store.writer(plan.output_uri, kind=KIND, stage=STAGE)
     writer.write_table(ROLLOUTS_TABLE, table)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def _vocab_size(cfg: RunConfig, inputs: SFTInputs, init_dir: str | None) -> int:
 
 def main(spec: StageSpec) -> None:
     """Train, export `<output_uri>/policy`, commit the `sft` artifact (see the module docstring)."""
+    started = time.perf_counter()  # the manifest's wall_s: the stage body, without interpreter start-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = spec.run_config()
     store = ObjectStore.from_config(cfg.storage)
@@ -137,7 +139,8 @@ def main(spec: StageSpec) -> None:
             metrics = summary.as_metrics()
             policy_uri = export_policy(trainer, spec.output_uri, str(inputs.tokenizer_dir), metrics)
             layout = {k: v for k, v in engine.describe().items() if not isinstance(v, dict)}
-            stage_metrics = {**metrics, "policy_uri": policy_uri, **layout}
+            wall_s = time.perf_counter() - started
+            stage_metrics = {**metrics, "policy_uri": policy_uri, **layout, "wall_s": wall_s}
             trainer.sink.summary(metrics)
             run_on_rank0(
                 lambda: commit_stage(

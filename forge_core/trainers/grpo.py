@@ -227,19 +227,20 @@ class GRPOTrainer(TitanTrainer):
     def fit(
         self, batch: RLBatch, seed: int, history: Sequence[dict[str, float]] = (), log_extra: dict | None = None
     ) -> list[dict[str, float]]:
-        """Run the plan's steps from `self.step` (0, or the resumed step) to the end. Returns the metrics of
-        every step of the stage (`history` holds those of the steps completed before a resume).
+        """Run the plan of one rollout batch from step `len(history)` (0, or the step a resumed stage had
+        completed) to its end. Returns the metrics of every step of the plan, `history` included.
 
         A mini-batch in which no completion carries loss (all dropped, e.g. zero reward variance) is skipped
-        rather than stepped: AdamW's momentum would still move the weights on a zero gradient. It counts as
-        a completed plan step (`self.step`) with metrics {"skipped": 1}. Checkpoints every `checkpoint_every`
-        steps and after the last one (the final checkpoint is part of the stage's output), when the trainer
-        has a checkpointer. `log_extra` (e.g. the rollout batch's reward statistics) is logged with step 1."""
+        rather than stepped: AdamW's momentum would still move the weights on a zero gradient. It counts as a
+        plan step with metrics {"skipped": 1}. With a checkpointer, checkpoints every `checkpoint_every` plan
+        steps and after the last one (the final checkpoint is part of the stage's output); a stage trains one
+        rollout batch, so `self.step` and the plan position coincide there. An in-process loop may call `fit`
+        on batch after batch with one optimizer (no checkpointer): `self.step` keeps counting plan steps across batches.
+        `log_extra` (e.g. the rollout batch's reward statistics) is logged with the plan's first step."""
         plan = self.plan(batch.batch_size, seed)
         carries_loss = self._minibatches_with_loss(batch, seed)
         history = [dict(m) for m in history]
-        assert len(history) == self.step, f"{len(history)} step metrics for {self.step} completed steps"
-        for index in range(self.step, len(plan)):
+        for index in range(len(history), len(plan)):
             step = plan[index]
             if carries_loss[index]:
                 metrics = self.train_step(self.micro_batches(batch, step), self.loss)
@@ -248,12 +249,13 @@ class GRPOTrainer(TitanTrainer):
                 metrics = {"skipped": 1.0}
             metrics.update({"epoch": float(step.epoch), "minibatch": float(step.index)})
             history.append(metrics)
-            self.record_metrics({**(log_extra or {}), **metrics} if self.step == 1 else metrics)
+            self.record_metrics({**(log_extra or {}), **metrics} if index == 0 else metrics)
             if self.rank == 0:
-                emit_progress("grpo", self.step, len(plan))
+                emit_progress("grpo", index + 1, len(plan))
             if self.checkpointer is not None and (
-                self.step % self.cfg.checkpoint_every == 0 or self.step == len(plan)
+                (index + 1) % self.cfg.checkpoint_every == 0 or index + 1 == len(plan)
             ):
+                assert self.step == index + 1, "a checkpointed stage trains exactly one rollout batch"
                 self.save_checkpoint(self.step, {"history": history})
         return history
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from forge_core.data import demo
+from forge_core.data.answers import parse_gsm8k_answer
 
 
 def test_every_generated_answer_passes_its_own_verifier_and_is_the_true_sum():
@@ -76,9 +77,18 @@ def test_verifier(completion, exact, per_digit):
     assert demo.has_answer_tag(completion) is ("</answer>" in completion)
 
 
+@pytest.mark.parametrize(
+    ("answer", "number"),
+    [("so 3 + 4 = 7\n#### 7", "7"), ("#### 1,234", "1234"), ("a #### 1 b #### -2.5", "-2.5"), ("#### five", None),
+     ("no marker 5", None)],
+)
+def test_gsm8k_final_answer(answer, number):
+    assert parse_gsm8k_answer(answer) == number
+
+
 def test_verifier_module_imports_only_the_standard_library():
     code = (
-        "import sys; import forge_core.data.demo; "
+        "import sys; import forge_core.data.demo, forge_core.data.answers; "
         "print(sorted(m for m in ('pyarrow', 'tokenizers', 'numpy', 'fsspec') if m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

@@ -14,7 +14,7 @@ from forge_core.config import config_to_dict
 from forge_core.data import demo
 from forge_core.data.pipeline import prepare_data, stage_config
 from forge_core.data.schemas import PROMPTS_SCHEMA, SFT_SCHEMA, TABLES
-from forge_core.data.tokenizer import load_tokenizer
+from forge_core.data.tokenizer import load_tokenizer, train_text_tokenizer
 from forge_core.run.spec import StageSpec, write_spec
 from forge_core.storage import code_version, content_key
 from tests.data.conftest import data_config, jsonl_bytes, put, put_source
@@ -132,23 +132,31 @@ def test_prompt_completion_parquet_with_ground_truth_column_and_eval_split(file_
     assert all(r["source"] == uri for r in rl)
 
 
-def test_chat_records_are_masked_on_the_assistant_turn(file_store):
-    template = (
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template_from", ["config", "tokenizer_folder"])
+def test_chat_records_are_masked_on_the_assistant_turn(file_store, tmp_path, template_from):
     records = [
         {"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}!"}]}
         for i in range(50)
     ]
     uri = put(file_store, "chat.jsonl", jsonl_bytes(records))
+    if template_from == "config":
+        tokenizer = {"vocab_size": 300, "chat_template": CHAT_TEMPLATE}
+    else:
+        texts = [m["content"] for r in records for m in r["messages"]]
+        folder = train_text_tokenizer(texts, 300, 64).with_chat_template(CHAT_TEMPLATE).save(str(tmp_path / "tok"))
+        tokenizer = {"path": folder}
 
-    _, out, _ = prepare(file_store, source=uri, layout="chat", eval_fraction=0.0,
-                        tokenizer={"vocab_size": 300, "chat_template": template})
+    _, out, _ = prepare(file_store, source=uri, layout="chat", eval_fraction=0.0, tokenizer=tokenizer)
 
     reader = file_store.reader(out)
     tok = load_tokenizer(file_store.join(out, "tokenizer"))
-    assert tok.chat_template == template
+    assert tok.chat_template == CHAT_TEMPLATE
     sft = reader.read_table("sft.parquet").to_pylist()
     for row, record in zip(sft, records):
         ids, n = row["input_ids"], row["prompt_length"]
@@ -157,3 +165,11 @@ def test_chat_records_are_masked_on_the_assistant_turn(file_store):
         assert tok.backend.decode(ids[n:], skip_special_tokens=False) == record["messages"][1]["content"] + "</s>"
         assert ids.count(tok.bos_id) == 1 and ids[-1] == tok.eos_id
     assert reader.read_table("rl_prompts.parquet")["ground_truth"].to_pylist() == [f"{i}!" for i in range(50)]
+
+
+def test_chat_layout_without_any_template_says_where_to_set_one(file_store):
+    uri = put(file_store, "chat.jsonl", jsonl_bytes([{"messages": []}]))
+    cfg = data_config(file_store, source=uri, layout="chat", tokenizer={"vocab_size": 300})
+
+    with pytest.raises(ValueError, match="data.layout=chat needs a chat template: set data.tokenizer.chat_template"):
+        prepare_data(cfg, file_store.artifact_uri("data", "x"), file_store)

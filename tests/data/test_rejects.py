@@ -92,6 +92,7 @@ def test_csv_malformed_and_invalid_utf8_rows(file_store):
     out, manifest = run(file_store, uri)
 
     assert manifest.metrics["rejects_by_reason"] == {"empty_field": 1, "invalid_utf8": 1, "malformed_row": 1}
+    assert sorted(reason for _, reason in rejected(file_store, out)) == ["empty_field", "invalid_utf8", "malformed_row"]
     assert manifest.metrics["rows_read"] == 13
 
 

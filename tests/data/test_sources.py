@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from forge_core.data.pipeline import storage_options_for
-from forge_core.data.sources import DataSourceError, read_source
+from forge_core.data.sources import DataSourceError, read_source, source_fingerprint
 from tests.data.conftest import jsonl_bytes, put, put_source
 
 FIELDS = {"prompt": pa.string(), "completion": pa.string()}
@@ -111,3 +111,18 @@ def test_csv_invalid_utf8_and_malformed_rows_become_rejects(file_store):
     assert prompts == ["ok", "fine"]
     assert [reason for reason, _ in rejects] == ["invalid_utf8", "malformed_row"]
     assert sum(b.rows_read for b in batches) == 4
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "hf_disk"])
+def test_fingerprint_follows_content_not_location(store, fmt):
+    first = put_source(store, fmt, RECORDS, name="one")
+    copy = store.join(store.root, "elsewhere", first.rsplit("/", 1)[1])
+    for uri in store.list_files(first):  # a byte-identical copy under another prefix
+        store.put_bytes(copy + uri[len(first):], store.get_bytes(uri))
+    changed = put_source(store, fmt, RECORDS[:-1], name="changed")
+    options = storage_options_for(first, store)
+
+    fingerprint = source_fingerprint(first, "auto", options)
+
+    assert source_fingerprint(copy, "auto", options) == fingerprint
+    assert source_fingerprint(changed, "auto", options) != fingerprint

@@ -119,6 +119,6 @@ def generator(world, tmp_path_factory):
 
     engine_dir = tmp_path_factory.mktemp("engine") / "policy"
     shutil.copytree(world.policy_dir, engine_dir)
-    gen = Generator(engine_dir, SAMPLING, EngineOptions(kv_cache_gib=1, max_num_seqs=64))
+    gen = Generator(engine_dir, SAMPLING, EngineOptions(kv_cache_gib=1, max_num_seqs=64, in_process=True))
     yield gen
     gen.close()

@@ -64,3 +64,14 @@ def test_unknown_stage_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match="unknown; valid stages"):
         plan_stage(_cfg(tmp_path), ObjectStore(f"file://{tmp_path}/store"), "train")
+
+
+def test_prepare_key_follows_source_file_contents(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/store")
+    source = tmp_path / "train.jsonl"
+    overrides = [f"data.source={source}", "data.format=jsonl", "data.tokenizer.vocab_size=300"]
+    source.write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    first = plan_stage(_cfg(tmp_path, *overrides), store, "prepare")
+    source.write_text('{"prompt": "1+1=", "completion": "3"}\n')
+    second = plan_stage(_cfg(tmp_path, *overrides), store, "prepare")
+    assert first.key != second.key

@@ -2,15 +2,18 @@
 committed sft policy and rollout artifact on a local object store, the KL term on (reference = the sft
 policy, scored by the engine before training), 4 optimizer steps (2 epochs x 2 mini-batches).
 
-- data parallel: 1 rank (4 micro-batches per step) and 2 ranks (2 each) give the same update;
-- exact resume: rank 1 is SIGKILLed after step 3; the retried stage resumes from step 2's checkpoint and ends
-  bit-identical to the uninterrupted run (losses and weights);
+- data parallel: 1 rank (4 micro-batches per step, in this process) and 2 torchrun ranks (2 each) give the
+  same update;
+- exact resume: a stage that fails after step 3 is retried, resumes from step 2's checkpoint and ends
+  bit-identical to the uninterrupted run (every step's metrics and the weights). Killed ranks under torchrun
+  and the launcher's retry are the fault-tolerance suite's subject; the checkpoint content is the same;
 - the committed artifact carries lineage, the required metrics and a loadable policy.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ from grpo_helpers import (
 )
 
 from forge_core.engine import committed_checkpoints, destroy_distributed
-from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from forge_core.faults import FAULT_ENV, InjectedFault
 from forge_core.launch import LaunchSpec, Outcome, launch
 from forge_core.run import grpo as grpo_stage
 from forge_core.run.spec import read_spec
@@ -45,7 +48,7 @@ REQUIRED_METRICS = (
 class Setup:
     def __init__(self, tmp_path):
         self.tmp = tmp_path
-        self.cfg = grpo_test_config(tmp_path, "grpo.loss.kl_coef=0.05")
+        self.cfg = grpo_test_config(tmp_path, "grpo.loss.kl_coef=0.05", "grpo.checkpoint_every=2")
         self.store = ObjectStore.from_config(self.cfg.storage)
         tokenizer = demo_tokenizer(tmp_path)
         policy = plain_policy(self.cfg, tokenizer.vocab_size, seed=3)
@@ -65,7 +68,15 @@ class Setup:
             "forge_core.run", ["grpo", "--spec", self.spec_uri(name)], nproc_per_node=nproc, env=env or {},
             deadline_s=300,
         )
-        return launch(spec, log=lambda line: None)
+        start = time.monotonic()
+        return launch(spec, log=lambda line: print(f"[{time.monotonic() - start:6.1f}s] {line}"))
+
+    def run_in_process(self, name: str) -> None:
+        """The stage as one plain process (world size 1): here, in the test process."""
+        try:
+            grpo_stage.main(read_spec(self.spec_uri(name)))
+        finally:
+            destroy_distributed()
 
     def summary(self, name: str) -> dict:
         return self.store.reader(self.store.artifact_uri("grpo", name)).read_json("train_summary.json")
@@ -79,6 +90,7 @@ def setup(tmp_path_factory):
     s = Setup(tmp_path_factory.mktemp("grpo-stage"))
     result = s.run_torchrun("two-ranks", nproc=2)
     assert result.outcome is Outcome.SUCCESS, (result.reason, result.tail[-30:])
+    s.run_in_process("one-rank")
     return s
 
 
@@ -100,7 +112,7 @@ def test_stage_commits_policy_with_lineage_and_metrics(setup):
     assert manifest.metrics["generator_gap/max"] < 1e-5
     # Later steps are off-policy against the stored generator logprobs: the ratio moves away from 1.
     assert manifest.metrics["policy/ratio_max"] > 1.0
-    assert [ref.step for ref in committed_checkpoints(setup.store, uri)] == [4, 3, 2, 1]
+    assert [ref.step for ref in committed_checkpoints(setup.store, uri)] == [4, 2]
     assert setup.store.is_committed(setup.store.join(uri, "policy"))
     trained = setup.weights("two-ranks")
     start = read_policy_weights(setup.store, setup.policy_uri, setup.tmp / "w-parent")
@@ -108,39 +120,37 @@ def test_stage_commits_policy_with_lineage_and_metrics(setup):
 
 
 def test_one_rank_and_two_ranks_give_the_same_update(setup):
-    # One plain process (world size 1, 4 micro-batches per step) runs the same stage in this test process.
-    try:
-        grpo_stage.main(read_spec(setup.spec_uri("one-rank")))
-    finally:
-        destroy_distributed()
     one, two = setup.summary("one-rank")["steps"], setup.summary("two-ranks")["steps"]
     for a, b in zip(one, two, strict=True):
-        # Losses are sums over micro-batches and ranks in a different order: fp32 rounding only.
+        # Losses are sums over micro-batches (4 on one rank, 2 + 2 on two) in another order: fp32 rounding.
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     w1, w2 = setup.weights("one-rank"), setup.weights("two-ranks")
     start = read_policy_weights(setup.store, setup.policy_uri, setup.tmp / "w-parent-2")
-    worst = max(((w1[k] - w2[k]).abs().max() / (w1[k] - start[k]).abs().max().clamp(min=1e-12)).item() for k in w1)
-    # Max |weight difference| relative to the largest update of the same tensor; measured: see the report.
-    assert worst < 1e-3, worst
+    # Per tensor: |update(1 rank) - update(2 ranks)| / |update(1 rank)| (Frobenius norms) after 4 AdamW steps.
+    # Measured <= 6.6e-6 (fp32 reduction order; AdamW's per-element normalisation amplifies the rounding of
+    # near-zero gradient entries, so single elements differ by up to ~5e-4 of the largest update).
+    worst = max(((w1[k] - w2[k]).norm() / (w1[k] - start[k]).norm().clamp(min=1e-12)).item() for k in w1)
+    print(f"1 vs 2 ranks: max relative update difference {worst:.3e}")
+    assert worst < 1e-4, worst
 
 
-def test_killed_stage_resumes_mid_stage_exactly(setup, tmp_path):
-    env = {FAULT_ENV: "kill_rank:1:3", FAULT_ONCE_ENV: str(tmp_path / "fault-fired")}
-    killed = setup.run_torchrun("resumed", nproc=2, env=env)
+def test_interrupted_stage_resumes_mid_stage_exactly(setup, monkeypatch):
+    # The stage fails right after optimizer step 3, before its checkpoint: the retry resumes from step 2.
+    monkeypatch.setenv(FAULT_ENV, "raise_rank:0:3")
+    with pytest.raises(InjectedFault):
+        setup.run_in_process("resumed")
     uri = setup.store.artifact_uri("grpo", "resumed")
-    assert killed.outcome is Outcome.RETRYABLE, killed.reason
     assert not setup.store.is_committed(uri)
-    assert [ref.step for ref in committed_checkpoints(setup.store, uri)] == [2, 1]
+    assert [ref.step for ref in committed_checkpoints(setup.store, uri)] == [2]
 
-    retried = setup.run_torchrun("resumed", nproc=2, env=env)
-    assert retried.outcome is Outcome.SUCCESS, (retried.reason, retried.tail[-30:])
+    monkeypatch.delenv(FAULT_ENV)
+    setup.run_in_process("resumed")
     assert setup.store.read_manifest(uri).metrics["resumed_from_step"] == 2
-    resumed, uninterrupted = setup.summary("resumed"), setup.summary("two-ranks")
-    drop = ("step_time_s", "tokens_per_s")
-    assert [{k: v for k, v in m.items() if k not in drop} for m in resumed["steps"]] == [
-        {k: v for k, v in m.items() if k not in drop} for m in uninterrupted["steps"]
+    resumed, uninterrupted = setup.summary("resumed"), setup.summary("one-rank")
+    timing = ("step_time_s", "tokens_per_s")
+    assert [{k: v for k, v in m.items() if k not in timing} for m in resumed["steps"]] == [
+        {k: v for k, v in m.items() if k not in timing} for m in uninterrupted["steps"]
     ]
-    w_resumed, w_straight = setup.weights("resumed"), setup.weights("two-ranks")
+    w_resumed, w_straight = setup.weights("resumed"), setup.weights("one-rank")
     assert all(torch.equal(w_resumed[k], w_straight[k]) for k in w_straight)
-    assert json.dumps(resumed["metrics"]["policy/loss"]) == json.dumps(uninterrupted["metrics"]["policy/loss"])

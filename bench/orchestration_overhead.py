@@ -1,0 +1,238 @@
+"""Benchmark: how much of the post-training flow's wall time goes to orchestration rather than stage work.
+
+    python -m bench.orchestration_overhead            # tiny pipeline: 1 warm-up + 2 measured runs
+    python -m bench.orchestration_overhead --warmup 0 --repeats 1 sft.steps=40   # config overrides
+
+Runs the real `post-train` flow in this process on Prefect's local API (the ephemeral SQLite server Prefect
+starts for a process without PREFECT_API_URL, in a private PREFECT_HOME), each run on a fresh local store so
+that every stage really launches. The warm-up run absorbs the API server's start and cold caches. Each
+measured run's wall time (around the `post_train` call) splits into:
+
+- stage work: the workers' own body time, `wall_s` in each committed stage manifest (from the stage's
+  `main` to its commit, so without interpreter and torch/vLLM import start-up);
+- process start-up: per stage, the launcher's duration minus that body time (torchrun, interpreter and
+  imports, rendezvous, process exit); the launch duration is read back from the stage task's own log line
+  (`<stage>: SUCCESS in <s>s`) through the Prefect API;
+- orchestration: everything else (flow and task runs, API calls, log shipping, planning, spec writing,
+  commit checks, UI artifacts, the report).
+
+Result: value = orchestration seconds, baseline = wall seconds minus process start-up, both summed over
+the measured runs, so ratio = the orchestration fraction of the wall time that is not process start-up;
+target <= 0.05. Start-up is reported separately in details (it is what the fast loop removes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.harness import write_result
+
+# Prefect itself is imported only after _isolate_prefect has pointed it at a private home.
+BENCH_NAME = "orchestration_overhead"
+TARGET = "<=0.05"
+DEFAULT_CONFIG = "configs/tiny_test.yaml"
+_LAUNCH_START = re.compile(r"^(?P<stage>\w+): launching -> (?P<uri>\S+)$")
+_LAUNCH_END = re.compile(r"^(?P<stage>\w+): SUCCESS in (?P<seconds>[0-9.]+)s$")
+LOG_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    label: str  # the flow's label: prepare, sft, eval-sft, rollout-1, ...
+    uri: str
+    task_s: float  # the task as the flow saw it (rounded to 0.1 s by the flow's report)
+    launch_s: float  # the launcher's duration (0.1 s resolution, from the task's log)
+    body_s: float  # the worker's own wall_s
+
+    @property
+    def startup_s(self) -> float:
+        return self.launch_s - self.body_s
+
+
+@dataclass(frozen=True)
+class RunSplit:
+    wall_s: float
+    stages: list[StageSplit]
+
+    @property
+    def work_s(self) -> float:
+        return sum(s.body_s for s in self.stages)
+
+    @property
+    def startup_s(self) -> float:
+        return sum(s.startup_s for s in self.stages)
+
+    @property
+    def orchestration_s(self) -> float:
+        return self.wall_s - sum(s.launch_s for s in self.stages)
+
+    def as_details(self) -> dict:
+        return {
+            "wall_s": round(self.wall_s, 2),
+            "work_s": round(self.work_s, 2),
+            "startup_s": round(self.startup_s, 2),
+            "orchestration_s": round(self.orchestration_s, 2),
+            "orchestration_fraction": round(self.orchestration_s / (self.wall_s - self.startup_s), 4),
+            "stages": [{**asdict(s), "startup_s": round(s.startup_s, 2)} for s in self.stages],
+        }
+
+
+def _isolate_prefect(home: Path) -> None:
+    """A private ephemeral API: set before Prefect reads its settings (i.e. before importing it)."""
+    for name in [k for k in os.environ if k.startswith("PREFECT_")]:
+        del os.environ[name]
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
+
+
+def launches_from_logs(flow_run_id: str) -> dict[str, float]:
+    """{output URI: launch seconds} from the stage tasks' log lines, read back through the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    async def read() -> list:
+        async with get_client() as client:
+            logs, offset = [], 0
+            while True:
+                page = await client.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                    sort=LogSort.TIMESTAMP_ASC,
+                    limit=200,
+                    offset=offset,
+                )
+                logs += page
+                offset += len(page)
+                if len(page) < 200:
+                    return logs
+
+    uri_by_task: dict = {}
+    seconds_by_task: dict = {}
+    for log in asyncio.run(read()):
+        if (start := _LAUNCH_START.match(log.message)) is not None:
+            uri_by_task[log.task_run_id] = start["uri"]
+        elif (end := _LAUNCH_END.match(log.message)) is not None:
+            seconds_by_task[log.task_run_id] = float(end["seconds"])
+    return {uri: seconds_by_task[task] for task, uri in uri_by_task.items() if task in seconds_by_task}
+
+
+def wait_for_launch_logs(flow_run_id: str, uris: list[str]) -> dict[str, float]:
+    """Logs reach the API from a background worker: flush it, then poll until every stage's lines arrive."""
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        launches = launches_from_logs(flow_run_id)
+        missing = [uri for uri in uris if uri not in launches]
+        if not missing:
+            return launches
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"flow run {flow_run_id}: no 'launching -> <uri>' / 'SUCCESS in <s>s' log lines for "
+                f"{missing} "
+                f"after {LOG_WAIT_S:.0f}s; did tasks/stages.py change its launch log lines?"
+            )
+        time.sleep(1.0)
+
+
+def body_seconds(store, uri: str) -> float:
+    metrics = store.read_manifest(uri).metrics
+    if "wall_s" not in metrics:
+        raise RuntimeError(f"{uri}: the manifest metrics have no wall_s; the stage's worker must record it")
+    return float(metrics["wall_s"])
+
+
+def measure_run(config: str, overrides: list[str], store_root: str) -> RunSplit:
+    """One full pipeline on a fresh store, split into stage work, start-up and orchestration."""
+    from flows.post_train import post_train
+    from forge_core.config import load_config
+    from forge_core.storage import ObjectStore
+
+    run_overrides = [*overrides, f"storage.root={store_root}"]
+    started = time.perf_counter()
+    summary = post_train(config, run_overrides)
+    wall_s = time.perf_counter() - started
+
+    store = ObjectStore.from_config(load_config(config, run_overrides).storage)
+    uris = [row["artifact"] for row in summary["stages"]]
+    launches = wait_for_launch_logs(summary["flow_run_id"], uris)
+    stages = [
+        StageSplit(
+            label=row["stage"],
+            uri=row["artifact"],
+            task_s=row["seconds"],
+            launch_s=launches[row["artifact"]],
+            body_s=body_seconds(store, row["artifact"]),
+        )
+        for row in summary["stages"]
+    ]
+    return RunSplit(wall_s, stages)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.orchestration_overhead", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. sft.steps=40")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed full runs first (default 1)")
+    parser.add_argument("--repeats", type=int, default=2, help="measured full runs (default 2)")
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error(f"--warmup={args.warmup} --repeats={args.repeats}: need warmup >= 0 and repeats >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="forge-bench-orch-") as tmp:
+        workdir = Path(tmp)
+        _isolate_prefect(workdir / "prefect-home")
+        overrides = [*args.overrides, f"logging.dir={workdir / 'runs'}"]
+        for index in range(args.warmup):
+            measure_run(args.config, overrides, f"file://{workdir}/warmup-{index}")
+        runs = [
+            measure_run(args.config, overrides, f"file://{workdir}/run-{index}")
+            for index in range(args.repeats)
+        ]
+
+    orchestration_s = sum(run.orchestration_s for run in runs)
+    non_startup_s = sum(run.wall_s - run.startup_s for run in runs)
+    return write_result(
+        BENCH_NAME,
+        value=orchestration_s,
+        baseline=non_startup_s,
+        target=TARGET,
+        unit="s",
+        details={
+            "encoding": (
+                "value = orchestration s (wall - launcher durations), baseline = wall - process start-up s, "
+                "summed over the measured runs; ratio = orchestration fraction of the non-start-up wall time"
+            ),
+            "config": args.config,
+            "overrides": args.overrides,
+            "warmup_runs": args.warmup,
+            "wall_s": round(sum(run.wall_s for run in runs), 2),
+            "work_s": round(sum(run.work_s for run in runs), 2),
+            "startup_s": round(sum(run.startup_s for run in runs), 2),
+            "startup_fraction_of_wall": round(
+                sum(run.startup_s for run in runs) / sum(run.wall_s for run in runs), 4
+            ),
+            "runs": [run.as_details() for run in runs],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,90 @@
+"""Builders for the SFT/TitanTrainer tests: a tiny CPU config, synthetic token rows, and a committed demo
+`data` artifact written by the real prepare stage. Plain functions, imported by the test modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from forge_core.config import RunConfig, config_to_dict, load_config
+from forge_core.data import prepare_data
+from forge_core.engine import Engine
+from forge_core.run.spec import StageSpec, write_spec
+from forge_core.storage import ObjectStore
+from forge_core.trainers import TitanTrainer
+
+VOCAB = 40
+
+
+def sft_test_config(tmp_path: Path, *overrides: str) -> RunConfig:
+    """Tiny llama3 on CPU; 6 SFT steps of 16 rows in micro-batches of 4, warmup + cosine LR."""
+    return load_config(
+        None,
+        [
+            "training.device=cpu",
+            f"storage.root=file://{tmp_path}/store",
+            "model.max_seq_len=64",
+            "data.max_seq_len=64",
+            "data.demo.num_sft=120",
+            "data.demo.num_rl=8",
+            "data.demo.num_eval=8",
+            "sft.steps=6",
+            "sft.batch_size=16",
+            "sft.micro_batch_size=4",
+            "sft.eval_rows=16",
+            "sft.eval_every=3",
+            "sft.checkpoint_every=2",
+            "sft.optimizer.warmup_steps=2",
+            "sft.optimizer.decay=cosine",
+            "logging.wandb_mode=disabled",
+            f"logging.dir={tmp_path}/runs",
+            "logging.log_every=1",
+            *overrides,
+        ],
+    )
+
+
+def token_rows(n: int, seed: int = 0, vocab: int = VOCAB) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Random rows of 6-13 tokens whose second half is the completion (loss_mask = 1)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        length = int(rng.integers(6, 14))
+        mask = np.zeros(length, np.int8)
+        mask[length // 2 :] = 1
+        rows.append((rng.integers(1, vocab, length), mask))
+    return rows
+
+
+def tiny_trainer(cfg: RunConfig, steps: int = 10, **kwargs) -> TitanTrainer:
+    engine = Engine.Config.from_run_config(cfg, VOCAB, cfg.sft.optimizer, total_steps=steps).build()
+    return TitanTrainer(engine, **kwargs)
+
+
+def committed_data_artifact(cfg: RunConfig) -> str:
+    store = ObjectStore.from_config(cfg.storage)
+    uri = store.artifact_uri("data", "demo")
+    if not store.is_committed(uri):
+        prepare_data(cfg, uri, store)
+    return uri
+
+
+def sft_spec(cfg: RunConfig, data_uri: str, key: str) -> str:
+    """Write the spec of an SFT stage run into `<root>/sft/<key>`; returns the spec URI."""
+    store = ObjectStore.from_config(cfg.storage)
+    spec = StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri},
+                     output_uri=store.artifact_uri("sft", key))
+    return write_spec(store, spec)
+
+
+@pytest.fixture(autouse=False)
+def one_intra_op_thread():
+    """Run torch on one intra-op thread during a test: on the shared 2-core CI box, OpenMP spin-waiting with 2
+    threads per process makes tiny CPU steps up to 40x slower when other processes compete for the cores."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -1,0 +1,131 @@
+"""TitanTrainer in one process (world size 1, CPU): learning, split-invariance of a step, no-grad passes,
+the cross-entropy loss, batches, the sampler, and export to an HF folder that transformers loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sft_helpers import VOCAB, sft_test_config, tiny_trainer, token_rows, one_intra_op_thread  # noqa: F401 (fixture)
+
+from forge_core.losses import ModelOutputs, TokenCrossEntropy
+from forge_core.models import forward_logits
+from forge_core.storage import ObjectStore
+from forge_core.trainers import ArtifactContext, pad_token_rows
+from forge_core.trainers.sampler import GlobalBatchSampler
+
+LOSS = TokenCrossEntropy()
+
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+def test_a_step_changes_parameters_and_the_loss_goes_down(tmp_path):
+    trainer = tiny_trainer(sft_test_config(tmp_path))
+    batch = pad_token_rows(token_rows(8))
+    before = trainer.engine.full_state_dict()
+    losses = [trainer.train_step(batch.split(4), LOSS)["loss"]]
+    after = trainer.engine.full_state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before), sorted(set(before) - set(changed))
+    losses += [trainer.train_step(batch.split(4), LOSS)["loss"] for _ in range(7)]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert trainer.step == 8
+
+
+def test_gradient_accumulation_1x8_equals_8x1(tmp_path):
+    """One micro-batch of 8 rows and 8 micro-batches of 1 row give the same steps (fp32 CPU; tolerance 1e-5
+    relative on losses and gradient norms, 1e-5 absolute on the weights after 3 steps)."""
+    cfg = sft_test_config(tmp_path)
+    rows = token_rows(24, seed=1)
+    batches = [pad_token_rows(rows[i : i + 8]) for i in range(0, 24, 8)]
+    results = {}
+    for micro in (8, 1):
+        trainer = tiny_trainer(cfg)
+        steps = [trainer.train_step(b.split(micro), LOSS) for b in batches]
+        results[micro] = ([(m["loss"], m["grad_norm"]) for m in steps], trainer.engine.full_state_dict())
+    (one, w_one), (eight, w_eight) = results[8], results[1]
+    rel = max(abs(a - b) / abs(a) for x, y in zip(one, eight) for a, b in zip(x, y))
+    weights = max((w_one[k] - w_eight[k]).abs().max().item() for k in w_one)
+    print(f"1x8 vs 8x1: max relative diff of loss/grad_norm {rel:.2e}, max weight diff {weights:.2e}")
+    assert rel < 1e-5 and weights < 1e-5
+
+
+def test_evaluate_and_compute_logprobs_leave_the_model_alone(tmp_path):
+    trainer = tiny_trainer(sft_test_config(tmp_path))
+    batch = pad_token_rows(token_rows(6, seed=2))
+    before = trainer.engine.full_state_dict()
+    first = trainer.evaluate(batch.split(4), LOSS)
+    again = trainer.evaluate(batch.split(2), LOSS)
+    logp_BL = trainer.compute_logprobs(batch)
+    assert all(torch.equal(v, trainer.engine.full_state_dict()[k]) for k, v in before.items())
+    assert first["loss"] == pytest.approx(again["loss"], rel=1e-6)
+    expected = -(logp_BL * batch.loss_mask_BL).sum() / batch.loss_mask_BL.sum()
+    assert first["loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert first["nll"] == pytest.approx(first["loss"], rel=1e-6)
+    assert logp_BL.dtype == torch.float32 and logp_BL.shape == batch.input_ids_BL.shape
+
+
+def test_cross_entropy_counts_only_completion_tokens():
+    batch = pad_token_rows([(np.array([5, 6, 7, 8]), np.array([0, 0, 1, 1])), (np.array([1, 2]), np.array([0, 1]))])
+    # Targets: row 0 -> [6, 7, 8] with mask [0, 1, 1]; row 1 -> [2, pad, pad] with mask [1, 0, 0].
+    assert batch.loss_mask_BL.tolist() == [[False, True, True], [True, False, False]]
+    assert batch.lengths_B.tolist() == [3, 1] and batch.num_tokens() == 4
+    logp = torch.tensor([[-9.0, -1.0, -2.0], [-3.0, -9.0, -9.0]])
+    out = LOSS(ModelOutputs(logp), batch, global_normalizer=6.0)
+    assert LOSS.normalizer(batch) == 3.0
+    assert out.loss.item() == pytest.approx(6.0 / 6.0)
+    assert LOSS.summarize({k: float(v) for k, v in out.metrics.items()}) == {"nll": 2.0, "loss_tokens": 3.0}
+    with pytest.raises(ValueError, match="no completion tokens"):
+        LOSS(ModelOutputs(logp), batch, global_normalizer=0.0)
+
+
+def test_split_keeps_every_per_row_field():
+    batch = pad_token_rows(token_rows(5), pad_to_multiple=8)
+    assert batch.seq_len % 8 == 0
+    parts = batch.split(2)
+    assert [p.batch_size for p in parts] == [2, 2, 1]
+    assert torch.equal(torch.cat([p.lengths_B for p in parts]), batch.lengths_B)
+    assert torch.equal(torch.cat([p.input_ids_BL for p in parts]), batch.input_ids_BL)
+
+
+def test_sampler_is_rank_independent_and_resumes_from_its_cursor():
+    whole = GlobalBatchSampler(num_rows=10, global_batch_size=4, dp_degree=1, dp_rank=0, seed=7)
+    ranks = [GlobalBatchSampler(10, 4, dp_degree=2, dp_rank=r, seed=7) for r in (0, 1)]
+    for _ in range(6):  # crosses two epoch boundaries
+        expected = whole.next_global_rows()
+        assert np.array_equal(np.concatenate([s.next_local_rows() for s in ranks]), expected)
+    seen = np.concatenate([GlobalBatchSampler(10, 5, 1, 0, seed=1).next_global_rows() for _ in range(1)])
+    assert len(set(seen.tolist())) == 5
+    cursor = whole.cursor()
+    ahead = [whole.next_global_rows() for _ in range(3)]
+    restored = GlobalBatchSampler(10, 4, 1, 0, seed=7)
+    restored.restore(cursor)
+    assert all(np.array_equal(a, restored.next_global_rows()) for a in ahead)
+    with pytest.raises(ValueError, match="another dataset/seed"):
+        GlobalBatchSampler(11, 4, 1, 0, seed=7).restore(cursor)
+    with pytest.raises(ValueError, match="sft.batch_size=5: must be divisible"):
+        GlobalBatchSampler(10, 5, dp_degree=2, dp_rank=0, seed=0)
+
+
+def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path):
+    import transformers
+
+    cfg = sft_test_config(tmp_path)
+    store = ObjectStore.from_config(cfg.storage)
+    trainer = tiny_trainer(cfg, artifacts=ArtifactContext(store, "sft", {"x": 1}, {}))
+    batch = pad_token_rows(token_rows(4, seed=3))
+    trainer.train_step(batch.split(4), LOSS)  # export trained weights, not the init
+    uri = store.join(store.artifact_uri("sft", "export"), "policy")
+    trainer.export_weights(uri, tokenizer_dir=None, metrics={"note": "test"})
+    reader = store.reader(uri)
+    assert reader.manifest.kind == "policy" and reader.manifest.metrics["step"] == 1
+    local = reader.download_dir("", tmp_path / "policy")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+    ids_BL = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = forward_logits(trainer.model, ids_BL).float()
+        theirs = hf(ids_BL).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"exported policy vs trainer logits: max abs diff {diff:.2e}")
+    assert diff < 1e-4
