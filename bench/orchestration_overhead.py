@@ -1,12 +1,13 @@
 """Benchmark: how much of the post-training flow's wall time goes to orchestration rather than stage work.
 
-    python -m bench.orchestration_overhead            # tiny pipeline: 1 warm-up + 2 measured runs
-    python -m bench.orchestration_overhead --warmup 0 --repeats 1 sft.steps=40   # config overrides
+    python -m bench.orchestration_overhead            # tiny pipeline: 2 measured runs
+    python -m bench.orchestration_overhead --warmup 1 --repeats 3 sft.steps=40   # config overrides
 
 Runs the real `post-train` flow in this process on Prefect's local API (the ephemeral SQLite server Prefect
 starts for a process without PREFECT_API_URL, in a private PREFECT_HOME), each run on a fresh local store so
-that every stage really launches. The warm-up run absorbs the API server's start and cold caches. Each
-measured run's wall time (around the `post_train` call) splits into:
+that every stage really launches. A trivial flow first starts the API server and warms Prefect's client
+and task engine (once-per-process costs); `--warmup N` adds N untimed full runs. Each measured run's wall
+time (around the `post_train` call) splits into:
 
 - stage work: the workers' own body time, `wall_s` in each committed stage manifest (from the stage's
   `main` to its commit, so without interpreter and torch/vLLM import start-up);
@@ -51,6 +52,7 @@ class StageSplit:
     task_s: float  # the task as the flow saw it (rounded to 0.1 s by the flow's report)
     launch_s: float  # the launcher's duration (0.1 s resolution, from the task's log)
     body_s: float  # the worker's own wall_s
+    engine_startup_s: float  # part of body_s: vLLM engine start in rollout/evaluate (0 elsewhere)
 
     @property
     def startup_s(self) -> float:
@@ -80,6 +82,7 @@ class RunSplit:
             "work_s": round(self.work_s, 2),
             "startup_s": round(self.startup_s, 2),
             "orchestration_s": round(self.orchestration_s, 2),
+            "engine_startup_in_work_s": round(sum(s.engine_startup_s for s in self.stages), 2),
             "orchestration_fraction": round(self.orchestration_s / (self.wall_s - self.startup_s), 4),
             "stages": [{**asdict(s), "startup_s": round(s.startup_s, 2)} for s in self.stages],
         }
@@ -139,18 +142,36 @@ def wait_for_launch_logs(flow_run_id: str, uris: list[str]) -> dict[str, float]:
             return launches
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"flow run {flow_run_id}: no 'launching -> <uri>' / 'SUCCESS in <s>s' log lines for "
-                f"{missing} "
-                f"after {LOG_WAIT_S:.0f}s; did tasks/stages.py change its launch log lines?"
+                f"flow run {flow_run_id}: after {LOG_WAIT_S:.0f}s still no 'launching -> <uri>' and "
+                f"'SUCCESS in <s>s' log lines for {missing}; did tasks/stages.py change those lines?"
             )
         time.sleep(1.0)
 
 
-def body_seconds(store, uri: str) -> float:
+def body_seconds(store, uri: str) -> tuple[float, float]:
+    """(the worker's wall_s, the vLLM engine start-up inside it) from the stage's committed manifest."""
     metrics = store.read_manifest(uri).metrics
     if "wall_s" not in metrics:
         raise RuntimeError(f"{uri}: the manifest metrics have no wall_s; the stage's worker must record it")
-    return float(metrics["wall_s"])
+    return float(metrics["wall_s"]), float(metrics.get("engine_startup_s", 0.0))
+
+
+def warm_up_api() -> None:
+    """Start the local API and run one flow with one task, so that once-per-process costs (server start,
+    database, client, task engine, importing the flow) stay out of the measured runs."""
+    from prefect import flow, task
+
+    import flows.post_train  # noqa: F401 - imported here, after _isolate_prefect, and outside the clock
+
+    @task(name="bench-warmup-task")
+    def noop() -> int:
+        return 0
+
+    @flow(name="bench-warmup")
+    def warmup() -> int:
+        return noop()
+
+    warmup()
 
 
 def measure_run(config: str, overrides: list[str], store_root: str) -> RunSplit:
@@ -169,11 +190,11 @@ def measure_run(config: str, overrides: list[str], store_root: str) -> RunSplit:
     launches = wait_for_launch_logs(summary["flow_run_id"], uris)
     stages = [
         StageSplit(
-            label=row["stage"],
-            uri=row["artifact"],
-            task_s=row["seconds"],
-            launch_s=launches[row["artifact"]],
-            body_s=body_seconds(store, row["artifact"]),
+            row["stage"],
+            row["artifact"],
+            row["seconds"],
+            launches[row["artifact"]],
+            *body_seconds(store, row["artifact"]),
         )
         for row in summary["stages"]
     ]
@@ -186,7 +207,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. sft.steps=40")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed full runs first (default 1)")
+    parser.add_argument("--warmup", type=int, default=0, help="untimed full runs first (default 0)")
     parser.add_argument("--repeats", type=int, default=2, help="measured full runs (default 2)")
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
@@ -200,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         workdir = Path(tmp)
         _isolate_prefect(workdir / "prefect-home")
         overrides = [*args.overrides, f"logging.dir={workdir / 'runs'}"]
+        warm_up_api()
         for index in range(args.warmup):
             measure_run(args.config, overrides, f"file://{workdir}/warmup-{index}")
         runs = [

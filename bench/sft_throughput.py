@@ -33,7 +33,8 @@ from forge_core.data import prepare_data
 from forge_core.engine import Engine
 from forge_core.models import build_model, forward_logits, init_weights, token_logprobs
 from forge_core.storage import ObjectStore
-from forge_core.trainers.sft import SFTData, SFTTrainer
+from forge_core.trainers.sampler import GlobalBatchSampler
+from forge_core.trainers.sft import SFTData, SFTTrainer, micro_batches
 
 STEPS_PER_ROUND = 5
 
@@ -86,25 +87,29 @@ class HandWrittenLoop:
         init_weights(self.model, seed=cfg.seed, device="cpu")
         opt = cfg.sft.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-            weight_decay=opt.weight_decay, fused=True,
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            fused=True,
         )
         self.grad_clip = opt.grad_clip
         self.steps = micro_batches_per_step
         self.cursor = 0
 
     def step(self) -> float:
-        micro_batches = self.steps[self.cursor % len(self.steps)]
+        step_batches = self.steps[self.cursor % len(self.steps)]
         self.cursor += 1
-        tokens = sum(int(mb.loss_mask_BL.sum()) for mb in micro_batches)
-        for mb in micro_batches:
+        tokens = sum(int(mb.loss_mask_BL.sum()) for mb in step_batches)
+        for mb in step_batches:
             logp = token_logprobs(forward_logits(self.model, mb.input_ids_BL), mb.target_ids_BL)
             loss = -(logp * mb.loss_mask_BL).sum() / tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def _rss_mib() -> float:
@@ -119,12 +124,11 @@ def run_workload(w: Workload, workdir: Path, repeats: int) -> dict:
     trainer = SFTTrainer(engine, data, cfg.sft, seed=cfg.seed)
     rss_ours = _rss_mib() - rss_start
     # The baseline trains on the same global batches, drawn by an identical sampler and pre-padded.
-    twin = SFTTrainer.__new__(SFTTrainer)
-    twin.cfg, twin.data = cfg.sft, data
-    from forge_core.trainers.sampler import GlobalBatchSampler
-
-    twin.sampler = GlobalBatchSampler(len(data.train_rows), w.batch_size, 1, 0, cfg.seed)
-    prebuilt = [SFTTrainer.next_micro_batches(twin) for _ in range(4 * STEPS_PER_ROUND)]
+    sampler = GlobalBatchSampler(len(data.train_rows), w.batch_size, 1, 0, cfg.seed)
+    prebuilt = [
+        micro_batches([data.train_rows[i] for i in sampler.next_global_rows()], w.micro_batch_size)
+        for _ in range(4 * STEPS_PER_ROUND)
+    ]
     rss_before_baseline = _rss_mib()
     baseline = HandWrittenLoop(cfg, vocab, prebuilt)
     rss_baseline = _rss_mib() - rss_before_baseline
@@ -143,8 +147,11 @@ def run_workload(w: Workload, workdir: Path, repeats: int) -> dict:
     ours_s, base_s = alternate(ours, base, warmup=1, repeats=repeats)
     ours_tps = mean_tokens * STEPS_PER_ROUND / median(ours_s)
     base_tps = mean_tokens * STEPS_PER_ROUND / median(base_s)
-    peak = {"rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_added_by_trainer_mib": rss_ours, "rss_added_by_baseline_mib": rss_baseline}
+    peak = {
+        "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_added_by_trainer_mib": rss_ours,
+        "rss_added_by_baseline_mib": rss_baseline,
+    }
     if torch.cuda.is_available():
         peak["cuda_allocator_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return {
@@ -161,6 +168,9 @@ def run_workload(w: Workload, workdir: Path, repeats: int) -> dict:
 
 
 def main() -> None:
+    # One intra-op thread on both sides: what each rank gets under torchrun (OMP_NUM_THREADS=1), and on a
+    # shared machine 2 OpenMP threads per process spin-wait each other into noise.
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 timed rounds instead of 7")
     args = parser.parse_args()

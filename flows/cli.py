@@ -2,7 +2,7 @@
 
 forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
 forgeflow validate configs/qwen3_1_7b_gsm8k.yaml                       # check a config, all errors at once
-forgeflow status [--config configs/demo_cpu.yaml]                      # recent runs + committed artifacts
+forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
 forgeflow pools create gpu-a --gpus 8                                  # work pool + its GPU concurrency limit
 """
 
@@ -44,36 +44,62 @@ async def _recent_flow_runs(limit: int) -> list:
 def _cmd_status(args: argparse.Namespace) -> int:
     from forge_core.storage import ObjectStore
 
+    cfg = load_config(args.config, args.overrides)
+    store = ObjectStore.from_config(cfg.storage)
     for run in asyncio.run(_recent_flow_runs(args.limit)):
         state = run.state.name if run.state else "?"
         print(f"{run.id}  {run.name:<28} {state:<12} {run.start_time or ''}")
-    cfg = load_config(args.config, [])
-    store = ObjectStore.from_config(cfg.storage)
     for kind in ("data", "sft", "rollouts", "grpo", "eval"):
         uris = store.list_committed(kind)
         print(f"{kind:<9} {len(uris)} committed" + (f", newest {uris[-1]}" if uris else ""))
     return 0
 
 
-async def _create_pool(name: str, gpus: int) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
+POOL_TYPE = "process"
+
+
+async def _ensure_work_pool(client, name: str) -> None:
+    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
 
+    try:
+        await client.create_work_pool(WorkPoolCreate(name=name, type=POOL_TYPE))
+        print(f"work pool {name!r} created (type {POOL_TYPE})")
+    except ObjectAlreadyExists:
+        existing = await client.read_work_pool(name)
+        if existing.type != POOL_TYPE:
+            raise ValueError(
+                f"work pool {name!r} exists with type {existing.type!r}; forgeflow stages need a "
+                f"{POOL_TYPE!r} pool: pick another name or delete it (prefect work-pool delete {name})"
+            ) from None
+        print(f"work pool {name!r} exists (type {POOL_TYPE})")
+
+
+async def _ensure_gpu_limit(client, name: str, gpus: int) -> None:
+    """The pool's GPU capacity as a global concurrency limit of the same name, set to exactly `gpus`."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        existing = await client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        await client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=gpus))
+        print(f"global concurrency limit {name!r} = {gpus} GPUs created")
+        return
+    if existing.limit == gpus:
+        print(f"global concurrency limit {name!r} = {gpus} GPUs exists")
+        return
+    await client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=gpus))
+    print(f"global concurrency limit {name!r} changed from {existing.limit} to {gpus} GPUs")
+
+
+async def _create_pool(name: str, gpus: int) -> None:
+    from prefect.client.orchestration import get_client
+
     async with get_client() as client:
-        try:
-            await client.create_work_pool(WorkPoolCreate(name=name, type="process"))
-            print(f"work pool {name!r} created (type process)")
-        except ObjectAlreadyExists:
-            print(f"work pool {name!r} exists")
+        await _ensure_work_pool(client, name)
         if gpus > 0:
-            try:
-                await client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=name, limit=gpus)
-                )
-                print(f"global concurrency limit {name!r} = {gpus} GPUs created")
-            except ObjectAlreadyExists:
-                print(f"global concurrency limit {name!r} exists")
+            await _ensure_gpu_limit(client, name, gpus)
 
 
 def _cmd_pools_create(args: argparse.Namespace) -> int:
@@ -100,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="recent flow runs and committed artifacts")
     status.add_argument("--config", default="configs/demo_cpu.yaml")
     status.add_argument("--limit", type=int, default=10)
+    status.add_argument("overrides", nargs="*", help="key=value overrides, e.g. storage.root=s3://bucket/x")
     status.set_defaults(handler=_cmd_status)
 
     pools = sub.add_parser("pools", help="work pools and their GPU concurrency limits")

@@ -1,53 +1,127 @@
 """`make demo`: post-train a tiny model end to end on this CPU and show what happened.
 
-    make demo                                   # = .venv/bin/python -m flows.demo
-    .venv/bin/python -m flows.demo grpo.iterations=2 seed=1   # overrides on top of configs/demo_cpu.yaml
+    make demo                                          # = .venv/bin/python -m flows.demo
+    .venv/bin/python -m flows.demo seed=1              # key=value overrides on top of configs/demo_cpu.yaml
+    .venv/bin/python -m flows.demo --verbose grpo.iterations=2   # also stream every worker's log lines
 
 Runs the `post-train` flow on Prefect's ephemeral local API with configs/demo_cpu.yaml: a local-folder object
-store, wandb offline, vLLM on CPU, torchrun with 2 ranks for SFT and GRPO. Ends with a table of stages,
-held-out accuracy per policy, the plot, the artifacts and how to upload the wandb runs later.
+store (./.forge-store), wandb offline (./.forge-runs), vLLM on CPU, torchrun with 2 ranks for SFT and GRPO.
+The terminal shows one line per stage start/finish and a progress bar for SFT and GRPO; worker logs go to the
+Prefect API (and to the terminal with --verbose). It ends with the stage table (duration, key metric,
+artifact URI), held-out accuracy after SFT and after every GRPO iteration, the plot, the Prefect flow-run id
+and the `wandb sync` command that uploads the offline runs later. Re-running with the same config skips
+every committed stage.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import sys
+import time
 from pathlib import Path
 
-DEMO_CONFIG = "configs/demo_cpu.yaml"
+DEMO_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml")
 
 
 def _prepare_environment() -> None:
+    """Settings Prefect reads at import time, so this runs before anything imports prefect."""
     # A cold SQLite database can take longer than Prefect's 20 s default to start on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("FORGE_PROGRESS_BARS", "1")
 
 
-def _wandb_runs(log_dir: Path) -> list[Path]:
-    return sorted(log_dir.glob("**/wandb/offline-run-*"))
+class _HideWorkerLines(logging.Filter):
+    """Keeps the terminal to the flow's stage lines: task-run INFO records (every worker's log line, which
+    the stage tasks forward) still reach the Prefect API, only the console skips them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("prefect.task_runs") and record.levelno < logging.WARNING)
 
 
-def main(overrides: list[str]) -> int:
+def _quiet_worker_logs() -> None:
+    import prefect  # noqa: F401 - importing prefect installs its console handler on the root logger
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_HideWorkerLines())
+
+
+def _new_wandb_runs(log_dir: Path, since: float) -> list[Path]:
+    """The wandb offline runs this demo wrote (a skipped stage writes none)."""
+    return sorted(p for p in log_dir.glob("*/wandb/offline-run-*") if p.stat().st_mtime >= since)
+
+
+def _rollout_rewards(summary: dict, cfg) -> list[float]:
+    from forge_core.storage import ObjectStore
+
+    store = ObjectStore.from_config(cfg.storage)
+    return [float(store.read_manifest(uri).metrics["reward_mean"]) for uri in summary["rollouts"]]
+
+
+def print_demo_report(summary: dict, cfg, started: float) -> None:
+    """The end of `make demo`: stage table, learning curve, where the plot, runs and artifacts are."""
+    from flows.report import format_learning, format_table
+
+    print("\n" + format_table(summary["stages"]))
+    print("\nHeld-out exact match (greedy) after SFT and after each GRPO iteration:")
+    print(format_learning(summary["evals"], _rollout_rewards(summary, cfg)))
+    evals = summary["evals"]
+    if len(evals) > 1:
+        gain = 100 * (evals[-1]["accuracy"] - evals[0]["accuracy"])
+        print(f"GRPO changed held-out accuracy by {gain:+.1f} points over the SFT policy.")
+    log_dir = Path(cfg.logging.dir).resolve()
+    print(f"\nfinal policy:  {summary['final_policy_uri']}")
+    print(f"plot:          {summary['plot_path']}  (also on the Prefect flow run as an image artifact)")
+    print(f"flow run:      {summary['flow_run_id']}  (browse it: .venv/bin/prefect server start)")
+    runs = _new_wandb_runs(log_dir, started)
+    if runs:
+        print(f"wandb:         {len(runs)} offline runs under {log_dir}")
+        print(f"               upload later: .venv/bin/wandb sync {log_dir}/*/wandb/offline-run-*")
+    else:
+        print(f"wandb:         no new runs (every training stage was already committed); see {log_dir}")
+    print(f"total:         {time.time() - started:.0f}s")
+
+
+def run_demo(overrides: list[str], verbose: bool = False) -> dict:
+    """Run the demo flow with `overrides` on top of configs/demo_cpu.yaml, print the report, return the
+    flow's summary (flows.post_train.PipelineSummary as a dict)."""
     _prepare_environment()
-    from flows.post_train import post_train, print_report
+    from flows.post_train import post_train
     from forge_core.config import load_config
 
-    cfg = load_config(DEMO_CONFIG, overrides)
+    cfg = load_config(DEMO_CONFIG, overrides)  # fails here, before Prefect starts, on a bad override
+    if not verbose:
+        _quiet_worker_logs()
+    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.sampling.group_size
     print(
-        f"forgeflow demo: {cfg.model.family}/{cfg.model.flavor} on {cfg.data.demo.num_digits}-digit addition, "
-        f"{cfg.sft.steps} SFT steps, {cfg.grpo.iterations} GRPO iterations; store {cfg.storage.root}"
+        f"forgeflow demo: {cfg.model.family}/{cfg.model.flavor} from scratch on {cfg.data.demo.num_digits}-digit "
+        f"addition; SFT {cfg.sft.steps} steps on {cfg.data.demo.num_sft} examples, then {cfg.grpo.iterations} "
+        f"GRPO iterations of {samples} rollouts; held-out eval on {cfg.eval.num_prompts} prompts\n"
+        f"store {cfg.storage.root}, runs {cfg.logging.dir}",
+        flush=True,
     )
+    started = time.time()
     summary = post_train(DEMO_CONFIG, overrides)
-    print_report(summary)
-    runs = _wandb_runs(Path(cfg.logging.dir))
-    if runs:
-        print(f"wandb:        {len(runs)} offline runs under {Path(cfg.logging.dir).resolve()}")
-        print(
-            f"              upload later with: wandb sync {Path(cfg.logging.dir).resolve()}/**/wandb/offline-run-*"
-        )
+    print_demo_report(summary, cfg, started)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="also print every worker's log lines")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value on top of configs/demo_cpu.yaml")
+    args = parser.parse_args(argv)
+    from forge_core.config import ConfigError
+
+    try:
+        run_demo(args.overrides, verbose=args.verbose)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,10 +1,15 @@
-"""What a finished pipeline shows its user: a stage table and a reward/accuracy-per-iteration plot.
+"""What a finished pipeline shows its user: a stage table, the learning curve and a reward/accuracy plot.
 
-The numbers come from the committed manifests, so a report can be rebuilt from the store alone.
+The numbers come from the committed manifests, so a report can be rebuilt from the store alone:
+
+    rows = stage_table(records, store)          # stage, duration, key metric, artifact URI
+    print(format_table(rows))
+    print(format_learning(summary))             # accuracy after SFT and after every GRPO iteration
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,32 +23,47 @@ class StageRecord:
     seconds: float  # wall time of the task as the flow saw it (0 when skipped quickly)
 
 
+# The manifest metric each artifact kind is summarised by, as the stage workers name it:
+# prepare writes `rows` ({split: count}), sft `final_loss`, rollout `reward_mean` and `pass_rate`,
+# grpo the advantage statistics of its rollout batch (`reward/mean`) and `final/loss`, evaluate `accuracy`.
+def _data_metric(m: Mapping) -> str:
+    rows = m.get("rows")
+    if isinstance(rows, Mapping):
+        return "rows " + " ".join(f"{split}={count}" for split, count in rows.items())
+    return f"rows {_fmt(rows)}"
+
+
+_KEY_METRICS: dict[str, Callable[[Mapping], str]] = {
+    "data": _data_metric,
+    "sft": lambda m: f"loss {_fmt(m.get('final_loss'))}",
+    "rollouts": lambda m: f"reward {_fmt(m.get('reward_mean'))} pass {_fmt(m.get('pass_rate'))}",
+    "grpo": lambda m: f"loss {_fmt(m.get('final/loss'))} on reward {_fmt(m.get('reward/mean'))}",
+    "eval": lambda m: f"accuracy {_fmt(m.get('accuracy'))}",
+}
+
+
 def key_metric(manifest: Manifest) -> str:
-    """The one number a reader looks for first in each kind of artifact."""
-    m = manifest.metrics
-    by_kind = {
-        "data": lambda: f"rows {m.get('rows')}",
-        "sft": lambda: f"loss {_fmt(m.get('final_loss'))}",
-        "rollouts": lambda: f"reward {_fmt(m.get('reward_mean'))}",
-        "grpo": lambda: f"reward {_fmt(m.get('reward_mean'))}",
-        "eval": lambda: f"accuracy {_fmt(m.get('accuracy'))}",
-    }
-    return by_kind.get(manifest.kind, lambda: "")()
+    """The one number a reader looks for first in each kind of artifact ("" for unknown kinds)."""
+    describe = _KEY_METRICS.get(manifest.kind)
+    return describe(manifest.metrics) if describe else ""
 
 
 def _fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return "n/a" if value is None else str(value)
     return f"{value:.3f}" if isinstance(value, (int, float)) else str(value)
 
 
 def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
+    """One row per stage run: stage, duration (s), key metric, artifact URI."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
         rows.append(
             {
                 "stage": record.label,
-                "seconds": round(record.seconds, 1),
-                "metric": key_metric(manifest),
+                "duration_s": round(record.seconds, 1),
+                "key metric": key_metric(manifest),
                 "artifact": record.uri,
             }
         )
@@ -59,6 +79,23 @@ def format_table(rows: list[dict]) -> str:
     line = "  ".join(h.ljust(widths[h]) for h in headers)
     body = ["  ".join(str(r[h]).ljust(widths[h]) for h in headers) for r in rows]
     return "\n".join([line, "-" * len(line), *body])
+
+
+def format_learning(evals: list[Mapping], rollout_rewards: list[float]) -> str:
+    """Held-out accuracy per policy (SFT, then each GRPO iteration) with the change from the SFT policy and
+    the mean reward of the rollouts each iteration trained on. `evals` are PipelineSummary.evals as dicts."""
+    if not evals:
+        return ""
+    base = evals[0]["accuracy"]
+    lines = ["policy      accuracy   vs SFT   mean reward   rollout reward"]
+    for index, point in enumerate(evals):
+        delta = "" if index == 0 else f"{100 * (point['accuracy'] - base):+6.1f} pt"
+        trained_on = f"{rollout_rewards[index - 1]:.3f}" if 0 < index <= len(rollout_rewards) else ""
+        lines.append(
+            f"{point['label']:<10}  {100 * point['accuracy']:6.1f}%   {delta:>8}   "
+            f"{point['mean_reward']:11.3f}   {trained_on:>14}"
+        )
+    return "\n".join(lines)
 
 
 def plot_curves(labels: list[str], accuracy: list[float], rollout_reward: list[float], path: Path) -> Path:

@@ -1,27 +1,56 @@
-"""Test-only fault injection for training workers, driven by the environment.
+"""Fault injection for tests and chaos runs, driven by the environment; off unless FORGE_FAULT is set.
 
-    FORGE_FAULT=kill_rank:1:3     rank 1 SIGKILLs itself right after finishing optimizer step 3
-    FORGE_FAULT=raise_rank:0:2    rank 0 raises InjectedFault (a Python error: the launcher calls it fatal)
-    FORGE_FAULT=hang_rank:1:2     rank 1 sleeps forever (for deadline / watchdog tests)
-    FORGE_FAULT=kill_rank:1:3,raise_rank:0:5    several faults, comma-separated
-    FORGE_FAULT_ONCE=<path>       fire at most once: the first fault creates <path>; later attempts that find
-                                  it (e.g. a retry after the kill) run clean
+    FORGE_FAULT=<fault>[,<fault>...]        each fault is `<action>:<args>[@<stage>]`
+      kill_rank:<rank>:<step>               the rank SIGKILLs itself right after finishing optimizer step <step>
+      raise_rank:<rank>:<step>              the rank raises InjectedFault (a Python error: the launcher calls it
+                                            fatal)
+      hang_rank:<rank>:<step>               the rank sleeps forever (deadline tests)
+      kill_vllm:<samples>                   the worker SIGKILLs its vLLM engine core process(es) once <samples>
+                                            samples have completed in it (0: as soon as the first requests are
+                                            queued, i.e. mid-generation); an in-process engine dies with the
+                                            worker
+      storage_outage:<seconds>[:<match>]    from the first storage call whose description contains <match>
+                                            (default: any call), every storage call of the process fails with a
+                                            transient ConnectionError for <seconds>; the store's own retries
+                                            (storage.retries) run against it
+    @<stage>                                only in that stage's worker (prepare, sft, rollout, grpo, evaluate)
+    FORGE_FAULT_ONCE=<path>                 every fault fires at most once, across processes and retries: the
+                                            first listed fault claims the file <path>, the n-th (n >= 1)
+                                            <path>.<n>; a retry that finds its marker runs clean
 
-Trainers call `maybe_inject_fault(rank, step)` after each optimizer step and before that step's checkpoint,
-so a fault at step N loses step N's update and resume restarts from the last checkpoint before N.
+Examples: `FORGE_FAULT=kill_rank:1:3@sft`, `FORGE_FAULT=hang_rank:1:2@grpo,kill_vllm:0@rollout`,
+`FORGE_FAULT=storage_outage:30:_MANIFEST.json@rollout` (a chaos run of the retry settings on real storage).
+
+Hooks: trainers call `maybe_inject_fault(rank, step)` after each optimizer step and before that step's
+checkpoint, so a fault at step N loses step N's update and resume restarts from the last checkpoint before N;
+`forge_core.run` names the stage (`set_current_stage`); the vLLM generator passes `engine_kill_progress()` as
+vLLM's progress callback; `forge_core.storage.retry.Retrier` calls `maybe_fail_storage_call` before every
+storage call.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FAULT_ENV = "FORGE_FAULT"
 FAULT_ONCE_ENV = "FORGE_FAULT_ONCE"
-_ACTIONS = ("kill_rank", "raise_rank", "hang_rank")
+RANK_ACTIONS = ("kill_rank", "raise_rank", "hang_rank")
+KILL_VLLM = "kill_vllm"
+STORAGE_OUTAGE = "storage_outage"
+_ACTIONS = (*RANK_ACTIONS, KILL_VLLM, STORAGE_OUTAGE)
+_USAGE = (
+    "expected <action>:<rank>:<step> with action one of "
+    f"{list(RANK_ACTIONS)} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples> or "
+    f"{STORAGE_OUTAGE}:<seconds>[:<match>], each optionally followed by @<stage>"
+)
+
+_current_stage: str | None = None
 
 
 class InjectedFault(RuntimeError):
@@ -31,29 +60,82 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     action: str
-    rank: int
-    step: int
+    rank: int = 0
+    step: int = 0
+    stage: str | None = None
+    samples: int = 0
+    seconds: float = 0.0
+    match: str = ""
+
+    def applies_to_stage(self, stage: str | None) -> bool:
+        return self.stage is None or self.stage == stage
+
+
+def set_current_stage(stage: str) -> None:
+    """Called once by a stage worker (`python -m forge_core.run <stage>`): faults with `@<stage>` fire here."""
+    global _current_stage
+    _current_stage = stage
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse `action:rank:step[,action:rank:step...]`; ValueError naming the bad entry."""
-    faults = []
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        parts = entry.split(":")
-        if len(parts) != 3 or parts[0] not in _ACTIONS or not all(p.isdigit() for p in parts[1:]):
-            raise ValueError(
-                f"{FAULT_ENV}={spec!r}: bad entry {entry!r}; expected <action>:<rank>:<step> with action one "
-                f"of {list(_ACTIONS)}, e.g. kill_rank:1:3"
-            )
-        faults.append(Fault(parts[0], int(parts[1]), int(parts[2])))
-    return faults
+    """Parse FORGE_FAULT (see the module docstring); ValueError naming the bad entry."""
+    return list(_parse_cached(spec))
 
 
-def _claim_once() -> bool:
-    """True when the fault may fire: no once-marker configured, or we created it just now."""
+@functools.lru_cache(maxsize=8)
+def _parse_cached(spec: str) -> tuple[Fault, ...]:
+    return tuple(_parse_entry(spec, entry) for entry in filter(None, (p.strip() for p in spec.split(","))))
+
+
+def _parse_entry(spec: str, entry: str) -> Fault:
+    body, _, stage = entry.partition("@")
+    parts = body.split(":", 2 if body.startswith(STORAGE_OUTAGE + ":") else -1)
+
+    def bad(why: str = "") -> ValueError:
+        return ValueError(f"{FAULT_ENV}={spec!r}: bad entry {entry!r}{why}; {_USAGE}")
+
+    if "@" in entry and not stage.strip():
+        raise bad(": empty stage after '@'")
+    stage_name = stage.strip() or None
+    action = parts[0]
+    if action in RANK_ACTIONS:
+        if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):
+            raise bad()
+        return Fault(action, rank=int(parts[1]), step=int(parts[2]), stage=stage_name)
+    if action == KILL_VLLM:
+        if len(parts) != 2 or not parts[1].isdigit():
+            raise bad()
+        return Fault(action, samples=int(parts[1]), stage=stage_name)
+    if action == STORAGE_OUTAGE:
+        try:
+            seconds = float(parts[1]) if len(parts) >= 2 else -1.0
+        except ValueError:
+            seconds = -1.0
+        if seconds <= 0:
+            raise bad(": the outage needs a duration in seconds > 0")
+        return Fault(action, seconds=seconds, match=parts[2] if len(parts) == 3 else "", stage=stage_name)
+    raise bad()
+
+
+def _active_faults(actions: tuple[str, ...]) -> list[tuple[int, Fault]]:
+    """(position in FORGE_FAULT, fault) of the configured faults of these actions for the current stage."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return []
+    return [
+        (index, fault)
+        for index, fault in enumerate(parse_faults(spec))
+        if fault.action in actions and fault.applies_to_stage(_current_stage)
+    ]
+
+
+def _claim_once(index: int) -> bool:
+    """True when fault number `index` may fire: no once-marker configured, or we created its marker now."""
     marker = os.environ.get(FAULT_ONCE_ENV)
     if not marker:
         return True
+    if index:
+        marker = f"{marker}.{index}"
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
@@ -62,19 +144,129 @@ def _claim_once() -> bool:
     return True
 
 
+def _announce(message: str) -> None:
+    print(f"[forge-fault] {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+
+
+# ---- rank faults (trainers) ------------------------------------------------------------------------------
+
+
 def maybe_inject_fault(rank: int, step: int) -> None:
-    """Fire the fault configured for (`rank`, `step`) in FORGE_FAULT, if any."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    for fault in parse_faults(spec):
-        if fault.rank != rank or fault.step != step or not _claim_once():
+    """Fire the rank fault configured for (`rank`, `step`) in FORGE_FAULT, if any."""
+    for index, fault in _active_faults(RANK_ACTIONS):
+        if fault.rank != rank or fault.step != step or not _claim_once(index):
             continue
-        print(f"[forge-fault] rank {rank}: {fault.action} after step {step}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
+        _announce(f"rank {rank}: {fault.action} after step {step}")
         if fault.action == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.action == "raise_rank":
-            raise InjectedFault(f"injected fault: {FAULT_ENV}={spec!r} (rank {rank}, step {step})")
+            raise InjectedFault(
+                f"injected fault: {FAULT_ENV}={os.environ.get(FAULT_ENV)!r} (rank {rank}, step {step})"
+            )
         while True:  # hang_rank
             time.sleep(3600)
+
+
+# ---- kill_vllm (rollout / evaluate workers) --------------------------------------------------------------
+
+_completed_samples = 0
+
+
+def engine_kill_progress() -> Callable[..., object] | None:
+    """A progress-bar factory for vLLM's `LLM.generate(use_tqdm=...)` that SIGKILLs the engine core when a
+    kill_vllm fault is due; None when none is configured for this stage (pass `... or False`)."""
+    if not _active_faults((KILL_VLLM,)):
+        return None
+    return _EngineKillProgress
+
+
+class _EngineKillProgress:
+    """The part of tqdm's interface vLLM's offline loop uses; counts completed samples in this process."""
+
+    def __init__(self, total: int | None = None, **_: object) -> None:
+        self.total = total
+        self.n = 0
+        self.postfix = ""
+        self._started = time.monotonic()
+        _kill_engine_if_due()  # the requests are queued: a kill now lands mid-generation
+
+    @property
+    def format_dict(self) -> dict[str, float]:
+        return {"elapsed": max(time.monotonic() - self._started, 1e-6)}
+
+    def update(self, n: int = 1) -> None:
+        global _completed_samples
+        self.n += n
+        _completed_samples += n
+        _kill_engine_if_due()
+
+    def refresh(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _kill_engine_if_due() -> None:
+    for index, fault in _active_faults((KILL_VLLM,)):
+        if _completed_samples >= fault.samples and _claim_once(index):
+            kill_vllm_engine(f"after {_completed_samples} completed samples")
+
+
+def kill_vllm_engine(why: str) -> list[int]:
+    """SIGKILL this process's vLLM engine core process(es); with none (an in-process engine), this process."""
+    import psutil
+
+    engines = [p for p in psutil.Process().children(recursive=True) if _is_engine_core(p)]
+    if not engines:
+        _announce(f"kill_vllm {why}: the engine runs in this process; SIGKILL pid {os.getpid()}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    pids = [p.pid for p in engines]
+    _announce(f"kill_vllm {why}: SIGKILL engine core pids {pids}")
+    for proc in engines:
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    return pids
+
+
+def _is_engine_core(proc) -> bool:
+    import psutil
+
+    try:
+        # vLLM renames its engine process (setproctitle "VLLM::EngineCore"); comm is cut to 15 characters.
+        return proc.name().startswith("VLLM::EngineCor") or any("EngineCore" in a for a in proc.cmdline()[:1])
+    except psutil.Error:
+        return False
+
+
+# ---- storage_outage (every ObjectStore call) -------------------------------------------------------------
+
+_outage_started: float | None = None
+_outage_spent = False  # another process (an earlier attempt) already had this outage
+
+
+def maybe_fail_storage_call(what: str) -> None:
+    """Raise a transient ConnectionError while a storage_outage fault is in force (see module docstring).
+
+    `what` is the store's description of the call, e.g. "put s3://bucket/run/sft/<key>/_MANIFEST.json"."""
+    global _outage_started, _outage_spent
+    if _outage_spent:
+        return
+    outages = _active_faults((STORAGE_OUTAGE,))
+    if not outages:
+        return
+    index, fault = outages[0]
+    now = time.monotonic()
+    if _outage_started is None:
+        if fault.match not in what:
+            return
+        if not _claim_once(index):
+            _outage_spent = True
+            return
+        _outage_started = now
+        _announce(f"storage_outage for {fault.seconds:g} s, starting at: {what}")
+    if now - _outage_started < fault.seconds:
+        raise ConnectionError(f"injected storage outage ({FAULT_ENV}): {what}")

@@ -321,10 +321,10 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # No CUDA graphs / torch.compile: fast start-up; turn off on GPU for long rollouts.
     enforce_eager: bool = True
-    # CPU only: cores for vLLM's worker threads. "all" = every core this process may use; "auto" = vLLM's
-    # default, which keeps one core free for its scheduler (half the compute on a 2-core machine); or a
-    # list like "0-3" ("0-3|4-7" with tensor_parallel_size=2).
-    cpu_threads: str = "all"
+    # CPU only: cores for vLLM's worker threads. "auto" = vLLM's default: every core but one, which is left
+    # to its scheduler process; "all" = every core this process may use (oversubscribed by the scheduler:
+    # slower in bench/rollout_throughput.py); or a list like "0-3" ("0-3|4-7" with tensor_parallel_size=2).
+    cpu_threads: str = "auto"
     # Run vLLM's engine core and worker inside the stage process (tensor_parallel_size=1 only): start-up in
     # seconds instead of tens of seconds on CPU, no scheduler process competing for the cores.
     engine_in_process: bool = False

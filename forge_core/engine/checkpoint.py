@@ -177,14 +177,18 @@ class Checkpointer:
             writer = self.store.writer(ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
             writer.adopt_existing()
             writer.commit(config=self.config, inputs=self.inputs, metrics={"step": ref.step})
-        except Exception as exc:  # reported to every rank, which then all raise
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, which then all raise
             return f"{type(exc).__name__}: {exc}"
         return None
 
     def _state(self, components: dict[str, Stateful], train_state: _TrainState) -> dict[str, Stateful]:
         reserved = {"train_state", "rng"} & set(components)
         assert not reserved, f"component names {reserved} are reserved by the checkpointer"
-        return {**components, "train_state": train_state, "rng": _RankRngState(self.dist.rank, self.dist.device)}
+        return {
+            **components,
+            "train_state": train_state,
+            "rng": _RankRngState(self.dist.rank, self.dist.device),
+        }
 
     # ---- load ---------------------------------------------------------------------------------------------
 

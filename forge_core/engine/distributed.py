@@ -11,9 +11,10 @@ fall back to "cuda", and `device_module.set_device` would fail there.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ class DistContext:
 
 
 def resolve_device_type(choice: DeviceChoice) -> str:
-    """"auto" -> "cuda" when a GPU is visible, else "cpu". Asking for "cuda" without a GPU is a user error."""
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu". Asking for "cuda" without a GPU is a user error."""
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
@@ -85,7 +86,11 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) ->
             dist.init_process_group(backend=_backend_for(device_type), timeout=timeout)
         else:
             dist.init_process_group(
-                backend=_backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                backend=_backend_for(device_type),
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timeout,
             )
     return DistContext(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=torch_device
@@ -139,7 +144,7 @@ def run_on_rank0(fn: Callable[[], T], dist_ctx: DistContext) -> T | None:
     if dist_ctx.is_rank0:
         try:
             result = fn()
-        except Exception as exc:  # re-raised below, on every rank
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             error = exc
     failure = broadcast_object(None if error is None else (isinstance(error, ValueError), str(error)))
     if error is not None:

@@ -192,7 +192,11 @@ class Engine(Configurable):
 
     def checkpoint_components(self) -> dict[str, Stateful]:
         """What a checkpoint holds besides step, data cursor and RNG."""
-        return {"model": ModelState(self.model), "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers}
+        return {
+            "model": ModelState(self.model),
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.lr_schedulers,
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the unsharded state dict (torchtitan keys, master dtype) on CPU, on rank 0 only; other

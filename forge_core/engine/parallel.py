@@ -47,7 +47,9 @@ def _resolve_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int,
                 f"size {world_size}; choose degrees whose product divides the number of ranks"
             )
     if dp_shard < 1:
-        raise ValueError(f"training.parallelism.dp_shard={dp_shard}: must be -1 (all remaining ranks) or >= 1")
+        raise ValueError(
+            f"training.parallelism.dp_shard={dp_shard}: must be -1 (all remaining ranks) or >= 1"
+        )
     if cfg.dp_replicate * dp_shard * cfg.tp != world_size:
         raise ValueError(
             f"training.parallelism: dp_replicate={cfg.dp_replicate} * dp_shard={dp_shard} * tp={cfg.tp} != "
@@ -128,15 +130,29 @@ def _apply_compile(model: nn.Module, parallel_dims: ParallelDims) -> None:
 
 def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype) -> None:
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    apply_fsdp_to_decoder(
-        model,
-        parallel_dims.get_mesh(names),
-        param_dtype=param_dtype,
-        reduce_dtype=torch.float32,
-        pp_enabled=False,
-    )
-    if parallel_dims.world_mesh.device_type == "cpu":
+    mesh = parallel_dims.get_mesh(names)
+    if mesh.size() == 1:
+        _apply_single_rank_fsdp(model, mesh, param_dtype)
+    else:
+        apply_fsdp_to_decoder(
+            model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, pp_enabled=False
+        )
+    if mesh.device_type == "cpu":
         _use_sum_reductions(model)
+
+
+def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype) -> None:
+    # With nothing to shard, per-block units only add hooks and gather/reduce copies: one unit around the
+    # whole model keeps FSDP's DTensor parameters and mixed-precision policy (the same state dicts,
+    # optimizer and checkpoints as N ranks) at the lowest overhead, and never reshards.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    disable_fsdp_gradient_division(model)
 
 
 def _use_sum_reductions(model: nn.Module) -> None:
@@ -158,7 +174,9 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, plan: Paral
         _apply_activation_checkpointing(model)
     if plan.compile:
         if plan.device_type != "cuda":
-            raise ValueError("training.compile=true: torch.compile is enabled on GPU only; set it to false on CPU")
+            raise ValueError(
+                "training.compile=true: torch.compile is enabled on GPU only; set it to false on CPU"
+            )
         _apply_compile(model, parallel_dims)
     _apply_fsdp(model, parallel_dims, plan.param_dtype)
     return model

@@ -21,6 +21,10 @@ stdout and stderr separately, so a rank's prints and its logging (stderr) may in
 
 Workers wrap their `main` in `record_errors` so a rank's exception lands in its error file.
 
+Orphans: every launch is recorded in a machine-local registry while it runs (`registry.py`); a flow run
+starts with `reap_orphaned_launches()`, which ends the processes of launches whose launcher died (a
+SIGKILLed flow process cannot run its own clean-up).
+
 Outcome mapping (first rule that applies):
 
 ==========  ===================================================================================
@@ -66,6 +70,7 @@ from forge_core.launch.handle import (
     start,
     terminate_all_live,
 )
+from forge_core.launch.registry import reap_orphaned_launches
 from forge_core.launch.result import LaunchFailed, LaunchResult, Outcome, RankError
 from forge_core.launch.spec import LAUNCH_ID_ENV, LaunchSpec
 
@@ -84,6 +89,7 @@ __all__ = [
     "install_sigterm_handler",
     "launch",
     "live_handles",
+    "reap_orphaned_launches",
     "record_errors",
     "start",
     "terminate_all_live",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -14,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from forge_core.launch import classify
+from forge_core.launch import classify, registry
 from forge_core.launch.errors import Category
 from forge_core.launch.output import LogSink, OutputPump
 from forge_core.launch.process_tree import ExitStatus, ProcessTree, peek_exit_status
@@ -68,6 +69,7 @@ class LaunchHandle:
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise
         self._tree = ProcessTree(self._proc.pid, self.launch_id)
+        self._note_in_registry()
         self._pump = OutputPump(
             self._proc.stdout,
             log,
@@ -78,6 +80,13 @@ class LaunchHandle:
         self._supervisor = threading.Thread(
             target=self._supervise, name=f"forge-launch-{self.launch_id}", daemon=True
         )
+
+    def _note_in_registry(self) -> None:
+        """Let a later flow run end this launch if this process dies without doing it (registry.py)."""
+        try:
+            registry.record_launch(self.launch_id, self._proc.pid, self.spec.module)
+        except OSError as exc:  # the launch itself is fine; only the orphan clean-up would miss it
+            _logger.warning("launch %s: cannot write its registry record: %s", self.launch_id, exc)
 
     @property
     def pid(self) -> int:
@@ -136,6 +145,8 @@ class LaunchHandle:
             )
         finally:
             shutil.rmtree(self._workdir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                registry.forget_launch(self.launch_id)
             _unregister(self)
             self._done.set()
 

@@ -148,6 +148,18 @@ class ProcessTree:
         return sorted(p.pid for p in leftovers)
 
 
+def end_processes(processes: list[psutil.Process], grace_s: float) -> list[int]:
+    """SIGTERM `processes`, wait up to `grace_s`, SIGKILL the survivors; returns the pids that needed SIGKILL.
+
+    For processes that are not our children (orphans of a dead launcher): nothing here reaps anything."""
+    _send(processes, signal.SIGTERM)
+    _wait_gone(processes, grace_s)
+    survivors = [p for p in processes if is_alive(p)]
+    _send(survivors, signal.SIGKILL)
+    _wait_gone(survivors, timeout_s=5.0)
+    return sorted(p.pid for p in survivors)
+
+
 def _identity(proc: psutil.Process) -> tuple[int, float] | None:
     try:
         return proc.pid, proc.create_time()

@@ -69,9 +69,9 @@ class Loss(ABC):
         return dict(reduced)
 
 
-def reduce_metric_dicts(per_micro_batch: list[dict[str, torch.Tensor]], max_keys: frozenset[str]) -> dict[
-    str, torch.Tensor
-]:
+def reduce_metric_dicts(
+    per_micro_batch: list[dict[str, torch.Tensor]], max_keys: frozenset[str]
+) -> dict[str, torch.Tensor]:
     """Combine per-micro-batch metric dicts: sum, or max for keys in `max_keys`. Keys missing from some
     micro-batches are reduced over the ones that have them."""
     combined: dict[str, torch.Tensor] = {}

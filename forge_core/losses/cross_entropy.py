@@ -9,10 +9,14 @@ completion token of the optimizer step weighs the same, however the batch is spl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs
-from forge_core.trainers.batch import TokenBatch
+
+if TYPE_CHECKING:  # the trainers import the losses, not the other way round
+    from forge_core.trainers.batch import TokenBatch
 
 
 class TokenCrossEntropy(Loss):

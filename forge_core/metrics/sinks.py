@@ -69,7 +69,7 @@ class JsonlSink(MetricsSink):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open for the sink's lifetime
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -88,7 +88,9 @@ class JsonlSink(MetricsSink):
 class WandbSink(MetricsSink):
     """A wandb run (offline by default: nothing leaves the machine until `wandb sync`)."""
 
-    def __init__(self, cfg: LoggingConfig, run_name: str, directory: Path, config: dict | None = None) -> None:
+    def __init__(
+        self, cfg: LoggingConfig, run_name: str, directory: Path, config: dict | None = None
+    ) -> None:
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)

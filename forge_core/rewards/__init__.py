@@ -4,9 +4,9 @@ and weighted sums with one column per component.
     from forge_core.rewards import RewardSet, resolve_reward
     rewards = RewardSet.from_config(cfg.rollout.rewards)      # [{name: exact_answer, weight: 1.0}, ...]
     scored = rewards.score(completions, ground_truths, refs)  # .columns["reward_exact_answer"], .total
-    resolve_reward("my_pkg.scoring:brevity").fn(text, truth)  # user function: fn(completion, ground_truth, **kw)
+    resolve_reward("my_pkg.scoring:brevity").fn(text, truth)  # fn(completion, ground_truth, **kwargs)
 
-Built-ins: exact_answer, per_digit, numeric_answer, answer_format, math_verify (needs `pip install math-verify`).
+Built-ins: exact_answer, per_digit, numeric_answer, answer_format, math_verify (`pip install math-verify`).
 """
 
 from forge_core.rewards.answers import final_number, parse_number, tagged_answer

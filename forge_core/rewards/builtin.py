@@ -1,12 +1,14 @@
 """The built-in reward functions. Each takes `(completion, ground_truth, **kwargs)` and returns a float.
 
-| name | score | kwargs |
-| --- | --- | --- |
-| `exact_answer` | 1 if the tagged answer equals the ground truth exactly (demo task: `<answer>0168</answer>`), else 0 | `tag` |
-| `per_digit` | share of ground-truth characters the tagged answer gets right, position by position, in [0, 1] | `tag` |
-| `numeric_answer` | 1 if the final number equals the reference's final number within tolerance (GSM8K), else 0 | `tag`, `rel_tol`, `abs_tol` |
-| `answer_format` | 1 if the completion holds exactly one non-empty, well-formed answer tag, else 0 | `tag` |
-| `math_verify` | 1 if HF math-verify finds the completion's answer equivalent to the ground truth (needs `math-verify`) | none |
+- `exact_answer(tag="answer")`: 1 if the tagged answer equals the ground truth exactly (demo task:
+  `<answer>0168</answer>`), else 0.
+- `per_digit(tag="answer")`: share of ground-truth characters the tagged answer gets right, position by
+  position, in [0, 1].
+- `numeric_answer(tag="answer", rel_tol=1e-6, abs_tol=1e-6)`: 1 if the final number equals the reference's
+  final number within tolerance (GSM8K: `... #### 42`), else 0.
+- `answer_format(tag="answer")`: 1 if the completion holds exactly one non-empty, well-formed answer tag.
+- `math_verify()`: 1 if HF math-verify finds the completion's answer equivalent to the ground truth (needs
+  the `math-verify` package).
 
 A malformed completion (no tag, no number) scores 0: that is the model's mistake, not an error. A ground truth
 that cannot be scored at all (no number for `numeric_answer`) raises ValueError: that is a data problem.
@@ -78,4 +80,6 @@ def _math_verify_reward() -> RewardFn:
     return math_verify
 
 
-register_optional_reward("math_verify", module="math_verify", distribution="math-verify", factory=_math_verify_reward)
+register_optional_reward(
+    "math_verify", module="math_verify", distribution="math-verify", factory=_math_verify_reward
+)

@@ -63,8 +63,10 @@ def register_reward(name: str, version: str) -> Callable[[RewardFn], RewardFn]:
     return decorate
 
 
-def register_optional_reward(name: str, module: str, distribution: str, factory: Callable[[], RewardFn]) -> None:
-    """Add a built-in reward that needs `module`; resolving it without the module installed is a ValueError."""
+def register_optional_reward(
+    name: str, module: str, distribution: str, factory: Callable[[], RewardFn]
+) -> None:
+    """Add a built-in reward that needs `module`; resolving it without that module is a ValueError."""
     if name in _BUILTINS or name in _OPTIONAL:
         raise ValueError(f"reward {name!r} is registered twice; pick another name")
     _OPTIONAL[name] = OptionalReward(module=module, distribution=distribution, factory=factory)
@@ -132,7 +134,9 @@ def _resolve_import_path(path: str) -> RewardSpec:
     if fn is None:
         raise ValueError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
-        raise ValueError(f"reward {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        # A ValueError, not TypeError: it is a config mistake the launcher must not retry.
+        message = f"reward {path!r}: {attr!r} is a {type(fn).__name__}, not a function"
+        raise ValueError(message)  # noqa: TRY004
     return RewardSpec(name=path, fn=fn, version=_user_version(fn))
 
 

@@ -61,7 +61,8 @@ class RewardComponent:
             signature.bind("", "", **self.kwargs)
         except TypeError as exc:
             raise ValueError(
-                f"{self.config_key}.kwargs={self.kwargs}: do not fit reward {self.spec.name!r}{signature} ({exc}); "
+                f"{self.config_key}.kwargs={self.kwargs}: do not fit reward {self.spec.name!r}{signature} "
+                f"({exc}); "
                 "fix the kwargs or the function's signature fn(completion, ground_truth, **kwargs)"
             ) from exc
 
@@ -76,7 +77,8 @@ class RewardComponent:
             ) from exc
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise RewardFunctionError(
-                f"reward {self.spec.name!r} ({self.config_key}) returned {value!r} ({type(value).__name__}) on "
+                f"reward {self.spec.name!r} ({self.config_key}) returned {value!r} ({type(value).__name__}) "
+                "on "
                 f"sample {sample_ref} (completion {completion[:_SNIPPET_CHARS]!r}); a reward function must "
                 "return a finite float"
             )
@@ -101,7 +103,8 @@ class RewardSet:
         for component in components:
             if component.column in seen:
                 raise ValueError(
-                    f"{component.config_key}.name={component.spec.name!r}: its column {component.column!r} is "
+                    f"{component.config_key}.name={component.spec.name!r}: its column {component.column!r} "
+                    "is "
                     f"already used by {seen[component.column]}; each reward function may appear once"
                 )
             seen[component.column] = component.config_key
@@ -109,7 +112,9 @@ class RewardSet:
         self.components = tuple(components)
 
     @classmethod
-    def from_config(cls, configs: Sequence[RewardComponentConfig], section: str = "rollout.rewards") -> RewardSet:
+    def from_config(
+        cls, configs: Sequence[RewardComponentConfig], section: str = "rollout.rewards"
+    ) -> RewardSet:
         components = []
         for index, cfg in enumerate(configs):
             key = f"{section}[{index}]"
@@ -117,7 +122,9 @@ class RewardSet:
                 spec = resolve_reward(cfg.name)
             except ValueError as exc:
                 raise ValueError(f"{key}.name: {exc}") from exc
-            components.append(RewardComponent(spec=spec, weight=float(cfg.weight), kwargs=dict(cfg.kwargs), config_key=key))
+            components.append(
+                RewardComponent(spec=spec, weight=float(cfg.weight), kwargs=dict(cfg.kwargs), config_key=key)
+            )
         return cls(components)
 
     @property
@@ -147,7 +154,8 @@ class RewardSet:
         columns: dict[str, list[float]] = {}
         for component in self.components:
             columns[component.column] = [
-                component.score(text, truth, ref) for text, truth, ref in zip(completions, ground_truths, sample_refs)
+                component.score(text, truth, ref)
+                for text, truth, ref in zip(completions, ground_truths, sample_refs)
             ]
         total = [0.0] * len(completions)
         for component in self.components:

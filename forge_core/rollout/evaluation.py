@@ -61,7 +61,9 @@ def evaluate(
     scored = rewards.score(
         [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
     )
-    table = results_table(prompts, samples, scored.columns, scored.total, sampling.group_size, rewards.primary_column)
+    table = results_table(
+        prompts, samples, scored.columns, scored.total, sampling.group_size, rewards.primary_column
+    )
     metrics = evaluation_metrics(table, rewards.columns, generation_s)
     metrics["k"] = float(sampling.group_size)
     metrics["temperature"] = float(sampling.temperature)
@@ -81,7 +83,9 @@ def results_table(
         raise ValueError(f"results_table: {len(samples)} samples for {len(prompts)} prompts x k={k}")
     rows = [slice(i * k, (i + 1) * k) for i in range(len(prompts))]
     for prompt, row in zip(prompts, rows):
-        assert all(s.prompt_id == prompt.prompt_id for s in samples[row]), f"samples out of order at {prompt.prompt_id}"
+        assert all(s.prompt_id == prompt.prompt_id for s in samples[row]), (
+            f"samples out of order at {prompt.prompt_id}"
+        )
     columns = {
         "prompt_id": [p.prompt_id for p in prompts],
         "prompt": [p.text for p in prompts],
@@ -97,9 +101,13 @@ def results_table(
     return pa.Table.from_pydict(columns, schema=results_schema(list(reward_columns)))
 
 
-def evaluation_metrics(table: pa.Table, reward_columns: Sequence[str], generation_s: float) -> dict[str, float]:
+def evaluation_metrics(
+    table: pa.Table, reward_columns: Sequence[str], generation_s: float
+) -> dict[str, float]:
     totals = np.concatenate([np.asarray(v, dtype=np.float64) for v in table.column(TOTAL_COLUMN).to_pylist()])
-    lengths = np.concatenate([np.asarray(v, dtype=np.int64) for v in table.column("response_lens").to_pylist()])
+    lengths = np.concatenate(
+        [np.asarray(v, dtype=np.int64) for v in table.column("response_lens").to_pylist()]
+    )
     reasons = [r for row in table.column("finish_reasons").to_pylist() for r in row]
     metrics = {
         "n": float(table.num_rows),

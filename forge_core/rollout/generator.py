@@ -18,8 +18,10 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 from forge_core.config.schema import SamplingConfig
+from forge_core.faults import engine_kill_progress
 from forge_core.rollout.engine import EngineOptions, engine_environment
 from forge_core.rollout.sampling import request_seed, vllm_sampling_params
 from forge_core.rollout.types import Prompt, Sample
@@ -59,8 +61,11 @@ class Generator:
         sampling = sampling or self.sampling
         check_prompt_lengths(prompts, sampling, self.max_model_len)
         requests = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
-        params = [vllm_sampling_params(sampling, request_seed(seed, p.group_id, p.prompt_id)) for p in prompts]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        params = [
+            vllm_sampling_params(sampling, request_seed(seed, p.group_id, p.prompt_id)) for p in prompts
+        ]
+        # The progress callback is FORGE_FAULT's kill_vllm hook; without that fault there is no progress bar.
+        outputs = self._llm.generate(requests, params, use_tqdm=engine_kill_progress() or False)
         return [sample for prompt, output in zip(prompts, outputs) for sample in _samples_of(prompt, output)]
 
     # ---- weights --------------------------------------------------------------------------------------
@@ -96,7 +101,7 @@ class Generator:
             engine_core.shutdown()
         del llm
 
-    def __enter__(self) -> Generator:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -113,15 +118,23 @@ def check_prompt_lengths(prompts: Sequence[Prompt], sampling: SamplingConfig, ma
             raise ValueError(
                 f"prompt {prompt.prompt_id}: {len(prompt.prompt_ids)} tokens + max_new_tokens="
                 f"{sampling.max_new_tokens} = {total} exceeds the policy's context of {max_model_len}; lower "
-                "rollout.sampling.max_new_tokens (eval.max_new_tokens) or data.max_seq_len, or raise model.max_seq_len"
+                "rollout.sampling.max_new_tokens (eval.max_new_tokens) or data.max_seq_len, or raise "
+                "model.max_seq_len"
             )
 
 
 def _start_llm(policy_dir: Path, engine: EngineOptions):
+    import torch
     from vllm import LLM
 
-    with engine_environment(engine.environment()):
-        return LLM(**engine.llm_kwargs(policy_dir))
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound its threads; an
+    # in-process worker would do that to this whole process (a trainer living here included), so put it back.
+    set_num_threads = torch.set_num_threads
+    try:
+        with engine_environment(engine.environment()):
+            return LLM(**engine.llm_kwargs(policy_dir))
+    finally:
+        torch.set_num_threads = set_num_threads
 
 
 def _samples_of(prompt: Prompt, output) -> list[Sample]:
@@ -147,7 +160,8 @@ def _samples_of(prompt: Prompt, output) -> list[Sample]:
 def _sampled_logprobs(completion, token_ids: tuple[int, ...], prompt: Prompt) -> tuple[float, ...]:
     positions = completion.logprobs
     assert positions is not None and len(positions) == len(token_ids), (
-        f"vLLM returned {0 if positions is None else len(positions)} logprob positions for {len(token_ids)} tokens "
+        f"vLLM returned {0 if positions is None else len(positions)} logprob positions for "
+        f"{len(token_ids)} tokens "
         f"of prompt {prompt.prompt_id}"
     )
     # With logprobs=0 each position holds the sampled token (plus the top-1 when they differ).
@@ -170,7 +184,9 @@ def _model_config(folder: Path) -> dict:
 def _check_same_model(current: Path, new: Path) -> None:
     old_config, new_config = _model_config(current), _model_config(new)
     if old_config != new_config:
-        changed = sorted(k for k in old_config.keys() | new_config.keys() if old_config.get(k) != new_config.get(k))
+        changed = sorted(
+            k for k in old_config.keys() | new_config.keys() if old_config.get(k) != new_config.get(k)
+        )
         raise ValueError(
             f"reload({new}): its config.json differs from the running engine's ({current}) in {changed}; "
             "in-place reload only swaps weights, start a new Generator for another architecture"

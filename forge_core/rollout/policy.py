@@ -38,7 +38,9 @@ def policy_cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "forgeflow" / "policies").expanduser()
 
 
-def fetch_policy(store: ObjectStore, stage_uri: str, input_name: str = "policy", cache_root: Path | None = None) -> PolicyRef:
+def fetch_policy(
+    store: ObjectStore, stage_uri: str, input_name: str = "policy", cache_root: Path | None = None
+) -> PolicyRef:
     """The verified local copy of `<stage_uri>/policy` (see module docstring).
 
     ValueError naming `inputs.<input_name>` when the stage artifact or its policy is missing, uncommitted,
@@ -49,18 +51,21 @@ def fetch_policy(store: ObjectStore, stage_uri: str, input_name: str = "policy",
         kind = store.read_manifest(stage_uri).kind
     except (ArtifactError, FileNotFoundError) as exc:
         raise ValueError(
-            f"inputs.{input_name}={stage_uri}: not a committed artifact ({exc}); pass the URI of a finished sft "
-            "or grpo stage"
+            f"inputs.{input_name}={stage_uri}: not a committed artifact ({exc}); pass the URI of a "
+            "finished sft or grpo stage"
         ) from exc
     if kind not in POLICY_STAGE_KINDS:
         raise ValueError(
-            f"inputs.{input_name}={stage_uri}: a {kind!r} artifact; expected one of {list(POLICY_STAGE_KINDS)} "
+            f"inputs.{input_name}={stage_uri}: a {kind!r} artifact; expected one of "
+            f"{list(POLICY_STAGE_KINDS)} "
             f"(the output of an SFT or GRPO stage, which holds {POLICY_DIR}/)"
         )
     try:
         version = store.manifest_sha256(policy_uri)
     except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(f"inputs.{input_name}={stage_uri}: its {POLICY_DIR}/ is not committed ({exc})") from exc
+        raise ValueError(
+            f"inputs.{input_name}={stage_uri}: its {POLICY_DIR}/ is not committed ({exc})"
+        ) from exc
     root = cache_root or policy_cache_root()
     local_dir = root / version
     if not (local_dir / _COMPLETE_MARKER).is_file():

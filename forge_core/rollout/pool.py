@@ -21,10 +21,10 @@ import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from forge_core.config.schema import SamplingConfig
-from forge_core.rollout.engine import EngineOptions, cpu_ranges, on_cpu
+from forge_core.rollout.engine import EngineOptions, on_cpu
 from forge_core.rollout.generator import Generator, check_prompt_lengths
 from forge_core.rollout.types import Prompt, Sample
 
@@ -46,43 +46,47 @@ def open_generator(
     return GeneratorPool(policy_dir, sampling, engine, num_engines)
 
 
-def replica_layouts(engine: EngineOptions, num_engines: int) -> list[tuple[EngineOptions, dict[str, str]]]:
-    """(engine options, extra environment) for each replica: disjoint cores on CPU, disjoint GPUs otherwise."""
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """What one replica process gets: its engine options, extra environment, and (CPU) the cores it may use."""
+
+    options: EngineOptions
+    env: dict[str, str]
+    cpus: tuple[int, ...] | None = None
+
+
+def replica_layouts(engine: EngineOptions, num_engines: int) -> list[ReplicaLayout]:
+    """Disjoint cores per replica on CPU (the replica process, its scheduler and its worker all stay on
+    them, and `cpu_threads` applies within them), disjoint GPUs per replica otherwise."""
     if on_cpu():
+        if engine.cpu_threads not in ("all", "auto"):
+            raise ValueError(
+                f"rollout.cpu_threads={engine.cpu_threads!r} with rollout.num_engines={num_engines}: each engine "
+                "gets its own share of the cores; use cpu_threads=auto or all with several engines"
+            )
         cpus = sorted(os.sched_getaffinity(0))
         per_replica = len(cpus) // num_engines
         if per_replica < engine.tensor_parallel_size:
             raise ValueError(
-                f"rollout.num_engines={num_engines} x tensor_parallel_size={engine.tensor_parallel_size} needs at "
-                f"least that many CPUs; this process may use {len(cpus)}"
+                f"rollout.num_engines={num_engines} x tensor_parallel_size={engine.tensor_parallel_size} "
+                f"needs at least that many CPUs; this process may use {len(cpus)}"
             )
-        layouts = []
-        for index in range(num_engines):
-            mine = cpus[index * per_replica : (index + 1) * per_replica]
-            cpu_threads = engine.cpu_threads
-            if cpu_threads in ("all", "auto"):
-                cpu_threads = _split(mine, engine.tensor_parallel_size)
-            layouts.append((dataclasses.replace(engine, cpu_threads=cpu_threads), {}))
-        return layouts
+        shares = [tuple(cpus[i * per_replica : (i + 1) * per_replica]) for i in range(num_engines)]
+        return [ReplicaLayout(engine, {}, share) for share in shares]
     import torch
 
     devices = _visible_gpus(torch.cuda.device_count())
     needed = num_engines * engine.tensor_parallel_size
     if len(devices) < needed:
         raise ValueError(
-            f"rollout.num_engines={num_engines} x tensor_parallel_size={engine.tensor_parallel_size} = {needed} "
-            f"GPUs, but {len(devices)} are visible ({devices}); lower one of them"
+            f"rollout.num_engines={num_engines} x tensor_parallel_size={engine.tensor_parallel_size} = "
+            f"{needed} GPUs, but {len(devices)} are visible ({devices}); lower one of them"
         )
     tp = engine.tensor_parallel_size
     return [
-        (engine, {"CUDA_VISIBLE_DEVICES": ",".join(devices[i * tp : (i + 1) * tp])}) for i in range(num_engines)
+        ReplicaLayout(engine, {"CUDA_VISIBLE_DEVICES": ",".join(devices[i * tp : (i + 1) * tp])})
+        for i in range(num_engines)
     ]
-
-
-def _split(cpus: list[int], ranks: int) -> str:
-    from forge_core.rollout.engine import cpu_bind_lists
-
-    return cpu_bind_lists(cpus, ranks) if ranks > 1 else cpu_ranges(cpus)
 
 
 def _visible_gpus(count: int) -> list[str]:
@@ -106,7 +110,9 @@ def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
 class GeneratorPool:
     """`num_engines` Generator replicas in spawned processes, behind the Generator interface."""
 
-    def __init__(self, policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions, num_engines: int):
+    def __init__(
+        self, policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions, num_engines: int
+    ):
         self.policy_dir = Path(policy_dir)
         self.sampling = sampling
         self.engine = engine
@@ -114,8 +120,8 @@ class GeneratorPool:
         context = mp.get_context("spawn")
         try:
             # Start every replica first, then wait: their start-ups overlap.
-            for index, (options, env) in enumerate(replica_layouts(engine, num_engines)):
-                self._replicas.append(_Replica.start(context, index, self.policy_dir, sampling, options, env))
+            for index, layout in enumerate(replica_layouts(engine, num_engines)):
+                self._replicas.append(_Replica.start(context, index, self.policy_dir, sampling, layout))
             startups = [replica.wait_ready() for replica in self._replicas]
         except BaseException:
             self.close()
@@ -128,7 +134,11 @@ class GeneratorPool:
     ) -> list[Sample]:
         check_prompt_lengths(prompts, sampling or self.sampling, self.max_model_len)
         shards = [prompts[start:end] for start, end in shard_bounds(len(prompts), len(self._replicas))]
-        busy = [(replica, replica.send("generate", list(shard), seed, sampling)) for replica, shard in zip(self._replicas, shards) if shard]
+        busy = [
+            (replica, replica.send("generate", list(shard), seed, sampling))
+            for replica, shard in zip(self._replicas, shards)
+            if shard
+        ]
         return [sample for replica, _ in busy for sample in replica.receive()]
 
     def reload(self, policy_dir: str | Path | None = None) -> float:
@@ -144,7 +154,7 @@ class GeneratorPool:
         for replica in replicas:
             replica.stop()
 
-    def __enter__(self) -> GeneratorPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -159,7 +169,9 @@ class _Replica:
     max_model_len: int = 0
 
     @classmethod
-    def start(cls, context, index: int, policy_dir: Path, sampling, options: EngineOptions, env: dict[str, str]):
+    def start(
+        cls, context, index: int, policy_dir: Path, sampling, options: EngineOptions, env: dict[str, str]
+    ):
         parent, child = context.Pipe()
         process = context.Process(
             target=_replica_main,
@@ -198,7 +210,8 @@ class _Replica:
         except EOFError as exc:
             self.process.join(timeout=1)
             raise ReplicaError(
-                f"rollout replica {self.index} (pid {self.process.pid}) died with exit code {self.process.exitcode}"
+                f"rollout replica {self.index} (pid {self.process.pid}) died with exit code "
+                f"{self.process.exitcode}"
             ) from exc
 
     def stop(self) -> None:
@@ -217,17 +230,20 @@ class _Replica:
 def _picklable(exc: BaseException) -> BaseException | None:
     try:
         pickle.loads(pickle.dumps(exc))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to pickle means: send the traceback text only
         return None
     return exc
 
 
-def _replica_main(conn: Connection, policy_dir: str, sampling: SamplingConfig, options: EngineOptions, env: dict[str, str]) -> None:
-    """Body of a replica process: own environment, one Generator, then serve calls until told to close."""
-    os.environ.update(env)
+def _replica_main(conn: Connection, policy_dir: str, sampling: SamplingConfig, layout: ReplicaLayout) -> None:
+    """Body of a replica process: own cores and environment, one Generator, then serve calls until closed."""
+    os.environ.update(layout.env)
+    if layout.cpus is not None:
+        os.sched_setaffinity(0, layout.cpus)  # inherited by vLLM's scheduler and worker processes
+    options = layout.options
     try:
         generator = Generator(policy_dir, sampling, options)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever stops the start-up is reported to the parent
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", (generator.startup_s, generator.max_model_len)))
@@ -238,7 +254,7 @@ def _replica_main(conn: Connection, policy_dir: str, sampling: SamplingConfig, o
                 return
             try:
                 conn.send(("ok", getattr(generator, method)(*args)))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the parent re-raises it (ValueError) or wraps it
                 conn.send(("error", (_picklable(exc), traceback.format_exc())))
     except EOFError:
         return  # the parent went away

@@ -25,7 +25,10 @@ PROMPT_COLUMNS = ("prompt_id", "prompt", "prompt_ids", "ground_truth")
 def epoch_permutation(num_rows: int, epoch: int, seed: int) -> np.ndarray:
     """A permutation of range(num_rows), fixed by (seed, epoch)."""
     key = f"forgeflow-rl-prompts:{seed}:{epoch}".encode()
-    scores = [hashlib.blake2b(i.to_bytes(8, "little"), key=key[:64], digest_size=8).digest() for i in range(num_rows)]
+    scores = [
+        hashlib.blake2b(i.to_bytes(8, "little"), key=key[:64], digest_size=8).digest()
+        for i in range(num_rows)
+    ]
     return np.array(sorted(range(num_rows), key=scores.__getitem__), dtype=np.int64)
 
 

@@ -54,9 +54,16 @@ def evaluation_sampling(eval_cfg: EvalConfig, rollout_sampling: SamplingConfig) 
     """
     if eval_cfg.pass_k == 1:
         return dataclasses.replace(
-            rollout_sampling, group_size=1, temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=eval_cfg.max_new_tokens
+            rollout_sampling,
+            group_size=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            max_new_tokens=eval_cfg.max_new_tokens,
         )
-    return dataclasses.replace(rollout_sampling, group_size=eval_cfg.pass_k, max_new_tokens=eval_cfg.max_new_tokens)
+    return dataclasses.replace(
+        rollout_sampling, group_size=eval_cfg.pass_k, max_new_tokens=eval_cfg.max_new_tokens
+    )
 
 
 def sampling_record(sampling: SamplingConfig, seed: int) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 | column | type | meaning |
 | --- | --- | --- |
 | prompt_id | string | the data stage's id of the prompt (join key back to rl_prompts) |
-| group_id | int64 | the prompt's position in the run's prompt stream (iteration * prompts_per_iteration + j) |
+| group_id | int64 | the prompt's position in the run's prompt stream (iteration * P + j) |
 | sample_index | int32 | 0 .. group_size-1 within the group |
 | prompt_ids, response_ids | list<int32> | the tokens the generator conditioned on and sampled |
 | response_logprobs | list<float32> | the generator's logprob of each sampled token (vLLM raw_logprobs) |
@@ -74,7 +74,12 @@ class RolloutLineage:
 def rollout_schema(reward_columns: Sequence[str]) -> pa.Schema:
     reward_fields = [pa.field(c, pa.float64(), nullable=False) for c in reward_columns]
     return pa.schema(
-        [*_SAMPLE_FIELDS, *reward_fields, pa.field(TOTAL_COLUMN, pa.float64(), nullable=False), *_LINEAGE_FIELDS]
+        [
+            *_SAMPLE_FIELDS,
+            *reward_fields,
+            pa.field(TOTAL_COLUMN, pa.float64(), nullable=False),
+            *_LINEAGE_FIELDS,
+        ]
     )
 
 

@@ -25,8 +25,8 @@ class Prompt:
 class Sample:
     """One completion and what vLLM computed for it.
 
-    `response_logprobs[j]` is the generator's log-probability of `response_ids[j]` (from the raw logits, before
-    temperature/top-k/top-p: vLLM's `raw_logprobs` mode, which is what the trainer recomputes).
+    `response_logprobs[j]` is the generator's log-probability of `response_ids[j]` (from the raw logits,
+    before temperature/top-k/top-p: vLLM's `raw_logprobs` mode, which is what the trainer recomputes).
     `finish_reason` is "stop" (EOS or a stop string) or "length" (hit max new tokens).
     """
 

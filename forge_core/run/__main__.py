@@ -54,8 +54,10 @@ def _import_stage_main(stage: str) -> Callable:
 
 
 def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, stage_main: Callable) -> None:
+    from forge_core.faults import set_current_stage
     from forge_core.run.spec import read_spec
 
+    set_current_stage(stage)  # FORGE_FAULT entries ending in @<stage> fire only in this stage's workers
     storage_cfg = StorageConfig(endpoint_url=endpoint_url) if endpoint_url else None
     spec = read_spec(spec_uri, storage_cfg)
     if spec.stage != stage:

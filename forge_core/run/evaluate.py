@@ -60,14 +60,19 @@ def plan_evaluation(spec: StageSpec) -> EvalPlan | None:
     store = ObjectStore.from_config(cfg.storage)
     if store.is_committed(spec.output_uri):
         return None
-    policy_uri = required_input(spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to evaluate)")
+    policy_uri = required_input(
+        spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to evaluate)"
+    )
     data_uri = required_input(spec, DATA_INPUT, "a committed data artifact (eval.parquet)")
     rewards = RewardSet.from_config(cfg.rollout.rewards)
     table = read_prompt_split(store, data_uri, EVAL_SPLIT)
     if table.num_rows < cfg.eval.num_prompts:
         log.warning(
             "eval.num_prompts=%d but %s has %d eval prompts: evaluating all of them (n=%d in the metrics)",
-            cfg.eval.num_prompts, data_uri, table.num_rows, table.num_rows,
+            cfg.eval.num_prompts,
+            data_uri,
+            table.num_rows,
+            table.num_rows,
         )
     prompts = prompts_from_table(table.slice(0, cfg.eval.num_prompts))
     policy = fetch_policy(store, policy_uri, POLICY_INPUT)
@@ -102,7 +107,11 @@ def run_evaluation(plan: EvalPlan, generator) -> EvalOutcome:
     writer.commit(config=config_to_dict(plan.cfg), inputs=plan.inputs, metrics=metrics)
     log.info(
         "committed %s: accuracy %.3f, mean reward %.3f over %d prompts (k=%d)",
-        plan.output_uri, metrics["accuracy"], metrics["mean_reward"], int(metrics["n"]), int(metrics["k"]),
+        plan.output_uri,
+        metrics["accuracy"],
+        metrics["mean_reward"],
+        int(metrics["n"]),
+        int(metrics["k"]),
     )
     return outcome
 

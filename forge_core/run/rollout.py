@@ -165,7 +165,11 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
     writer.commit(config=config_to_dict(plan.cfg), inputs=plan.inputs, metrics=metrics)
     log.info(
         "committed %s: %d samples, reward %.3f +- %.3f, pass rate %.3f, %.0f tokens/s",
-        plan.output_uri, table.num_rows, metrics["reward_mean"], metrics["reward_std"], metrics["pass_rate"],
+        plan.output_uri,
+        table.num_rows,
+        metrics["reward_mean"],
+        metrics["reward_std"],
+        metrics["pass_rate"],
         metrics["tokens_per_s"],
     )
     return table

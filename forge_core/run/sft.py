@@ -13,11 +13,14 @@ A rerun resumes from the newest committed checkpoint; an already committed outpu
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import pyarrow as pa
 
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.engine import Checkpointer, Engine, destroy_distributed
@@ -40,7 +43,7 @@ TOKENIZER_DIR = "tokenizer"
 @dataclass
 class SFTInputs:
     data_uri: str
-    table_rows: object  # pa.Table
+    table: pa.Table  # sft.parquet: input_ids, loss_mask
     tokenizer_dir: Path
     tokenizer_vocab_size: int
 
@@ -91,8 +94,6 @@ def _vocab_size(cfg: RunConfig, inputs: SFTInputs, init_dir: str | None) -> int:
     """The embedding size: the tokenizer's, or the starting checkpoint's (which may pad it)."""
     if init_dir is None:
         return inputs.tokenizer_vocab_size
-    import json
-
     hf_vocab = int(json.loads((Path(init_dir) / "config.json").read_text())["vocab_size"])
     if hf_vocab < inputs.tokenizer_vocab_size:
         raise ValueError(
@@ -115,10 +116,16 @@ def main(spec: StageSpec) -> None:
     with tempfile.TemporaryDirectory(prefix="forge-sft-") as tmp:
         workdir = Path(tmp)
         inputs = _read_data_artifact(store, spec, workdir)
-        data = SFTData.from_table(inputs.table_rows, cfg.sft.eval_rows, cfg.seed, where=f"{inputs.data_uri}/{SFT_TABLE}")
+        data = SFTData.from_table(
+            inputs.table, cfg.sft.eval_rows, cfg.seed, where=f"{inputs.data_uri}/{SFT_TABLE}"
+        )
         init_dir = _initial_weights_dir(cfg, store, workdir)
         engine_cfg = Engine.Config.from_run_config(
-            cfg, _vocab_size(cfg, inputs, init_dir), cfg.sft.optimizer, cfg.sft.steps, init_weights_dir=init_dir
+            cfg,
+            _vocab_size(cfg, inputs, init_dir),
+            cfg.sft.optimizer,
+            cfg.sft.steps,
+            init_weights_dir=init_dir,
         )
         engine = engine_cfg.build()
         rank = engine.dist.rank

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from forge_core.faults import maybe_fail_storage_call
 from forge_core.storage.errors import StorageAccessError, StorageUnavailable
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class Retrier:
     def call(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T:
         for attempt in range(self.retries + 1):
             try:
+                maybe_fail_storage_call(what)  # FORGE_FAULT=storage_outage:... (off unless set)
                 return fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless transient
                 self._raise_unless_retryable(what, exc, attempt)

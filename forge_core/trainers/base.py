@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from forge_core.engine import Checkpointer, CheckpointRef, Engine, ResumeState
 from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
@@ -86,6 +87,10 @@ class TitanTrainer:
 
     def _model_outputs(self, batch: TokenBatch, with_entropy: bool) -> ModelOutputs:
         logits_BLV = forward_logits(self.model, batch.input_ids_BL, batch.positions_BL)
+        if isinstance(logits_BLV, DTensor):
+            # Tensor parallelism leaves the logits sharded over the vocab; gather them (differentiably) so the
+            # loss sees plain per-token log-probabilities.
+            logits_BLV = logits_BLV.full_tensor()
         target_logprobs_BL = token_logprobs(logits_BLV, batch.target_ids_BL)
         entropy_BL = None
         if with_entropy:
@@ -141,12 +146,17 @@ class TitanTrainer:
         values[_LOSS_KEY] = torch.stack([o.loss.float() for o in outputs]).sum()
         values[_TOKENS_KEY] = torch.tensor(float(sum(mb.num_tokens() for mb in micro_batches)))
         values = {k: v.to(self.device) for k, v in values.items()}
-        reduced = {k: float(v) for k, v in all_reduce_tensors(values, loss.max_reduced_metrics, self.engine.dp_group).items()}
+        reduced = {
+            k: float(v)
+            for k, v in all_reduce_tensors(values, loss.max_reduced_metrics, self.engine.dp_group).items()
+        }
         metrics = {"loss": reduced.pop(_LOSS_KEY), "tokens": reduced.pop(_TOKENS_KEY)}
         metrics.update(loss.summarize(reduced))
         return metrics
 
-    def _throughput(self, tokens: float, micro_batches: Sequence[TokenBatch], elapsed: float) -> dict[str, float]:
+    def _throughput(
+        self, tokens: float, micro_batches: Sequence[TokenBatch], elapsed: float
+    ) -> dict[str, float]:
         out = {"tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
         if self.engine.peak_flops:
             seq_len = max(mb.seq_len for mb in micro_batches)
@@ -185,7 +195,9 @@ class TitanTrainer:
 
     def _require_checkpointer(self) -> Checkpointer:
         if self.checkpointer is None:
-            raise ValueError("this trainer was built without a checkpointer; pass checkpointer=Checkpointer(...)")
+            raise ValueError(
+                "this trainer was built without a checkpointer; pass checkpointer=Checkpointer(...)"
+            )
         return self.checkpointer
 
     def save_checkpoint(self, step: int, data_cursor: dict) -> CheckpointRef:
@@ -210,7 +222,9 @@ class TitanTrainer:
         def write_and_commit() -> str:
             ctx = self.artifacts
             with tempfile.TemporaryDirectory(prefix="forge-export-") as tmp:
-                write_hf_folder(full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir)
+                write_hf_folder(
+                    full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir
+                )
                 writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
                 for path in sorted(Path(tmp).iterdir()):
                     writer.put_file(path, path.name)

@@ -78,7 +78,9 @@ class TokenBatch:
         """Consecutive micro-batches of `micro_batch_size` rows (the last may be smaller)."""
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
-        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)]
+        return [
+            self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)
+        ]
 
 
 def pad_token_rows(

@@ -190,8 +190,20 @@ class GRPOTrainer(TitanTrainer):
         return self.cfg.epochs * (num_samples // self.cfg.mini_batch_size)
 
     @staticmethod
-    def micro_batches(batch: RLBatch, step: MiniBatchStep) -> list[RLBatch]:
-        return [trim_padding(batch.select(rows)) for rows in step.micro_rows]
+    def micro_batch_rows(batch: RLBatch, step: MiniBatchStep) -> list[torch.Tensor]:
+        """Row indices of this rank's micro-batches of one step.
+
+        The step's rows are regrouped by length (a stable sort) before they are cut into micro-batches of the
+        planned sizes: the step's gradient is a sum over all its rows, so the grouping changes only fp
+        rounding, while rows of similar length share less padding (completions of varied length would
+        otherwise pad every micro-batch to the longest one)."""
+        rows = torch.cat(step.micro_rows)
+        by_length = rows[torch.sort(batch.lengths_B[rows], stable=True).indices]
+        return list(by_length.split([len(r) for r in step.micro_rows]))
+
+    def micro_batches(self, batch: RLBatch, step: MiniBatchStep) -> list[RLBatch]:
+        """This rank's micro-batches of one step, each trimmed to its longest row."""
+        return [trim_padding(batch.select(rows)) for rows in self.micro_batch_rows(batch, step)]
 
     # ---- reference policy ----------------------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ import numpy as np
 
 
 class GlobalBatchSampler:
-    def __init__(self, num_rows: int, global_batch_size: int, dp_degree: int, dp_rank: int, seed: int) -> None:
+    def __init__(
+        self, num_rows: int, global_batch_size: int, dp_degree: int, dp_rank: int, seed: int
+    ) -> None:
         if num_rows < 1:
             raise ValueError("the SFT table has no training rows; check the data artifact's sft.parquet")
         if global_batch_size % dp_degree:

@@ -49,7 +49,9 @@ class SFTData:
         `seed`, are held out."""
         missing = [c for c in SFT_COLUMNS if c not in table.column_names]
         if missing:
-            raise ValueError(f"{where}: missing columns {missing}; expected {list(SFT_COLUMNS)} (prepare stage)")
+            raise ValueError(
+                f"{where}: missing columns {missing}; expected {list(SFT_COLUMNS)} (prepare stage)"
+            )
         rows = _token_rows(table, where)
         if eval_rows >= len(rows):
             raise ValueError(
@@ -78,6 +80,14 @@ def _token_rows(table: pa.Table, where: str) -> list[tuple[np.ndarray, np.ndarra
             raise ValueError(f"{where}: row {i} has {end - start} tokens; SFT rows need at least 2")
         rows.append((ids[start:end], mask[start:end]))
     return rows
+
+
+def micro_batches(rows: list[tuple[np.ndarray, np.ndarray]], micro_batch_size: int) -> list[TokenBatch]:
+    """Right-padded micro-batches of `micro_batch_size` rows (the last one may be smaller)."""
+    return [
+        pad_token_rows(rows[i : i + micro_batch_size], pad_to_multiple=PAD_TO_MULTIPLE)
+        for i in range(0, len(rows), micro_batch_size)
+    ]
 
 
 @dataclass
@@ -127,18 +137,12 @@ class SFTTrainer(TitanTrainer):
         usable = len(self.data.eval_rows) - len(self.data.eval_rows) % degree
         if usable == 0:
             return []
-        mine = self.data.eval_rows[:usable][rank::degree]
-        return [
-            pad_token_rows(mine[i : i + self.cfg.micro_batch_size], pad_to_multiple=PAD_TO_MULTIPLE)
-            for i in range(0, len(mine), self.cfg.micro_batch_size)
-        ]
+        return micro_batches(self.data.eval_rows[:usable][rank::degree], self.cfg.micro_batch_size)
 
     def next_micro_batches(self) -> list[TokenBatch]:
         """This rank's micro-batches of the next global batch."""
-        local = self.sampler.next_local_rows()
-        rows = [self.data.train_rows[i] for i in local]
-        size = self.cfg.micro_batch_size
-        return [pad_token_rows(rows[i : i + size], pad_to_multiple=PAD_TO_MULTIPLE) for i in range(0, len(rows), size)]
+        rows = [self.data.train_rows[i] for i in self.sampler.next_local_rows()]
+        return micro_batches(rows, self.cfg.micro_batch_size)
 
     def evaluate_held_out(self) -> float | None:
         if not self._eval_batches:

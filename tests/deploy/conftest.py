@@ -84,7 +84,12 @@ class ProcessKeeper:
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("wb") as log_file:
             popen = subprocess.Popen(
-                argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         started = Started(name, popen, log_path)
@@ -158,10 +163,9 @@ def _signal_group(pgid: int, signum: int) -> None:
 
 
 def isolated_prefect_env(home: Path, port: int) -> dict[str, str]:
-    """This environment without any PREFECT_* or fault-injection setting, plus a private server's settings."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FORGE_FAULT"))
-    }
+    """This environment without any PREFECT_*, FORGEFLOW_* or fault-injection setting, plus a private
+    server's settings. FORGEFLOW_HOME is left to the worker (see start_worker)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FORGEFLOW_", "FORGE_FAULT"))}
     api_url = f"http://127.0.0.1:{port}/api"
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
@@ -175,7 +179,6 @@ def isolated_prefect_env(home: Path, port: int) -> dict[str, str]:
         PREFECT_LOGGING_LEVEL="INFO",
         # The worker's default 10 s poll would add up to 10 s of idle time to the test.
         PREFECT_WORKER_QUERY_SECONDS="2",
-        FORGEFLOW_HOME=str(REPO_ROOT),
     )
     return env
 
@@ -209,8 +212,11 @@ class LocalPrefect:
         return done
 
     def start_worker(self, pool: str, cwd: Path) -> Started:
+        """A process worker with FORGEFLOW_HOME set, as on a cluster node: deployments made without it
+        take the checkout's path from the worker's environment at run time."""
+        env = {**self.env, "FORGEFLOW_HOME": str(REPO_ROOT)}
         return self.keeper.start(
-            f"worker-{pool}", [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool], self.env, cwd
+            f"worker-{pool}", [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool], env, cwd
         )
 
     def api(self, coroutine_fn):

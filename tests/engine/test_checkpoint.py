@@ -15,6 +15,7 @@ from forge_core.engine import (
     Checkpointer,
     Engine,
     checkpoint_uri,
+    committed_checkpoints,
     latest_committed_checkpoint,
 )
 from forge_core.losses import TokenCrossEntropy
@@ -99,3 +100,19 @@ def test_resume_is_exact_and_corrupt_checkpoints_are_skipped(tmp_path, caplog):
     shard.write_bytes(b"garbage")
     with pytest.raises(CheckpointCorrupted, match=r"step-2: file '.metadata' is corrupted"):
         _trainer(store, out).load_checkpoint()
+
+
+@pytest.mark.integration
+def test_checkpoint_round_trip_through_s3(s3_store):
+    """DCP writes through fsspec/s3fs into moto's S3, the manifest commits it, and a new engine resumes."""
+    out = s3_store.artifact_uri("sft", "s3run")
+    batches = _batches(3)
+    first = _trainer(s3_store, out)
+    _step(first, batches[0])
+    first.save_checkpoint(1, {"position": 1})
+    expected = [_step(first, b) for b in batches[1:]]
+    assert [c.step for c in committed_checkpoints(s3_store, out)] == [1]
+    assert s3_store.read_manifest(checkpoint_uri(s3_store, out, 1)).kind == "checkpoint"
+    resumed = _trainer(s3_store, out)
+    assert resumed.load_checkpoint().step == 1
+    assert [_step(resumed, b) for b in batches[1:]] == expected

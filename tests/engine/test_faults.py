@@ -9,7 +9,10 @@ from forge_core.faults import Fault, InjectedFault, maybe_inject_fault, parse_fa
 
 
 def test_parse_several_faults():
-    assert parse_faults("kill_rank:1:3, raise_rank:0:5") == [Fault("kill_rank", 1, 3), Fault("raise_rank", 0, 5)]
+    assert parse_faults("kill_rank:1:3, raise_rank:0:5") == [
+        Fault("kill_rank", 1, 3),
+        Fault("raise_rank", 0, 5),
+    ]
 
 
 @pytest.mark.parametrize("spec", ["kill:1:3", "kill_rank:one:3", "kill_rank:1"])

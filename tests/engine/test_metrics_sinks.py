@@ -17,7 +17,9 @@ def test_rank0_writes_jsonl_and_other_ranks_write_nothing(tmp_path):
     sink.summary({"final_loss": 0.5})
     sink.close()
     assert isinstance(build_sinks(cfg, "my run/sft", rank=1), NullSink)
-    lines = [json.loads(line) for line in (run_dir(cfg, "my run/sft") / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (run_dir(cfg, "my run/sft") / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [(r.get("step"), r.get("loss")) for r in lines[:2]] == [(1, 1.5), (2, None)]
     assert lines[2]["summary"] is True and lines[2]["final_loss"] == 0.5
     assert run_dir(cfg, "my run/sft").name == "my-run-sft"

@@ -19,7 +19,14 @@ from forge_core.engine import Engine, destroy_distributed
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.models import write_hf_folder
 from forge_core.rewards import RewardSet
-from forge_core.rollout import EngineOptions, Generator, RolloutLineage, evaluate, evaluation_sampling, rollout_table
+from forge_core.rollout import (
+    EngineOptions,
+    Generator,
+    RolloutLineage,
+    evaluate,
+    evaluation_sampling,
+    rollout_table,
+)
 from forge_core.rollout.prompts import prompts_from_table
 from forge_core.run import sft as sft_stage
 from forge_core.run.grpo import plan_seed
@@ -37,7 +44,7 @@ REWARDS = {
 
 def learning_config(
     tmp: Path, seed: int, sft_steps: int, lr: float, reward: str = "mix", prompts: int = 32, group: int = 8,
-    mini: int = 256, epochs: int = 1, num_eval: int = 300,
+    mini: int = 256, epochs: int = 1, num_eval: int = 300, num_sft: int = 1000,
 ) -> RunConfig:
     cfg = load_config(
         None,
@@ -46,6 +53,7 @@ def learning_config(
             "training.device=cpu",
             f"storage.root=file://{tmp}/store",
             "data.demo.num_eval=500",
+            f"data.demo.num_sft={num_sft}",
             f"sft.steps={sft_steps}",
             f"sft.checkpoint_every={sft_steps}",
             "sft.eval_every=0",
@@ -67,7 +75,9 @@ def learning_config(
 
 
 def _sft_policy(cfg: RunConfig, store: ObjectStore, data_uri: str) -> str:
-    sft_uri = store.artifact_uri("sft", f"seed{cfg.seed}")
+    sft_uri = store.artifact_uri("sft", f"seed{cfg.seed}-sft{cfg.data.demo.num_sft}-steps{cfg.sft.steps}")
+    if store.is_committed(sft_uri):
+        return sft_uri
     spec = StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri}, output_uri=sft_uri)
     try:
         sft_stage.main(spec)
@@ -82,33 +92,36 @@ def _accuracy(generator: Generator, prompts, cfg: RunConfig) -> float:
     return outcome.metrics["accuracy"]
 
 
-def sft_then_grpo(cfg: RunConfig, tmp: Path, iterations: int, eval_every: int = 0) -> dict:
-    """Accuracy after SFT and after `iterations` GRPO iterations (+ the curve every `eval_every`), timings."""
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
+def prepare_and_sft(cfg: RunConfig) -> tuple[ObjectStore, str, str]:
+    """The data artifact and the SFT policy (each skipped when already committed): (store, data, sft)."""
     store = ObjectStore.from_config(cfg.storage)
-    data_uri = store.artifact_uri("data", f"seed{cfg.seed}")
-    prepare_data(cfg, data_uri, store)
+    data_uri = store.artifact_uri("data", f"seed{cfg.seed}-sft{cfg.data.demo.num_sft}")
+    if not store.is_committed(data_uri):
+        prepare_data(cfg, data_uri, store)
+    return store, data_uri, _sft_policy(cfg, store, data_uri)
+
+
+def grpo_from_sft(
+    cfg: RunConfig, store: ObjectStore, data_uri: str, sft_uri: str, workdir: Path, iterations: int, eval_every: int = 0
+) -> dict:
+    """Held-out greedy exact match of the SFT policy and after `iterations` GRPO iterations (plus every
+    `eval_every` iterations), the training reward, and where the time went."""
     reader = store.reader(data_uri)
     rl_table = reader.read_table("rl_prompts.parquet")
     eval_prompts = prompts_from_table(reader.read_table("eval.parquet").slice(0, cfg.eval.num_prompts))
-    timings["prepare_s"] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    sft_uri = _sft_policy(cfg, store, data_uri)
-    timings["sft_s"] = time.perf_counter() - start
-
-    policy_dir = download_policy(store, sft_uri, tmp / "policy")
+    policy_dir = download_policy(store, sft_uri, workdir / "policy")
     vocab_size = json.loads((policy_dir / "config.json").read_text())["vocab_size"]
     rewards = RewardSet.from_config(cfg.rollout.rewards)
     sampling = cfg.rollout.sampling
+    timings: dict[str, float] = {}
     start = time.perf_counter()
     generator = Generator(policy_dir, sampling, EngineOptions.from_config(cfg.rollout, seed=cfg.seed))
     timings["vllm_start_s"] = time.perf_counter() - start
     curve = []
     try:
         curve.append((0, _accuracy(generator, eval_prompts, cfg)))
-        steps_per_batch = cfg.grpo.epochs * (cfg.rollout.prompts_per_iteration * sampling.group_size // cfg.grpo.mini_batch_size)
+        samples_per_batch = cfg.rollout.prompts_per_iteration * sampling.group_size
+        steps_per_batch = cfg.grpo.epochs * (samples_per_batch // cfg.grpo.mini_batch_size)
         engine = Engine.Config.from_run_config(
             cfg, vocab_size, cfg.grpo.optimizer, iterations * steps_per_batch, init_weights_dir=str(policy_dir)
         ).build()
@@ -119,8 +132,9 @@ def sft_then_grpo(cfg: RunConfig, tmp: Path, iterations: int, eval_every: int = 
             t = time.perf_counter()
             prompts = iteration_prompts(rl_table, cfg.rollout.prompts_per_iteration, iteration, cfg.seed)
             samples = generator.generate(prompts, seed=cfg.seed)
-            scored = rewards.score([s.response_text for s in samples], [s.ground_truth for s in samples],
-                                   [s.ref for s in samples])
+            scored = rewards.score(
+                [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
+            )
             lineage = RolloutLineage(str(policy_dir), "in-process", iteration, cfg.seed, "{}", "{}")
             table = rollout_table(samples, scored, lineage)
             split["generate_s"] += time.perf_counter() - t

@@ -52,7 +52,9 @@ def test_exact_answer_and_per_digit_agree_with_the_demo_task_checker():
     for _ in range(200):
         truth = f"{rng.randrange(2000):04d}"
         guess = f"{rng.randrange(2000):04d}" if rng.random() < 0.7 else truth
-        wrapper = rng.choice(["<answer>{}</answer>", "<answer>{}", "{}", "<answer>{}</answer>junk", "<answer>{}0</answer>"])
+        wrapper = rng.choice(
+            ["<answer>{}</answer>", "<answer>{}", "{}", "<answer>{}</answer>junk", "<answer>{}0</answer>"]
+        )
         completion = wrapper.format(guess)
         assert score("exact_answer", completion, truth) == float(demo.check_answer(completion, truth))
         assert score("per_digit", completion, truth) == pytest.approx(demo.per_digit_score(completion, truth))
@@ -147,7 +149,11 @@ def test_an_optional_reward_without_its_package_names_the_package(monkeypatch):
     monkeypatch.setitem(
         registry._OPTIONAL,
         "needs_missing_pkg",
-        registry.OptionalReward(module="forge_no_such_module", distribution="forge-no-such-pkg", factory=lambda: None),
+        registry.OptionalReward(
+            module="forge_no_such_module", distribution="forge-no-such-pkg", factory=lambda: None
+        ),
     )
-    with pytest.raises(ValueError, match=r"needs the 'forge-no-such-pkg' package.*pip install forge-no-such-pkg"):
+    with pytest.raises(
+        ValueError, match=r"needs the 'forge-no-such-pkg' package.*pip install forge-no-such-pkg"
+    ):
         resolve_reward("needs_missing_pkg")

@@ -10,7 +10,7 @@ from forge_core.config.schema import RewardComponentConfig
 from forge_core.rewards import RewardFunctionError, RewardSet, resolve_reward
 
 USER_MODULE = textwrap.dedent(
-    '''
+    """
     import math
 
     def brevity(completion, ground_truth, max_chars=10):
@@ -33,7 +33,7 @@ USER_MODULE = textwrap.dedent(
         return completion == ground_truth
 
     NOT_A_FUNCTION = 3
-    '''
+    """
 )
 
 
@@ -46,7 +46,9 @@ def user_module(tmp_path, monkeypatch):
 
 
 def reward_set(*components: tuple[str, float] | tuple[str, float, dict]) -> RewardSet:
-    configs = [RewardComponentConfig(name=c[0], weight=c[1], kwargs=c[2] if len(c) > 2 else {}) for c in components]
+    configs = [
+        RewardComponentConfig(name=c[0], weight=c[1], kwargs=c[2] if len(c) > 2 else {}) for c in components
+    ]
     return RewardSet.from_config(configs)
 
 
@@ -110,7 +112,9 @@ def test_a_non_number_is_an_error_not_a_zero(user_module, fn, shown):
 
 def test_a_failing_builtin_is_reported_the_same_way():
     rewards = reward_set(("numeric_answer", 1.0))
-    with pytest.raises(RewardFunctionError, match=r"numeric_answer.*raised ValueError.*has no number.*sample q1"):
+    with pytest.raises(
+        RewardFunctionError, match=r"numeric_answer.*raised ValueError.*has no number.*sample q1"
+    ):
         rewards.score(["#### 4"], ["n/a"], ["q1"])
 
 
@@ -130,12 +134,17 @@ def test_unresolvable_names_fail_at_construction(user_module, name, message):
 
 
 def test_kwargs_that_do_not_fit_fail_at_construction():
-    with pytest.raises(ValueError, match=r"rollout.rewards\[0\].kwargs=\{'tolerance': 0.1\}: do not fit reward 'numeric_answer'"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.rewards\[0\].kwargs=\{'tolerance': 0.1\}: do not fit reward 'numeric_answer'",
+    ):
         reward_set(("numeric_answer", 1.0, {"tolerance": 0.1}))
 
 
 def test_the_same_function_twice_is_rejected():
-    with pytest.raises(ValueError, match=r"rollout.rewards\[1\].name='exact_answer': its column 'reward_exact_answer'"):
+    with pytest.raises(
+        ValueError, match=r"rollout.rewards\[1\].name='exact_answer': its column 'reward_exact_answer'"
+    ):
         reward_set(("exact_answer", 1.0), ("exact_answer", 0.5))
 
 

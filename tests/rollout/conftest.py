@@ -81,7 +81,7 @@ def write_policy(out_dir: Path, tokenizer_dir: Path, vocab_size: int, seed: int)
 
 
 def commit_policy_stage(store: ObjectStore, stage_uri: str, policy_dir: Path) -> None:
-    """Commit `policy_dir` the way a training stage does: nested `policy` artifact, then the `sft` artifact."""
+    """Commit `policy_dir` like a training stage: the nested `policy` artifact, then the `sft` artifact."""
     policy = store.writer(store.join(stage_uri, "policy"), kind="policy", stage="sft")
     for path in sorted(policy_dir.iterdir()):
         policy.put_file(path, path.name)

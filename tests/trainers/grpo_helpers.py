@@ -4,6 +4,7 @@ policy. Plain functions, imported by the test modules."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
@@ -19,6 +20,18 @@ from forge_core.storage import ObjectStore
 from forge_core.trainers.stage import POLICY_DIR
 
 PROMPTS, GROUP, MAX_NEW = 8, 4, 8
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int):
+    """torch on `count` intra-op threads inside the block. Tests run tiny models on a shared 2-core box, where
+    two OpenMP threads per process spin-wait on each other and make a step many times slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def grpo_test_config(tmp_path: Path, *overrides: str) -> RunConfig:

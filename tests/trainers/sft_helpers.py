@@ -75,8 +75,12 @@ def committed_data_artifact(cfg: RunConfig) -> str:
 def sft_spec(cfg: RunConfig, data_uri: str, key: str) -> str:
     """Write the spec of an SFT stage run into `<root>/sft/<key>`; returns the spec URI."""
     store = ObjectStore.from_config(cfg.storage)
-    spec = StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri},
-                     output_uri=store.artifact_uri("sft", key))
+    spec = StageSpec(
+        stage="sft",
+        config=config_to_dict(cfg),
+        inputs={"data": data_uri},
+        output_uri=store.artifact_uri("sft", key),
+    )
     return write_spec(store, spec)
 
 

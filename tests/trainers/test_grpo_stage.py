@@ -12,7 +12,6 @@ policy, scored by the engine before training), 4 optimizer steps (2 epochs x 2 m
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from grpo_helpers import (
     demo_tokenizer,
     grpo_spec,
     grpo_test_config,
+    intra_op_threads,
     plain_policy,
     read_policy_weights,
     rollout_table,
@@ -31,9 +31,13 @@ from grpo_helpers import (
 from forge_core.engine import committed_checkpoints, destroy_distributed
 from forge_core.faults import FAULT_ENV, InjectedFault
 from forge_core.launch import LaunchSpec, Outcome, launch
+from forge_core.models import model_logprobs
 from forge_core.run import grpo as grpo_stage
+from forge_core.run.grpo import plan_seed
 from forge_core.run.spec import read_spec
 from forge_core.storage import ObjectStore
+from forge_core.trainers.grpo import rollouts_to_rl_batch
+from forge_core.trainers.rl_batch import plan_minibatches
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +78,8 @@ class Setup:
     def run_in_process(self, name: str) -> None:
         """The stage as one plain process (world size 1): here, in the test process."""
         try:
-            grpo_stage.main(read_spec(self.spec_uri(name)))
+            with intra_op_threads(1):
+                grpo_stage.main(read_spec(self.spec_uri(name)))
         finally:
             destroy_distributed()
 
@@ -154,3 +159,48 @@ def test_interrupted_stage_resumes_mid_stage_exactly(setup, monkeypatch):
     ]
     w_resumed, w_straight = setup.weights("resumed"), setup.weights("one-rank")
     assert all(torch.equal(w_resumed[k], w_straight[k]) for k in w_straight)
+
+
+def test_stage_on_a_grpo_parent_scores_the_kl_against_the_sft_root(setup):
+    """The policy input is a grpo artifact: the reference comes from its lineage (the sft root), is swapped
+    into the engine to score the rollouts, and the policy's own weights are restored before training, so
+    the first step's KL is KL(grpo policy || sft policy) on that step's rows."""
+    parent = setup.store.artifact_uri("grpo", "one-rank")
+    inputs = {"policy": parent, "rollouts": setup.rollouts_uri}
+    output = setup.store.artifact_uri("grpo", "second")
+    spec_uri = grpo_spec(setup.cfg, setup.store, output, inputs, iteration=1)
+    try:
+        with intra_op_threads(1):
+            grpo_stage.main(read_spec(spec_uri))
+    finally:
+        destroy_distributed()
+    manifest = setup.store.read_manifest(output)
+    assert manifest.inputs["reference"].uri == setup.policy_uri
+    assert manifest.metrics["rollout/sampled_by_input_policy"] == 0.0
+
+    table = setup.store.reader(setup.rollouts_uri).read_table("rollouts.parquet")
+    policy = _plain_from(setup, setup.weights("one-rank"))
+    reference = _plain_from(setup, read_policy_weights(setup.store, setup.policy_uri, setup.tmp / "w-ref"))
+    first_rows = plan_minibatches(
+        table.num_rows, setup.cfg.grpo.mini_batch_size, setup.cfg.grpo.mini_batch_size, setup.cfg.grpo.epochs,
+        seed=plan_seed(setup.cfg.seed, 1),
+    )[0].micro_rows[0].tolist()
+    carries_loss_B = rollouts_to_rl_batch(table, setup.cfg.grpo.advantage).batch.loss_mask_BL.any(dim=1)
+    kept = set(torch.nonzero(carries_loss_B).flatten().tolist())
+    kl_sum, tokens = 0.0, 0
+    for i in (r for r in first_rows if r in kept):
+        prompt, response = table.column("prompt_ids")[i].as_py(), table.column("response_ids")[i].as_py()
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logp = model_logprobs(policy, ids[:, :-1], ids[:, 1:])[0, len(prompt) - 1 :]
+            ref = model_logprobs(reference, ids[:, :-1], ids[:, 1:])[0, len(prompt) - 1 :]
+        delta = ref - logp
+        kl_sum += float((torch.exp(delta) - delta - 1).sum())
+        tokens += len(response)
+    first = setup.store.reader(output).read_json("train_summary.json")["steps"][0]
+    assert kl_sum / tokens > 1e-4, "the policy must have moved away from the reference for this check to bite"
+    assert first["policy/kl"] == pytest.approx(kl_sum / tokens, rel=1e-3)
+
+
+def _plain_from(setup, weights: dict) -> torch.nn.Module:
+    return plain_policy(setup.cfg, weights["tok_embeddings.weight"].shape[0], state_dict=weights)

@@ -9,7 +9,14 @@ import dataclasses
 import pyarrow as pa
 import pytest
 import torch
-from grpo_helpers import MAX_NEW, demo_tokenizer, grpo_test_config, plain_policy, rollout_table
+from grpo_helpers import (
+    MAX_NEW,
+    demo_tokenizer,
+    grpo_test_config,
+    intra_op_threads,
+    plain_policy,
+    rollout_table,
+)
 
 from forge_core.engine import Engine, destroy_distributed
 from forge_core.losses.grpo import build_policy_loss
@@ -22,7 +29,8 @@ ADV_EPS = 1e-6
 
 @pytest.fixture
 def distributed_cleanup():
-    yield
+    with intra_op_threads(1):
+        yield
     destroy_distributed()
 
 
@@ -75,7 +83,7 @@ def _as_trainer_logprobs(trainer: GRPOTrainer, batch: RLBatch, seed: int) -> RLB
     and generator agree bit for bit."""
     generator = batch.generator_logprobs_BL.clone()
     step = trainer.plan(batch.batch_size, seed)[0]
-    for rows, micro in zip(step.micro_rows, trainer.micro_batches(batch, step)):
+    for rows, micro in zip(trainer.micro_batch_rows(batch, step), trainer.micro_batches(batch, step)):
         width = micro.seq_len
         trainer_BL = trainer.compute_logprobs(micro).cpu()
         generator[rows, :width] = torch.where(micro.response_mask_BL, trainer_BL, generator[rows, :width])

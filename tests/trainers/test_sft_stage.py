@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_helpers import committed_data_artifact, sft_spec, sft_test_config, one_intra_op_thread  # noqa: F401 (fixture)
+from sft_helpers import committed_data_artifact, one_intra_op_thread, sft_spec, sft_test_config  # noqa: F401 (fixture)
 
 from forge_core.engine import committed_checkpoints
 from forge_core.run.sft import main as sft_main
 from forge_core.run.spec import StageSpec, read_spec
 from forge_core.storage import ObjectStore
-
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -27,7 +26,9 @@ def test_missing_data_artifact_is_named(tmp_path):
     cfg = sft_test_config(tmp_path)
     store = ObjectStore.from_config(cfg.storage)
     missing = store.artifact_uri("data", "never-written")
-    with pytest.raises(ValueError, match=rf"inputs.data={missing}: cannot read the data artifact: .*not committed"):
+    with pytest.raises(
+        ValueError, match=rf"inputs.data={missing}: cannot read the data artifact: .*not committed"
+    ):
         sft_main(read_spec(sft_spec(cfg, missing, "bad-data")))
 
 
@@ -42,9 +43,20 @@ def test_unknown_model_flavor_is_named(tmp_path):
 
 def _torchrun(spec_uri: str, env_extra: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "forge_core.run", "sft", "--spec", spec_uri]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "forge_core.run",
+        "sft",
+        "--spec",
+        spec_uri,
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _step_metrics(cfg, run_name: str) -> dict[int, dict]:
@@ -54,7 +66,9 @@ def _step_metrics(cfg, run_name: str) -> dict[int, dict]:
 
 
 def _policy_weights(store: ObjectStore, key: str, tmp_path: Path) -> dict[str, torch.Tensor]:
-    local = store.reader(store.join(store.artifact_uri("sft", key), "policy")).download_dir("", tmp_path / key)
+    local = store.reader(store.join(store.artifact_uri("sft", key), "policy")).download_dir(
+        "", tmp_path / key
+    )
     return load_file(local / "model.safetensors")
 
 
@@ -84,14 +98,19 @@ def test_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_path):
     assert "SFT resumes after step 2" in resumed.stderr + resumed.stdout
 
     one, two = _step_metrics(names["one"], "one-sft"), _step_metrics(names["ref"], "ref-sft")
-    worst = max(abs(one[s][k] - two[s][k]) / abs(one[s][k]) for s in range(1, 7) for k in ("loss", "grad_norm"))
+    worst = max(
+        abs(one[s][k] - two[s][k]) / abs(one[s][k]) for s in range(1, 7) for k in ("loss", "grad_norm")
+    )
     print(f"1 rank vs 2 ranks: max relative diff of loss/grad_norm over 6 steps {worst:.2e}")
     assert worst < 1e-5
 
     after_resume = _step_metrics(names["killed"], "killed-sft")  # steps 1-2, then 3-6 after the resume
     assert [after_resume[s]["loss"] for s in range(1, 7)] == [two[s]["loss"] for s in range(1, 7)]
     assert [after_resume[s]["grad_norm"] for s in range(1, 7)] == [two[s]["grad_norm"] for s in range(1, 7)]
-    final_ref, final_resumed = _policy_weights(store, "ref", tmp_path), _policy_weights(store, "killed", tmp_path)
+    final_ref, final_resumed = (
+        _policy_weights(store, "ref", tmp_path),
+        _policy_weights(store, "killed", tmp_path),
+    )
     assert all(torch.equal(final_ref[k], final_resumed[k]) for k in final_ref)
 
     manifest = store.read_manifest(killed_uri)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sft_helpers import VOCAB, sft_test_config, tiny_trainer, token_rows, one_intra_op_thread  # noqa: F401 (fixture)
+from sft_helpers import VOCAB, one_intra_op_thread, sft_test_config, tiny_trainer, token_rows  # noqa: F401 (fixture)
 
 from forge_core.losses import ModelOutputs, TokenCrossEntropy
 from forge_core.models import forward_logits
@@ -67,7 +67,9 @@ def test_evaluate_and_compute_logprobs_leave_the_model_alone(tmp_path):
 
 
 def test_cross_entropy_counts_only_completion_tokens():
-    batch = pad_token_rows([(np.array([5, 6, 7, 8]), np.array([0, 0, 1, 1])), (np.array([1, 2]), np.array([0, 1]))])
+    batch = pad_token_rows(
+        [(np.array([5, 6, 7, 8]), np.array([0, 0, 1, 1])), (np.array([1, 2]), np.array([0, 1]))]
+    )
     # Targets: row 0 -> [6, 7, 8] with mask [0, 1, 1]; row 1 -> [2, pad, pad] with mask [1, 0, 0].
     assert batch.loss_mask_BL.tolist() == [[False, True, True], [True, False, False]]
     assert batch.lengths_B.tolist() == [3, 1] and batch.num_tokens() == 4

@@ -1,0 +1,297 @@
+"""Benchmark: seconds per GRPO optimizer step, forgeflow's GRPOTrainer vs TRL's GRPOTrainer, same model, same
+rollout batch, same loss.
+
+    python -m bench.grpo_step            # writes bench/results/grpo_step.json, prints it last
+    python -m bench.grpo_step --quick    # fewer repeats (smoke run)
+
+Workload (the demo defaults): llama3 `tiny` initialised from one HF folder on both sides, a rollout batch of
+32 demo prompts x 8 completions (1..16 tokens, generator logprobs from the same weights, 0/1 rewards), one
+optimizer step per batch in 4 micro-batches of 64, the DAPO token-mean clipped surrogate (clip 0.2 / 0.28,
+ratio against the stored generator logprobs, no KL), fused AdamW, gradient clipping at 1.0.
+
+Ours: `GRPOTrainer.fit` on the batch (`rollouts_to_rl_batch`): the exact path of the GRPO stage (FSDP2-wrapped
+torchtitan model, world size 1, per-micro-batch padding trim, no-grad entropy, metric reduction).
+Baseline: TRL's `GRPOTrainer` (loss_type="dapo", beta=0, epsilon 0.2, epsilon_high 0.28, num_generations 8,
+per_device_train_batch_size 64 x gradient_accumulation_steps 4) on a transformers Llama loaded from the same
+HF folder; each step runs TRL's own `compute_loss` on its micro-batch dicts (left-padded prompts, right-padded
+completions, our advantages, `old_per_token_logps` = the generator logprobs), `accelerator.backward`,
+`clip_grad_norm_` and the optimizer/scheduler step - Trainer's inner loop without generation, which both
+sides leave out. The first step's losses must agree (same loss on the same batch), else the run fails.
+
+TRL is not a forgeflow dependency: the benchmark installs trl==1.16.0 and accelerate==1.15.0 (their other
+requirements are already in the project venv) with `pip install --no-deps --target ~/.cache/forgeflow/
+bench-trl-1.16.0` on first use and imports them from there, so both sides run in this one process.
+Target: ours / TRL seconds per step < 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from bench.harness import alternate, median, summarize, write_result
+
+TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
+TRL_SITE = Path(os.environ.get("FORGE_BENCH_TRL_SITE", Path.home() / ".cache/forgeflow/bench-trl-1.16.0"))
+PROMPTS, GROUP, MAX_NEW, MICRO = 32, 8, 16, 64
+LR = 5e-4
+
+
+def ensure_trl() -> str:
+    """Import path for TRL: the installed one if it is the pinned version, else the benchmark's own copy."""
+    wanted = TRL_PINS[0].split("==")[1]
+    try:
+        import trl
+
+        if trl.__version__ == wanted:
+            return "installed"
+    except ImportError:
+        pass
+    if not (TRL_SITE / "trl").is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(TRL_SITE), *TRL_PINS],
+            check=True,
+        )
+    sys.path.insert(0, str(TRL_SITE))
+    for name in [m for m in sys.modules if m == "trl" or m.startswith("trl.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+    return str(TRL_SITE)
+
+
+# ---- the shared workload ------------------------------------------------------------------------------------
+
+
+def make_workload(workdir: Path):
+    """(run config, HF folder of the starting policy, vocab size, rollout table)."""
+    from forge_core.config import load_config
+    from forge_core.data.demo import ALPHABET, AdditionExample
+    from forge_core.data.tokenizer import train_demo_tokenizer
+    from forge_core.models import build_model, init_weights, model_logprobs, write_hf_folder
+
+    cfg = load_config(
+        None,
+        [
+            f"storage.root=file://{workdir}/store",
+            f"rollout.prompts_per_iteration={PROMPTS}",
+            f"rollout.sampling.group_size={GROUP}",
+            f"rollout.sampling.max_new_tokens={MAX_NEW}",
+            f"grpo.mini_batch_size={PROMPTS * GROUP}",
+            f"grpo.micro_batch_size={MICRO}",
+            f"grpo.optimizer.lr={LR}",
+            # TRL's dapo normaliser counts the tokens of zero-variance groups too.
+            "grpo.advantage.drop_zero_variance_groups=false",
+            "logging.wandb_mode=disabled",
+        ],
+    )
+    rng = random.Random(0)
+    examples = [AdditionExample(rng.randrange(1000), rng.randrange(1000), 3) for _ in range(PROMPTS)]
+    tokenizer = train_demo_tokenizer(
+        (e.prompt + e.completion for e in examples * 8), vocab_size=64, model_max_length=256, alphabet=ALPHABET
+    )
+    tokenizer.save(str(workdir / "tokenizer"))
+    vocab = tokenizer.vocab_size
+    model = build_model(cfg.model, vocab, device="meta", attention="sdpa")
+    init_weights(model, seed=0, device="cpu")
+    hf_dir = write_hf_folder(model.state_dict(), cfg.model, vocab, workdir / "policy", tokenizer_dir=workdir / "tokenizer")
+
+    rows: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_logprobs", "group_id", "reward", "finish_reason")}
+    for group, example in enumerate(examples):
+        prompt = tokenizer.backend.encode(example.prompt).ids
+        for _ in range(GROUP):
+            response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, MAX_NEW))]
+            tokens = torch.tensor([prompt + response])
+            with torch.no_grad():
+                logprobs = model_logprobs(model, tokens[:, :-1], tokens[:, 1:])[0, len(prompt) - 1 :]
+            rows["prompt_ids"].append(prompt)
+            rows["response_ids"].append(response)
+            rows["response_logprobs"].append(logprobs.tolist())
+            rows["group_id"].append(group)
+            rows["reward"].append(float(rng.random() < 0.5))
+            rows["finish_reason"].append("length" if len(response) == MAX_NEW else "stop")
+    return cfg, Path(hf_dir), vocab, pa.table(rows)
+
+
+# ---- ours ---------------------------------------------------------------------------------------------------
+
+
+class Ours:
+    def __init__(self, cfg, hf_dir: Path, vocab: int, table: pa.Table) -> None:
+        from forge_core.engine import Engine
+        from forge_core.losses.grpo import build_policy_loss
+        from forge_core.trainers.grpo import GRPOTrainer, rollouts_to_rl_batch
+
+        engine = Engine.Config.from_run_config(
+            cfg, vocab, cfg.grpo.optimizer, total_steps=10_000, init_weights_dir=str(hf_dir)
+        ).build()
+        self.trainer = GRPOTrainer(engine, cfg.grpo, build_policy_loss(cfg.grpo.loss, MAX_NEW))
+        rollouts = rollouts_to_rl_batch(table, cfg.grpo.advantage)
+        self.batch = rollouts.batch
+        self.advantages_B = rollouts.batch.advantages_B
+        self.losses: list[float] = []
+
+    def step(self) -> None:
+        history = self.trainer.fit(self.batch, seed=0)
+        assert len(history) == 1, "one optimizer step per rollout batch"
+        self.losses.append(history[0]["loss"])
+
+
+# ---- TRL ----------------------------------------------------------------------------------------------------
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def _right_pad(rows: list[list], pad, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    values = torch.full((len(rows), width), pad, dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        values[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        mask[i, : len(row)] = 1
+    return values, mask
+
+
+class TRLBaseline:
+    def __init__(self, hf_dir: Path, table: pa.Table, advantages_B: torch.Tensor, workdir: Path) -> None:
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from trl import GRPOConfig, GRPOTrainer
+
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        args = GRPOConfig(
+            output_dir=str(workdir / "trl"),
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=PROMPTS * GROUP // MICRO,
+            num_generations=GROUP,
+            max_completion_length=MAX_NEW,
+            beta=0.0,
+            loss_type="dapo",
+            epsilon=0.2,
+            epsilon_high=0.28,
+            learning_rate=LR,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_epsilon=1e-8,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            lr_scheduler_type="constant",
+            optim="adamw_torch_fused",
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10_000,
+        )
+        dataset = Dataset.from_dict({"prompt": ["Q: 000+000=? A: "] * PROMPTS})
+        self.trainer = GRPOTrainer(
+            model=self.model,
+            reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=10_000)
+        # Set by Trainer's training loop, which we do not enter (it would generate).
+        self.trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+        self.model.train()
+        self.micro_batches = self._micro_batches(table, advantages_B, tokenizer.pad_token_id)
+        self.losses: list[float] = []
+
+    @staticmethod
+    def _micro_batches(table: pa.Table, advantages_B: torch.Tensor, pad: int) -> list[dict]:
+        prompts = table.column("prompt_ids").to_pylist()
+        responses = table.column("response_ids").to_pylist()
+        logprobs = table.column("response_logprobs").to_pylist()
+        num_items = torch.tensor(float(sum(map(len, responses))))
+        batches = []
+        for start in range(0, len(prompts), MICRO):
+            rows = slice(start, start + MICRO)
+            prompt_ids, prompt_mask = _left_pad(prompts[rows], pad)
+            completion_ids, completion_mask = _right_pad(responses[rows], pad, torch.long)
+            old_logps, _ = _right_pad(logprobs[rows], 0.0, torch.float32)
+            batches.append({
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids,
+                "completion_mask": completion_mask,
+                "advantages": advantages_B[rows].clone(),
+                "old_per_token_logps": old_logps,
+                "num_items_in_batch": num_items,
+            })
+        return batches
+
+    def step(self) -> None:
+        trainer = self.trainer
+        total = 0.0
+        for inputs in self.micro_batches:
+            loss = trainer.compute_loss(self.model, inputs)
+            trainer.accelerator.backward(loss)
+            total += float(loss.detach())
+        trainer.accelerator.clip_grad_norm_(self.model.parameters(), trainer.args.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        trainer.optimizer.zero_grad()
+        self.losses.append(total)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
+    args = parser.parse_args()
+    trl_source = ensure_trl()
+    import trl
+
+    from forge_core.engine import destroy_distributed
+
+    with tempfile.TemporaryDirectory(prefix="forge-bench-grpo-") as tmp:
+        workdir = Path(tmp)
+        cfg, hf_dir, vocab, table = make_workload(workdir)
+        ours = Ours(cfg, hf_dir, vocab, table)
+        baseline = TRLBaseline(hf_dir, table, ours.advantages_B, workdir)
+        try:
+            ours_s, trl_s = alternate(ours.step, baseline.step, warmup=2, repeats=5 if args.quick else 15)
+        finally:
+            destroy_distributed()
+    first_ours, first_trl = ours.losses[0], baseline.losses[0]
+    if abs(first_ours - first_trl) > 1e-4 * max(1.0, abs(first_trl)):
+        raise SystemExit(
+            f"the two sides do not compute the same loss on the first step: ours {first_ours!r}, TRL {first_trl!r}"
+        )
+    write_result(
+        "grpo_step",
+        median(ours_s),
+        median(trl_s),
+        target="<1.0",
+        unit="s/step",
+        details={
+            "workload": f"llama3 tiny, {PROMPTS}x{GROUP} rollouts of 1..{MAX_NEW} tokens, 4 micro-batches of {MICRO}",
+            "threads": torch.get_num_threads(),
+            "ours_s": summarize(ours_s),
+            "trl_s": summarize(trl_s),
+            "first_step_loss": {"ours": first_ours, "trl": first_trl},
+            "trl_version": trl.__version__,
+            "trl_source": trl_source,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

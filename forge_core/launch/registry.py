@@ -1,0 +1,114 @@
+"""A machine-local record of live launches, so that the next flow run can end what a dead launcher left.
+
+A launcher that is SIGKILLed (kill -9, the OOM killer, a lost worker agent) cannot end its process trees:
+torchrun and its ranks live in their own sessions and keep running, holding cores, memory and ports.
+Every launch therefore writes `<registry>/<launch_id>.json` (naming the launching process by pid and
+start time) when it starts and removes it when it ends. `reap_orphaned_launches()`, called at the start of
+every flow run, ends each process carrying the FORGE_LAUNCH_ID of a record whose launching process is gone
+(SIGTERM, a grace period, then SIGKILL) and removes the record. A record whose launcher is alive is never
+touched, so concurrent flows on one machine are safe.
+
+Registry folder: $FORGE_LAUNCH_REGISTRY, else `<tempdir>/forgeflow-launches-<uid>` (per machine and user:
+processes can only be ended where they run).
+
+    from forge_core.launch import reap_orphaned_launches
+    ended_pids = reap_orphaned_launches()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from forge_core.launch.process_tree import end_processes, processes_with_launch_id
+
+REGISTRY_ENV = "FORGE_LAUNCH_REGISTRY"
+_CREATE_TIME_TOLERANCE_S = 0.01
+
+_logger = logging.getLogger(__name__)
+
+
+def registry_dir() -> Path:
+    configured = os.environ.get(REGISTRY_ENV)
+    if configured:
+        return Path(configured)
+    return Path(tempfile.gettempdir()) / f"forgeflow-launches-{os.getuid()}"
+
+
+def _record_path(directory: Path, launch_id: str) -> Path:
+    return directory / f"{launch_id}.json"
+
+
+def record_launch(launch_id: str, root_pid: int, module: str) -> None:
+    """Note a started launch (written atomically: a reader never sees half a record)."""
+    directory = registry_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    owner = psutil.Process()
+    record = {
+        "launch_id": launch_id,
+        "owner_pid": owner.pid,
+        "owner_create_time": owner.create_time(),
+        "root_pid": root_pid,
+        "module": module,
+        "started_at": time.time(),
+    }
+    tmp = directory / f".{launch_id}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, _record_path(directory, launch_id))
+
+
+def forget_launch(launch_id: str) -> None:
+    _record_path(registry_dir(), launch_id).unlink(missing_ok=True)
+
+
+def _owner_alive(record: dict) -> bool:
+    try:
+        owner = psutil.Process(int(record["owner_pid"]))
+        same = abs(owner.create_time() - float(record["owner_create_time"])) < _CREATE_TIME_TOLERANCE_S
+        return same and owner.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def stale_launches(directory: Path | None = None) -> list[dict]:
+    """Records of launches whose launching process is gone (unreadable records count as stale)."""
+    directory = directory or registry_dir()
+    if not directory.is_dir():
+        return []
+    stale = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = {"launch_id": path.stem}
+        if not _owner_alive(record):
+            stale.append({**record, "launch_id": path.stem})
+    return stale
+
+
+def reap_orphaned_launches(directory: Path | None = None, grace_s: float = 5.0) -> list[int]:
+    """End every process of every launch whose launcher died; returns the pids that were still running."""
+    directory = directory or registry_dir()
+    ended: list[int] = []
+    for record in stale_launches(directory):
+        launch_id = record["launch_id"]
+        orphans = processes_with_launch_id(launch_id)
+        if orphans:
+            pids = sorted(p.pid for p in orphans)
+            _logger.warning(
+                "launch %s (%s) outlived its launcher (pid %s): ending its processes %s",
+                launch_id,
+                record.get("module", "?"),
+                record.get("owner_pid", "?"),
+                pids,
+            )
+            end_processes(orphans, grace_s)
+            ended += pids
+        _record_path(directory, launch_id).unlink(missing_ok=True)
+    return ended
