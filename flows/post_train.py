@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 
 from flows.report import StageRecord, format_table, plot_curves, stage_table
 from forge_core.config import RunConfig, config_to_json, load_config
-from forge_core.launch import install_sigterm_handler, terminate_all_live
+from forge_core.launch import install_sigterm_handler, reap_orphaned_launches, terminate_all_live
 from forge_core.storage import ObjectStore
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
 
@@ -78,6 +78,18 @@ class StageTasks:
 def kill_launches(flow, flow_run, state) -> None:
     """Cancellation/crash hook: take down every process tree this flow run launched."""
     terminate_all_live()
+
+
+def end_orphaned_launches() -> list[int]:
+    """End what an earlier flow process on this machine left running because it died too hard to clean up
+    (SIGKILL, the OOM killer): its torchrun trees and vLLM engines hold cores and memory. Every flow calls
+    this before launching anything (forge_core.launch.registry); returns the pids it ended."""
+    ended = reap_orphaned_launches()
+    if ended:
+        get_run_logger().warning(
+            "ended %d processes left running by an earlier flow process that died: pids %s", len(ended), ended
+        )
+    return ended
 
 
 def _eval_point(store: ObjectStore, label: str, policy_uri: str, eval_uri: str) -> EvalPoint:
@@ -189,6 +201,7 @@ def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | Non
     cfg = load_config(config, list(overrides or []))
     # A SIGTERM to the flow process (worker cancel) must take the launched process trees down with it.
     install_sigterm_handler()
+    end_orphaned_launches()
     return asdict(run_pipeline(cfg))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
-from flows.post_train import kill_launches, stage_tasks
+from flows.post_train import end_orphaned_launches, kill_launches, stage_tasks
 from forge_core.config import config_to_json, load_config
 from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
@@ -43,6 +43,7 @@ def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None =
     logger = get_run_logger()
     cfg = load_config(config, list(overrides or []))
     install_sigterm_handler()
+    end_orphaned_launches()
     store = ObjectStore.from_config(cfg.storage)
     config_json = config_to_json(cfg)
     pointer = promotion_pointer(cfg.name)

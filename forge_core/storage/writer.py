@@ -154,7 +154,8 @@ class ArtifactWriter:
             raise ValueError(f"put_dir: {str(root)!r} is not a directory")
         written = []
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            rel = normalize_rel(f"{rel_prefix}/{path.relative_to(root).as_posix()}")
+            relative = path.relative_to(root).as_posix()
+            rel = normalize_rel(f"{rel_prefix}/{relative}" if rel_prefix else relative)
             self.put_file(path, rel)
             written.append(rel)
         return written

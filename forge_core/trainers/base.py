@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -226,8 +225,7 @@ class TitanTrainer:
                     full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir
                 )
                 writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
-                for path in sorted(Path(tmp).iterdir()):
-                    writer.put_file(path, path.name)
+                writer.put_dir(tmp)
                 writer.commit(
                     config=ctx.config, inputs=ctx.inputs, metrics={"step": self.step, **(metrics or {})}
                 )

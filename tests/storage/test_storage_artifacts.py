@@ -247,6 +247,13 @@ def test_put_dir_download_dir_round_trip(store, tmp_path):
     assert not [p for p in out.rglob("*") if "forge-tmp" in p.name]
 
 
+def test_put_dir_at_the_artifact_root(store, tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    w = store.writer(store.artifact_uri("policy", "root-dir"), kind="policy", stage="sft")
+    assert w.put_dir(tmp_path / "m") == ["config.json"]
+
+
 def test_nested_checkpoint_is_an_independent_artifact(store):
     parent = store.artifact_uri("sft", "run")
     checkpoint = store.join(parent, "_checkpoints", "step-3")
