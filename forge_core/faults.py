@@ -182,14 +182,22 @@ def engine_kill_progress() -> Callable[..., object] | None:
 
 
 class _EngineKillProgress:
-    """The part of tqdm's interface vLLM's offline loop uses; counts completed samples in this process."""
+    """The part of tqdm's interface vLLM's offline loop uses; counts completed samples in this process.
 
-    def __init__(self, total: int | None = None, **_: object) -> None:
+    vLLM builds one around the prompts while rendering them (an iterable: passed through untouched) and one
+    with `total=` once the requests are queued; the engine is killed only from the latter."""
+
+    def __init__(self, iterable=None, total: int | None = None, **_: object) -> None:
+        self.iterable = iterable
         self.total = total
         self.n = 0
         self.postfix = ""
         self._started = time.monotonic()
-        _kill_engine_if_due()  # the requests are queued: a kill now lands mid-generation
+        if iterable is None:
+            _kill_engine_if_due()  # the requests are queued: a kill now lands mid-generation
+
+    def __iter__(self):
+        return iter(self.iterable)
 
     @property
     def format_dict(self) -> dict[str, float]:
@@ -218,7 +226,9 @@ def kill_vllm_engine(why: str) -> list[int]:
     """SIGKILL this process's vLLM engine core process(es); with none (an in-process engine), this process."""
     import psutil
 
-    engines = [p for p in psutil.Process().children(recursive=True) if _is_engine_core(p)]
+    from forge_core.rollout.engine_watch import engine_core_processes
+
+    engines = engine_core_processes()
     if not engines:
         _announce(f"kill_vllm {why}: the engine runs in this process; SIGKILL pid {os.getpid()}")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -230,16 +240,6 @@ def kill_vllm_engine(why: str) -> list[int]:
         except psutil.Error:
             continue
     return pids
-
-
-def _is_engine_core(proc) -> bool:
-    import psutil
-
-    try:
-        # vLLM renames its engine process (setproctitle "VLLM::EngineCore"); comm is cut to 15 characters.
-        return proc.name().startswith("VLLM::EngineCor") or any("EngineCore" in a for a in proc.cmdline()[:1])
-    except psutil.Error:
-        return False
 
 
 # ---- storage_outage (every ObjectStore call) -------------------------------------------------------------

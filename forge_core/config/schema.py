@@ -240,11 +240,10 @@ class SFTConfig:
         errors = []
         if self.steps < 1:
             errors.append(f"sft.steps={self.steps}: must be >= 1")
-        if self.micro_batch_size < 1 or self.batch_size < 1:
-            errors.append(
-                f"sft.batch_size={self.batch_size}, sft.micro_batch_size={self.micro_batch_size}: both must be >= 1"
-            )
-        elif self.batch_size % self.micro_batch_size:
+        for name in ("batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                errors.append(f"sft.{name}={getattr(self, name)}: must be >= 1")
+        if self.micro_batch_size >= 1 and self.batch_size % self.micro_batch_size:
             errors.append(
                 f"sft.batch_size={self.batch_size}: must be a multiple of sft.micro_batch_size="
                 f"{self.micro_batch_size}"

@@ -43,7 +43,8 @@ FATAL       some rank raised a fatal type (by class hierarchy, most specific fir
 RETRYABLE   some rank was killed by a signal (SIGKILL/OOM killer, SIGSEGV, preemption), raised a
             retryable type (`RetryableStageError`, `OSError` and subclasses such as storage and
             connection errors, `MemoryError`, `torch.OutOfMemoryError`, `torch.distributed.DistError`,
-            rendezvous errors, torchrun's `SignalException`), or exited with code 75 (`EXIT_RETRYABLE`,
+            rendezvous errors, torchrun's `SignalException`, vLLM's `EngineDeadError`), or exited with
+            code 75 (`EXIT_RETRYABLE`,
             EX_TEMPFAIL); also torchrun failing on its own (lost rendezvous/node) with no rank error.
 FATAL       some rank raised any other Python exception (e.g. a plain RuntimeError) and no rank
             died from a signal or a retryable error (then it is taken as that death's collateral).

@@ -60,6 +60,8 @@ RETRYABLE_TYPES = frozenset(
         "torch.distributed.DistError",
         "torch.distributed.elastic.rendezvous.api.RendezvousError",
         "torch.distributed.elastic.multiprocessing.api.SignalException",
+        # A vLLM engine core process died (OOM killer, segfault, SIGKILL): a retry starts a new engine.
+        "vllm.v1.engine.exceptions.EngineDeadError",
     }
 )
 # Files written by plain torch `record` (torchrun's own, or a worker not using record_errors) carry only
@@ -79,6 +81,7 @@ _RETRYABLE_BARE_NAMES = frozenset(
         "RendezvousStateError",
         "RendezvousTimeoutError",
         "RendezvousGracefulExitError",
+        "EngineDeadError",
     }
 )
 _FATAL_BARE_NAMES = frozenset({"FatalStageError", "ConfigError"})

@@ -23,6 +23,7 @@ from typing import Self
 from forge_core.config.schema import SamplingConfig
 from forge_core.faults import engine_kill_progress
 from forge_core.rollout.engine import EngineOptions, engine_environment
+from forge_core.rollout.engine_watch import EngineDeathWatch, engine_core_processes
 from forge_core.rollout.sampling import request_seed, vllm_sampling_params
 from forge_core.rollout.types import Prompt, Sample
 
@@ -43,7 +44,12 @@ class Generator:
         self.engine = engine or EngineOptions()
         _check_policy_folder(self.policy_dir)
         start = time.perf_counter()
+        engines_before = {p.pid for p in engine_core_processes()}
         self._llm = _start_llm(self.policy_dir, self.engine)
+        # A dead engine core must fail `generate`, not hang it (engine_watch.py).
+        self._engine_watch = EngineDeathWatch(
+            self._llm, [p.pid for p in engine_core_processes() if p.pid not in engines_before]
+        ).start()
         self.startup_s = time.perf_counter() - start
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         log.info("vLLM engine up in %.1fs from %s", self.startup_s, self.policy_dir)
@@ -96,6 +102,7 @@ class Generator:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
+        self._engine_watch.stop()
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()

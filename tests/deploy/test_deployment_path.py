@@ -105,7 +105,7 @@ def assert_ui_artifacts(prefect: LocalPrefect, flow_run_id, store: ObjectStore, 
     for stage in STAGES:
         expected = runs_per_stage[stage]
         for suffix, kind in (("progress", "progress"), ("metrics", "table"), ("output", "markdown")):
-            found = by_key.get(f"{stage}-{suffix}", [])
+            found = by_key.setdefault(f"{stage}-{suffix}", [])
             assert len(found) == expected, f"{stage}-{suffix}: {len(found)} artifacts, expected {expected}"
             assert all(a.type == kind for a in found), f"{stage}-{suffix}: types {[a.type for a in found]}"
         for output in by_key[f"{stage}-output"]:

