@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-fast bench lint docs clean
 
 install:
 	@VENV=$(VENV) scripts/install.sh
@@ -19,6 +19,9 @@ test-fast: install
 
 bench: install
 	@$(PY) -m bench.run_all
+
+docs: install
+	@$(PY) docs/config_reference.py
 
 lint: install
 	@$(PY) -m ruff check forge_core tasks flows tests bench

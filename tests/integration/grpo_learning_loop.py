@@ -44,7 +44,7 @@ REWARDS = {
 
 def learning_config(
     tmp: Path, seed: int, sft_steps: int, lr: float, reward: str = "mix", prompts: int = 32, group: int = 8,
-    mini: int = 256, epochs: int = 1, num_eval: int = 300, num_sft: int = 1000,
+    mini: int = 256, epochs: int = 1, num_eval: int = 300, num_sft: int = 1000, num_digits: int = 3,
 ) -> RunConfig:
     cfg = load_config(
         None,
@@ -54,6 +54,8 @@ def learning_config(
             f"storage.root=file://{tmp}/store",
             "data.demo.num_eval=500",
             f"data.demo.num_sft={num_sft}",
+            f"data.demo.num_digits={num_digits}",
+            f"data.demo.num_rl={min(20000, 10 ** (2 * num_digits) - num_sft - 500)}",
             f"sft.steps={sft_steps}",
             f"sft.checkpoint_every={sft_steps}",
             "sft.eval_every=0",
@@ -75,7 +77,7 @@ def learning_config(
 
 
 def _sft_policy(cfg: RunConfig, store: ObjectStore, data_uri: str) -> str:
-    sft_uri = store.artifact_uri("sft", f"seed{cfg.seed}-sft{cfg.data.demo.num_sft}-steps{cfg.sft.steps}")
+    sft_uri = store.artifact_uri("sft", f"seed{cfg.seed}-d{cfg.data.demo.num_digits}-sft{cfg.data.demo.num_sft}-steps{cfg.sft.steps}")
     if store.is_committed(sft_uri):
         return sft_uri
     spec = StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri}, output_uri=sft_uri)
@@ -95,7 +97,7 @@ def _accuracy(generator: Generator, prompts, cfg: RunConfig) -> float:
 def prepare_and_sft(cfg: RunConfig) -> tuple[ObjectStore, str, str]:
     """The data artifact and the SFT policy (each skipped when already committed): (store, data, sft)."""
     store = ObjectStore.from_config(cfg.storage)
-    data_uri = store.artifact_uri("data", f"seed{cfg.seed}-sft{cfg.data.demo.num_sft}")
+    data_uri = store.artifact_uri("data", f"seed{cfg.seed}-d{cfg.data.demo.num_digits}-sft{cfg.data.demo.num_sft}")
     if not store.is_committed(data_uri):
         prepare_data(cfg, data_uri, store)
     return store, data_uri, _sft_policy(cfg, store, data_uri)

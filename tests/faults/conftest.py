@@ -1,0 +1,189 @@
+"""Fixtures of the fault suite, and the generator of its table (tests/faults/README.md).
+
+Each fault test declares its row with the `fault_row` fixture (fault, where, what is checked) and may add
+measured facts to it; the outcome is filled in from the test's report, and at the end of the session the
+table in README.md is rewritten. Rows of tests that did not run in the session keep their previous line.
+
+Expensive runs are session fixtures shared by several tests (see scenarios.py for what each does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fault_kit import PREFECT_API, prefect_environment
+
+prefect_environment(Path(tempfile.mkdtemp(prefix="forge-faults-prefect-home-")))
+
+README = Path(__file__).with_name("README.md")
+_TABLE_START = "<!-- fault-table:start -->"
+_TABLE_END = "<!-- fault-table:end -->"
+
+
+@dataclass
+class FaultRow:
+    test: str
+    fault: str
+    where: str
+    checked: str
+    facts: list[str] = field(default_factory=list)
+    result: str = "not run"
+
+    def fact(self, text: str) -> None:
+        """A measured value worth reading in the table (e.g. "resumed from step 1")."""
+        self.facts.append(text)
+
+    def markdown(self) -> str:
+        checked = self.checked + (f" ({'; '.join(self.facts)})" if self.facts else "")
+        cells = [self.fault, self.where, checked, self.result, f"`{self.test}`"]
+        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+_rows: dict[str, FaultRow] = {}
+
+
+@pytest.fixture
+def fault_row(request):
+    """`fault_row(fault, where, checked) -> FaultRow`: this test's line in the README table."""
+
+    def declare(fault: str, where: str, checked: str) -> FaultRow:
+        row = FaultRow(request.node.name, fault, where, checked)
+        _rows[request.node.nodeid] = row
+        return row
+
+    return declare
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    row = _rows.get(item.nodeid)
+    if row is None:
+        return
+    if report.when == "call":
+        row.result = "pass" if report.passed else ("skipped" if report.skipped else f"FAIL: {_first_line(report)}")
+    elif report.failed:  # setup or teardown failed (e.g. a shared scenario)
+        row.result = f"ERROR in {report.when}: {_first_line(report)}"
+
+
+def _first_line(report) -> str:
+    text = str(getattr(report, "longrepr", "") or "")
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("E ")]
+    return (lines[0][2:].strip() if lines else text.strip().splitlines()[-1:][0] if text.strip() else "")[:160]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _rows:
+        write_table(list(_rows.values()))
+
+
+def write_table(rows: list[FaultRow]) -> None:
+    """Rewrite the README table: this session's rows replace the previous lines of the same tests."""
+    previous = _previous_lines()
+    lines = dict(previous)
+    for row in rows:
+        lines[row.test] = row.markdown()
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    table = "\n".join(
+        [
+            _TABLE_START,
+            f"_Last written by `pytest tests/faults` on {stamp}; rows of tests that did not run then keep "
+            "their previous result._",
+            "",
+            "| fault | where | what was checked | result | test |",
+            "| --- | --- | --- | --- | --- |",
+            *lines.values(),
+            _TABLE_END,
+        ]
+    )
+    text = README.read_text() if README.exists() else _README_HEAD
+    if _TABLE_START in text and _TABLE_END in text:
+        head, rest = text.split(_TABLE_START, 1)
+        tail = rest.split(_TABLE_END, 1)[1]
+        text = head + table + tail
+    else:
+        text = text.rstrip() + "\n\n" + table + "\n"
+    README.write_text(text)
+
+
+def _previous_lines() -> dict[str, str]:
+    if not README.exists():
+        return {}
+    text = README.read_text()
+    if _TABLE_START not in text:
+        return {}
+    block = text.split(_TABLE_START, 1)[1].split(_TABLE_END, 1)[0]
+    lines = {}
+    for line in block.splitlines():
+        match = re.search(r"\| `([^`]+)` \|$", line.strip())
+        if match:
+            lines[match.group(1)] = line.strip()
+    return lines
+
+
+_README_HEAD = """# Fault suite
+
+`pytest tests/faults` runs the tiny pipeline (configs/tiny_test.yaml) or single stages under injected
+faults and checks that the stages are retryable as promised. The faults are real: a rank SIGKILLs itself
+or hangs (FORGE_FAULT, forge_core/faults.py), the vLLM engine core process is SIGKILLed mid-generation,
+the moto S3 server is shut down in the middle of a checkpoint commit and restarted, bytes of a committed
+checkpoint are overwritten, the flow process itself is SIGKILLed. torchrun, the launcher, Prefect (a real
+API) and the storage layer handle them as they would in production.
+
+The table below is generated by the suite (tests/faults/conftest.py) at the end of every session.
+"""
+
+
+# ---- session resources ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A real Prefect API (the test harness), shared with tests/security; yields its URL."""
+    url = PREFECT_API.acquire()
+    try:
+        yield url
+    finally:
+        PREFECT_API.release()
+
+
+@pytest.fixture(scope="session")
+def killed_flow(prefect_api, tmp_path_factory):
+    """Scenario 1 (scenarios.kill_flow_mid_grpo): its prepare/SFT/rollout are the uninterrupted reference."""
+    from scenarios import kill_flow_mid_grpo
+
+    return kill_flow_mid_grpo(tmp_path_factory.mktemp("flow-killed"), prefect_api)
+
+
+@pytest.fixture(scope="session")
+def flow_rerun(killed_flow):
+    """Scenario 2: the killed flow run again in this process."""
+    from scenarios import rerun_flow
+
+    return rerun_flow(killed_flow)
+
+
+@pytest.fixture(scope="session")
+def faulted_run(prefect_api, killed_flow, tmp_path_factory):
+    """Scenario 3 (SFT hang + kill + corrupt checkpoint, vLLM engine kill). The SFT deadline is sized from
+    the uninterrupted SFT launch of scenario 1, so that a healthy attempt always fits and a hung one ends
+    soon (the hung attempt costs the whole deadline)."""
+    from scenarios import faulted_sft_and_rollout
+
+    deadline_s = max(45.0, 2.5 * killed_flow.sft_launch_s)
+    return faulted_sft_and_rollout(tmp_path_factory.mktemp("faulted"), deadline_s)
+
+
+@pytest.fixture(scope="session")
+def outage_run(prefect_api, fake_aws_credentials, fake_aws_env, tmp_path_factory):
+    """Scenario 4 (moto S3 down mid checkpoint commit), with fake AWS and wandb secrets planted."""
+    from scenarios import FAKE_WANDB_API_KEY, s3_outage
+
+    secrets = {**fake_aws_credentials, "WANDB_API_KEY": FAKE_WANDB_API_KEY}
+    return s3_outage(tmp_path_factory.mktemp("s3-outage"), secrets)

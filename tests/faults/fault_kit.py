@@ -1,0 +1,421 @@
+"""Machinery shared by the fault suite (tests/faults) and the security tests (tests/security).
+
+- `PREFECT_API`: one Prefect test API for the whole session, shared by both folders (reference counted).
+- Prefect readers: task runs, flow runs, logs and artifacts, straight from the API.
+- `ProcessWatch`: remembers every worker process launched while it runs, to prove none is left afterwards.
+- `CommitWatch`: re-reads every artifact the moment it looks committed and verifies all its files, to prove
+  that no partial artifact is ever visible as committed.
+- `OutageMotoServer`: a real moto S3 server that dies at a chosen request and comes back later.
+- Small readers of what stages leave behind: per-step metrics, exported weights, rollout tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+TINY_CONFIG = "configs/tiny_test.yaml"
+# What every fault scenario adds to the tiny config: a checkpoint after every step (so resume and the
+# corrupt-checkpoint fallback have something to fall back to), a held-out split the tiny data can afford,
+# and no wandb process (the security tests turn it on).
+COMMON_OVERRIDES = ("sft.checkpoint_every=1", "sft.eval_rows=8", "logging.wandb_mode=disabled")
+WORKER_MARKERS = ("forge_core.run", "torch.distributed.run", "VLLM::")
+
+
+# ---- one Prefect API for the session ---------------------------------------------------------------------
+
+
+class _SharedPrefectApi:
+    """prefect_test_harness, entered by the first user and left by the last (session fixtures of two
+    folders share it: a second harness would cost another server start)."""
+
+    def __init__(self) -> None:
+        self._stack: ExitStack | None = None
+        self._users = 0
+        self.api_url: str | None = None
+
+    def acquire(self) -> str:
+        if self._users == 0:
+            from prefect.settings import PREFECT_API_URL
+            from prefect.testing.utilities import prefect_test_harness
+
+            self._stack = ExitStack()
+            self._stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+            self.api_url = PREFECT_API_URL.value()
+        self._users += 1
+        return self.api_url
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users == 0 and self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+PREFECT_API = _SharedPrefectApi()
+
+
+def prefect_environment(home: Path) -> None:
+    """Before Prefect reads its settings: a private home and time for a cold SQLite database to start."""
+    os.environ.setdefault("PREFECT_HOME", str(home))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+
+
+# ---- Prefect readers -------------------------------------------------------------------------------------
+
+
+def _run_async(coro_fn):
+    async def wrapped():
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            return await coro_fn(client)
+
+    return asyncio.run(wrapped())
+
+
+def task_runs(flow_run_id) -> dict[str, object]:
+    """Task runs of a flow run by task name (`train_sft`, ...); one run per task in these flows."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    runs = _run_async(
+        lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    )
+    return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+
+def flow_run(flow_run_id):
+    return _run_async(lambda c: c.read_flow_run(flow_run_id))
+
+
+def flush_prefect_logs() -> None:
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler.flush()
+
+
+def all_logs(flow_run_id=None) -> list[str]:
+    """Every log message stored by the API (of one flow run, or of all of them), oldest first."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    flush_prefect_logs()
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])) if flow_run_id else None
+    messages: list[str] = []
+    while True:
+        offset = len(messages)
+        page = _run_async(
+            lambda c: c.read_logs(log_filter=log_filter, limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC)
+        )
+        messages += [log.message for log in page]
+        if len(page) < 200:
+            return messages
+
+
+def all_artifacts_text() -> str:
+    """Every Prefect artifact of the session (markdown, tables, links, progress) as one JSON text."""
+    pages: list[dict] = []
+    while True:
+        offset = len(pages)
+        page = _run_async(lambda c: c.read_artifacts(limit=200, offset=offset))
+        pages += [a.model_dump(mode="json") for a in page]
+        if len(page) < 200:
+            return json.dumps(pages)
+
+
+# ---- processes -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeenProcess:
+    pid: int
+    create_time: float
+    cmdline: str
+    launch_id: str | None
+
+    def alive(self) -> bool:
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.create_time() == self.create_time and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+def worker_processes_under(pid: int) -> list[SeenProcess]:
+    """Launched worker processes (torchrun, ranks, stage workers, vLLM) below `pid`."""
+    seen = []
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    for proc in children:
+        try:
+            cmdline = " ".join(proc.cmdline())
+            if not any(marker in cmdline for marker in WORKER_MARKERS):
+                continue
+            seen.append(
+                SeenProcess(proc.pid, proc.create_time(), cmdline, proc.environ().get("FORGE_LAUNCH_ID"))
+            )
+        except psutil.Error:
+            continue
+    return seen
+
+
+class ProcessWatch:
+    """Samples the worker processes below `root_pid` every `every_s` while running (use as a context)."""
+
+    def __init__(self, root_pid: int | None = None, every_s: float = 0.5) -> None:
+        self.root_pid = root_pid or os.getpid()
+        self.every_s = every_s
+        self.seen: dict[tuple[int, float], SeenProcess] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fault-process-watch")
+
+    def __enter__(self) -> ProcessWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.every_s):
+                return
+
+    def sample(self) -> None:
+        for proc in worker_processes_under(self.root_pid):
+            self.seen.setdefault((proc.pid, proc.create_time), proc)
+
+    def launch_ids(self) -> list[str]:
+        """Launch ids in order of first sight."""
+        ordered = sorted(self.seen.values(), key=lambda p: p.create_time)
+        return list(dict.fromkeys(p.launch_id for p in ordered if p.launch_id))
+
+    def alive(self) -> list[SeenProcess]:
+        return [p for p in self.seen.values() if p.alive()]
+
+
+def wait_until_gone(processes: list[SeenProcess], timeout_s: float) -> list[SeenProcess]:
+    """The processes still alive after up to `timeout_s` (ending is asynchronous: give it a moment)."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in processes if p.alive()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if p.alive()]
+    return alive
+
+
+# ---- committed artifacts ---------------------------------------------------------------------------------
+
+
+class CommitWatch:
+    """Polls a store for `_MANIFEST.json` objects; each newly committed artifact is verified at once (every
+    file read back against its size and sha256). `violations` lists what ever looked committed but was not
+    complete; `committed` maps artifact URI -> manifest sha256 as first seen."""
+
+    def __init__(self, store, every_s: float = 0.2) -> None:
+        self.store = store
+        self.every_s = every_s
+        self.committed: dict[str, str] = {}
+        self.violations: list[str] = []
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fault-commit-watch")
+
+    def __enter__(self) -> CommitWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.poll()
+
+    def poll(self) -> None:
+        from forge_core.storage import ArtifactCorrupted, ArtifactNotCommitted
+
+        try:
+            paths = self.store.fs.find(self.store.path_of(self.store.root))
+        except Exception:  # noqa: BLE001 - the store may be down (that is the point of some scenarios)
+            return
+        self.polls += 1
+        for path in paths:
+            if not path.endswith("/_MANIFEST.json"):
+                continue
+            uri = self.store.uri_of(path.rsplit("/", 1)[0])
+            if uri in self.committed:
+                continue
+            try:
+                reader = self.store.reader(uri)
+                for rel in reader.files():
+                    reader.read_bytes(rel)
+                self.committed[uri] = self.store.manifest_sha256(uri)
+            except (ArtifactCorrupted, ArtifactNotCommitted) as exc:
+                self.violations.append(f"{uri}: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - a store outage mid-read: try again at the next poll
+                continue
+
+
+# ---- an S3 server that dies on cue -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class OutageEvent:
+    trigger: str  # "<METHOD> <path>" of the request that brought the server down
+    started: float
+    restarted: float | None = None
+    refused_requests: int = 0
+    notes: dict = field(default_factory=dict)
+
+
+class OutageMotoServer:
+    """moto's S3 server (werkzeug, threaded) on 127.0.0.1:<port> that goes down when a request matches.
+
+    `arm(pattern, outage_s, on_down, on_up)`: the first request whose "<METHOD> <path>" matches `pattern` (a
+    regex) gets its connection dropped without a reply; the listening socket closes (new connections are
+    refused), requests still arriving on kept-alive connections are dropped too; `on_down(event)` runs while
+    the server is down; `outage_s` after the trigger the server listens again on the same port and
+    `on_up(event)` runs. moto keeps its data in this process, so objects written before the outage are still
+    there afterwards, as after a real restart.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._down = threading.Event()
+        self._armed: tuple[re.Pattern, float, object, object] | None = None
+        self._lock = threading.Lock()
+        self.events: list[OutageEvent] = []
+
+    def start(self) -> OutageMotoServer:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(
+            "127.0.0.1", self.port, self._wrap(app), threaded=True, request_handler=MotoRequestHandler
+        )
+        self._down.clear()
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="moto-outage")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._down.set()
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def arm(self, pattern: str, outage_s: float, on_down=None, on_up=None) -> None:
+        with self._lock:
+            self._armed = (re.compile(pattern), outage_s, on_down, on_up)
+
+    def _wrap(self, app):
+        def outage_aware(environ, start_response):
+            request = f"{environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')}"
+            if self._down.is_set() or self._triggered_by(request):
+                if self.events:
+                    self.events[-1].refused_requests += 1
+                return _drop_connection(environ, start_response)
+            return app(environ, start_response)
+
+        return outage_aware
+
+    def _triggered_by(self, request: str) -> bool:
+        with self._lock:
+            if self._armed is None or not self._armed[0].search(request):
+                return False
+            _, outage_s, on_down, on_up = self._armed
+            self._armed = None
+            event = OutageEvent(trigger=request, started=time.monotonic())
+            self.events.append(event)
+            self._down.set()
+        threading.Thread(target=self._outage, args=(event, outage_s, on_down, on_up), daemon=True).start()
+        return True
+
+    def _outage(self, event: OutageEvent, outage_s: float, on_down, on_up) -> None:
+        self.stop()
+        if on_down is not None:
+            on_down(event)
+        time.sleep(max(0.0, event.started + outage_s - time.monotonic()))
+        self.start()
+        event.restarted = time.monotonic()
+        if on_up is not None:
+            try:
+                on_up(event)
+            except Exception as exc:  # noqa: BLE001 - recorded for the test to report
+                event.notes["on_up_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _drop_connection(environ, start_response):
+    """Close the client's connection without a reply, as a crashed server does."""
+    sock = environ.get("werkzeug.socket")
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    start_response("503 Service Unavailable", [("Content-Length", "0"), ("Connection", "close")])
+    return [b""]
+
+
+# ---- what stages leave behind ----------------------------------------------------------------------------
+
+
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """The last record of each training step in a run's metrics.jsonl (a resumed run appends to it)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    by_step: dict[int, dict] = {}
+    for record in records:
+        if "loss" in record:
+            by_step[int(record["step"])] = record
+    return by_step
+
+
+def policy_weights(store, stage_uri: str, local_dir: Path):
+    from safetensors.torch import load_file
+
+    folder = store.reader(store.join(stage_uri, "policy")).download_dir("", local_dir)
+    return load_file(str(folder / "model.safetensors"))
+
+
+# Columns that name where and when a rollout was made rather than what was sampled.
+ROLLOUT_LINEAGE_COLUMNS = ("policy_uri", "policy_version")
+
+
+def rollout_rows(store, rollouts_uri: str) -> list[dict]:
+    table = store.reader(rollouts_uri).read_table("rollouts.parquet")
+    keep = [name for name in table.column_names if name not in ROLLOUT_LINEAGE_COLUMNS]
+    return table.select(keep).to_pylist()

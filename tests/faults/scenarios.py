@@ -1,0 +1,379 @@
+"""The expensive runs of the fault suite, each shared by several tests (session fixtures in conftest.py).
+
+1. `kill_flow_mid_grpo`: the tiny pipeline as its own flow process (`python -m flows.post_train`, on the
+   session's Prefect API); GRPO rank 1 hangs after step 2 (FORGE_FAULT=hang_rank:1:2@grpo), then the flow
+   process is SIGKILLed. Its prepare/SFT/eval/rollout stages ran uninterrupted: they are the reference
+   for the faulted runs.
+2. `rerun_flow`: the same flow again, in this process: it must end the first run's orphans, skip what was
+   committed and resume GRPO from its checkpoint.
+3. `faulted_sft_and_rollout`: prepare -> SFT -> rollout as Prefect tasks with retries, under three faults
+   that fire once each: SFT rank 1 hangs at step 1 (the deadline must end it), then SFT rank 1 is SIGKILLed
+   at step 3 while the test overwrites bytes of the committed step-2 checkpoint, then the rollout worker
+   SIGKILLs its vLLM engine core mid-generation.
+4. `s3_outage`: prepare -> SFT on moto S3 with fake credentials; the S3 server dies on the PUT of the
+   step-4 checkpoint manifest (the commit point) and comes back 4 s later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fault_kit import (
+    COMMON_OVERRIDES,
+    TINY_CONFIG,
+    CommitWatch,
+    OutageMotoServer,
+    ProcessWatch,
+    SeenProcess,
+    all_artifacts_text,
+    all_logs,
+    task_runs,
+    worker_processes_under,
+)
+from prefect import flow
+
+from forge_core.config import config_to_json, load_config
+from forge_core.storage import ObjectStore
+from tasks import generate_rollouts, prepare_data, train_sft
+
+REPO = Path(__file__).resolve().parents[2]
+# Generous on purpose: the suite must pass on a loaded 2-core box; every wait ends early on success.
+STAGE_WAIT_S = 1500
+
+
+def file_overrides(root: Path, *more: str) -> list[str]:
+    return [f"storage.root=file://{root}/store", f"logging.dir={root}/runs", *COMMON_OVERRIDES, *more]
+
+
+def fault_env(root: Path, faults: str) -> dict[str, str]:
+    return {
+        "FORGE_FAULT": faults,
+        "FORGE_FAULT_ONCE": str(root / "fault-fired"),
+        "FORGE_LAUNCH_REGISTRY": str(root / "launches"),
+    }
+
+
+def fired(root: Path, index: int) -> bool:
+    """Whether the `index`-th fault of `fault_env(root, ...)` has fired (its once-marker exists)."""
+    return (root / ("fault-fired" + (f".{index}" if index else ""))).exists()
+
+
+# ---- 1 + 2: the flow process SIGKILLed mid-GRPO, then run again ------------------------------------------
+
+
+@dataclass
+class KilledFlow:
+    root: Path
+    overrides: list[str]
+    env: dict[str, str]
+    output: str
+    orphans: list[SeenProcess]  # worker processes still alive after the flow process died
+    stale_launches: list[str]  # registry records left by the dead flow
+    sft_launch_s: float  # how long the uninterrupted SFT launch took (sizes the hang test's deadline)
+
+    @property
+    def store(self) -> ObjectStore:
+        return ObjectStore(f"file://{self.root}/store")
+
+
+def kill_flow_mid_grpo(root: Path, api_url: str) -> KilledFlow:
+    overrides = file_overrides(root)
+    env = fault_env(root, "hang_rank:1:2@grpo")
+    log_path = root / "flow-1.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.post_train", TINY_CONFIG, *overrides],
+            env={**os.environ, **env, "PREFECT_API_URL": api_url},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    try:
+        deadline = time.monotonic() + STAGE_WAIT_S
+        while not fired(root, 0) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not fired(root, 0):
+            raise AssertionError(
+                f"GRPO never reached its hang (flow exit code {proc.poll()}); flow output tail:\n"
+                + log_path.read_text()[-4000:]
+            )
+        time.sleep(1.0)  # rank 0 is now blocked in the step's collective, rank 1 sleeps
+        workers = worker_processes_under(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    time.sleep(1.0)
+    output = log_path.read_text()
+    registry = Path(env["FORGE_LAUNCH_REGISTRY"])
+    return KilledFlow(
+        root=root,
+        overrides=overrides,
+        env=env,
+        output=output,
+        orphans=[p for p in workers if p.alive()],
+        stale_launches=sorted(p.stem for p in registry.glob("*.json")),
+        sft_launch_s=_launch_seconds(output, "sft"),
+    )
+
+
+def _launch_seconds(output: str, stage: str) -> float:
+    import re
+
+    match = re.search(rf"{stage}: SUCCESS in ([0-9.]+)s", output)
+    assert match, f"no '{stage}: SUCCESS in ...' line in the flow output"
+    return float(match.group(1))
+
+
+@dataclass
+class FlowRerun:
+    state: object
+    summary: dict
+    committed_before: dict[str, str]  # artifact URI -> committed_at, before the rerun
+    logs: list[str]
+    task_runs: dict[str, object]
+
+
+def committed_at_by_uri(store: ObjectStore, kinds: tuple[str, ...]) -> dict[str, str]:
+    return {uri: store.read_manifest(uri).committed_at for kind in kinds for uri in store.list_committed(kind)}
+
+
+def rerun_flow(killed: KilledFlow) -> FlowRerun:
+    from flows.post_train import post_train
+
+    before = committed_at_by_uri(killed.store, ("data", "sft", "eval", "rollouts", "grpo"))
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in killed.env.items():
+            mp.setenv(name, value)
+        state = post_train(TINY_CONFIG, killed.overrides, return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    return FlowRerun(
+        state=state,
+        summary=state.result() if state.is_completed() else {},
+        committed_before=before,
+        logs=all_logs(flow_run_id),
+        task_runs=task_runs(flow_run_id),
+    )
+
+
+# ---- 3: SFT hang + kill + corrupt checkpoint, rollout engine kill ----------------------------------------
+
+SFT_FAULTS = "hang_rank:1:1@sft,kill_rank:1:3@sft,kill_vllm:0@rollout"
+
+
+@flow(name="faults-sft-rollout")
+def sft_then_rollout(config_json: str) -> dict[str, str]:
+    data_uri = prepare_data(config_json)
+    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(config_json, data_uri)
+    rollouts_uri = generate_rollouts.with_options(retries=1, retry_delay_seconds=0)(
+        config_json, sft_uri, data_uri, 0
+    )
+    return {"data": data_uri, "sft": sft_uri, "rollouts": rollouts_uri}
+
+
+@dataclass
+class FaultedRun:
+    root: Path
+    deadline_s: float
+    state: object
+    uris: dict[str, str]
+    logs: list[str]
+    task_runs: dict[str, object]
+    launch_ids: list[str]
+    processes: list[SeenProcess]
+    corrupted: list[str] = field(default_factory=list)  # "<checkpoint uri>/<file>" overwritten by the test
+
+    @property
+    def store(self) -> ObjectStore:
+        return ObjectStore(f"file://{self.root}/store")
+
+
+def corrupt_after_commit(checkpoint_dir: Path) -> str:
+    """Overwrite bytes in the middle of the largest file of a committed checkpoint (same size: only the
+    sha256 can tell). Returns the file's path relative to the checkpoint."""
+    target = max((p for p in checkpoint_dir.iterdir() if p.name != "_MANIFEST.json"), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    target.write_bytes(bytes(data))
+    return target.name
+
+
+def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
+    overrides = file_overrides(root, f"launch.sft.deadline_s={deadline_s:.0f}")
+    config_json = config_to_json(load_config(TINY_CONFIG, overrides))
+    corrupted: list[str] = []
+    stop = threading.Event()
+
+    def corrupt_step2_once_rank1_is_killed() -> None:
+        # The kill fires after step 3's update, when steps 1 and 2 are committed: corrupt step 2 before the
+        # retry (seconds away: torchrun must notice, Prefect retry, a new torchrun start) looks at it.
+        while not stop.is_set():
+            if fired(root, 1):
+                for step_dir in (root / "store" / "sft").glob("*/_checkpoints/step-2"):
+                    corrupted.append(f"{step_dir}/{corrupt_after_commit(step_dir)}")
+                return
+            time.sleep(0.05)
+
+    corrupter = threading.Thread(target=corrupt_step2_once_rank1_is_killed, daemon=True)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in fault_env(root, SFT_FAULTS).items():
+            mp.setenv(name, value)
+        corrupter.start()
+        with ProcessWatch() as watch:
+            state = sft_then_rollout(config_json, return_state=True)
+        stop.set()
+        corrupter.join()
+    flow_run_id = state.state_details.flow_run_id
+    return FaultedRun(
+        root=root,
+        deadline_s=deadline_s,
+        state=state,
+        uris=state.result() if state.is_completed() else {},
+        logs=all_logs(flow_run_id),
+        task_runs=task_runs(flow_run_id),
+        launch_ids=watch.launch_ids(),
+        processes=list(watch.seen.values()),
+        corrupted=corrupted,
+    )
+
+
+# ---- 4: S3 server down in the middle of a checkpoint commit ----------------------------------------------
+
+# Recognisable fake secrets, planted in the environment of every process of this run; no output may show them.
+FAKE_WANDB_API_KEY = "forge-fake-wandb-key-0123456789abcdef0123456789abcdef"
+OUTAGE_S = 4.0
+OUTAGE_TRIGGER = r"^PUT /[^ ]*/_checkpoints/step-4/_MANIFEST\.json$"
+
+
+@flow(name="faults-sft-on-s3")
+def sft_on_s3(config_json: str) -> dict[str, str]:
+    data_uri = prepare_data(config_json)
+    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(config_json, data_uri)
+    return {"data": data_uri, "sft": sft_uri}
+
+
+@dataclass
+class OutageRun:
+    root: Path
+    store_root: str
+    state: object
+    uris: dict[str, str]
+    task_runs: dict[str, object]
+    logs: list[str]
+    outage: object  # fault_kit.OutageEvent
+    violations: list[str]
+    committed_before_outage: dict[str, str]  # artifact URI -> manifest sha256, seen before the server died
+    committed_after: dict[str, str]  # the same, as read back after the run
+    final_manifest_metrics: dict
+    bucket_dump: Path  # every object of the bucket, copied to local files for the secret grep
+    run_dir: Path
+    state_messages: list[str]
+    secrets: dict[str, str]
+
+
+_outage_runs: dict[str, OutageRun] = {}
+
+
+def s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
+    """Run once per session (tests/faults and tests/security both read it)."""
+    if "run" not in _outage_runs:
+        _outage_runs["run"] = _s3_outage(root, secrets)
+    return _outage_runs["run"]
+
+
+def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
+    server = OutageMotoServer().start()
+    try:
+        bucket = f"forge-faults-{uuid.uuid4().hex[:10]}"
+        store_root = f"s3://{bucket}/run"
+        probe = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=0)
+        probe.fs.call_s3("create_bucket", Bucket=bucket)
+        overrides = [
+            f"storage.root={store_root}",
+            f"storage.endpoint_url={server.endpoint_url}",
+            "storage.retries=2",
+            "storage.retry_backoff_s=0.1",
+            f"logging.dir={root}/runs",
+            *COMMON_OVERRIDES,
+            "logging.wandb_mode=offline",  # the wandb key must not leak either
+        ]
+        config_json = config_to_json(load_config(TINY_CONFIG, overrides))
+        watch_store = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=0)
+        commits = CommitWatch(watch_store)
+
+        def while_down(event) -> None:
+            event.notes["committed"] = dict(commits.committed)
+
+        def once_back(event) -> None:
+            step4 = next(
+                (u.rsplit("/_MANIFEST.json", 1)[0] for u in _step_manifest_candidates(watch_store)), None
+            )
+            event.notes["step4_uri"] = step4
+            event.notes["step4_files"] = sorted(watch_store.list_files(step4)) if step4 else []
+            event.notes["step4_committed"] = watch_store.is_committed(step4) if step4 else None
+
+        server.arm(OUTAGE_TRIGGER, OUTAGE_S, on_down=while_down, on_up=once_back)
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in {**secrets, "FORGE_LAUNCH_REGISTRY": str(root / "launches")}.items():
+                mp.setenv(name, value)
+            with commits:
+                state = sft_on_s3(config_json, return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        final_store = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=3)
+        before = server.events[0].notes.get("committed", {}) if server.events else {}
+        after = {uri: final_store.manifest_sha256(uri) for uri in before if final_store.is_committed(uri)}
+        uris = state.result() if state.is_completed() else {}
+        runs = task_runs(flow_run_id)
+        return OutageRun(
+            root=root,
+            store_root=store_root,
+            state=state,
+            uris=uris,
+            task_runs=runs,
+            logs=all_logs(flow_run_id),
+            outage=server.events[0] if server.events else None,
+            violations=list(commits.violations),
+            committed_before_outage=before,
+            committed_after=after,
+            final_manifest_metrics=final_store.read_manifest(uris["sft"]).metrics if uris else {},
+            bucket_dump=_dump_bucket(final_store, root / "bucket"),
+            run_dir=root / "runs",
+            state_messages=[str(state.message)] + [str(r.state.message) for r in runs.values() if r.state],
+            secrets=secrets,
+        )
+    finally:
+        server.stop()
+
+
+def _step_manifest_candidates(store: ObjectStore) -> list[str]:
+    """Where the step-4 checkpoint's manifest would be (its data files are there, its manifest is not)."""
+    step4_files = [u for u in store.list_files(store.root) if "/_checkpoints/step-4/" in u]
+    return sorted({u.split("/_checkpoints/step-4/")[0] + "/_checkpoints/step-4/_MANIFEST.json" for u in step4_files})
+
+
+def _dump_bucket(store: ObjectStore, local: Path) -> Path:
+    for uri in store.list_files(store.root):
+        rel = uri[len(store.root) + 1 :]
+        target = local / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(store.get_bytes(uri))
+    return local
+
+
+def prefect_text_everywhere() -> str:
+    """Every log message and artifact the session's Prefect API holds."""
+    return "\n".join(all_logs()) + "\n" + all_artifacts_text()
+
+
+def json_dumps(obj) -> str:
+    return json.dumps(obj, default=str)

@@ -1,0 +1,148 @@
+"""The fault-injection hooks themselves (forge_core/faults.py) and the orphan reaper (forge_core/launch/registry.py),
+each against the real mechanism it drives: the store's retry path, a process titled like vLLM's engine core,
+a launcher process that dies by SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from forge_core import faults
+from forge_core.faults import InjectedFault, maybe_inject_fault, parse_faults
+from forge_core.storage import ObjectStore, StorageUnavailable
+
+pytestmark = pytest.mark.integration
+HERE = Path(__file__).resolve().parent
+
+
+def test_stage_suffix_limits_a_fault_to_that_stage(monkeypatch):
+    monkeypatch.setenv("FORGE_FAULT", "raise_rank:0:1@grpo")
+    monkeypatch.setattr(faults, "_current_stage", "sft")
+    maybe_inject_fault(rank=0, step=1)  # an SFT worker: not its stage
+    monkeypatch.setattr(faults, "_current_stage", "grpo")
+    with pytest.raises(InjectedFault):
+        maybe_inject_fault(rank=0, step=1)
+
+
+def test_each_fault_fires_once_with_its_own_marker(monkeypatch, tmp_path):
+    monkeypatch.setenv("FORGE_FAULT", "raise_rank:0:1,raise_rank:0:2")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(tmp_path / "fired"))
+    for step in (1, 2):
+        with pytest.raises(InjectedFault):
+            maybe_inject_fault(rank=0, step=step)
+        maybe_inject_fault(rank=0, step=step)  # a retry passes the same step: runs clean
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fired", "fired.1"]
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [("kill_vllm:x", "kill_vllm:<samples>"), ("storage_outage:0", "duration in seconds > 0"), ("kill_rank:1:2@", "empty stage")],
+)
+def test_bad_fault_entries_say_what_is_expected(spec, why):
+    with pytest.raises(ValueError, match=why):
+        parse_faults(spec)
+
+
+def test_storage_outage_is_ridden_out_by_the_store_retries(monkeypatch, tmp_path, fault_row):
+    row = fault_row(
+        "`storage_outage:0.4:_MANIFEST.json` (every store call fails for 0.4 s from the first manifest write)",
+        "ObjectStore retry path (any stage; file:// here)",
+        "with enough retries the commit succeeds after the outage; with too few it fails with "
+        "StorageUnavailable naming the URI (retryable for the launcher)",
+    )
+    monkeypatch.setenv("FORGE_FAULT", "storage_outage:0.4:_MANIFEST.json")
+    monkeypatch.setattr(faults, "_outage_started", None)
+    patient = ObjectStore(f"file://{tmp_path}/a", retries=8, retry_backoff_s=0.05)
+    writer = patient.writer(patient.artifact_uri("data", "k"), kind="data", stage="prepare")
+    writer.write_bytes("rows.bin", b"x" * 10)
+    writer.commit(config={}, inputs={}, metrics={})
+    assert patient.is_committed(patient.artifact_uri("data", "k"))
+    assert patient.retrier.retried >= 1
+    row.fact(f"{patient.retrier.retried} retries")
+
+    monkeypatch.setattr(faults, "_outage_started", None)
+    impatient = ObjectStore(f"file://{tmp_path}/b", retries=1, retry_backoff_s=0.01)
+    with pytest.raises(StorageUnavailable, match=r"_MANIFEST\.json: still failing after 1 retries"):
+        writer = impatient.writer(impatient.artifact_uri("data", "k"), kind="data", stage="prepare")
+        writer.commit(config={}, inputs={}, metrics={})
+    monkeypatch.setattr(faults, "_outage_spent", True)  # end the outage to look
+    assert not impatient.is_committed(impatient.artifact_uri("data", "k"))
+
+
+def test_kill_vllm_kills_the_engine_process_after_the_given_samples(monkeypatch, tmp_path):
+    engine = subprocess.Popen([sys.executable, str(HERE / "sleeper.py"), "VLLM::EngineCore"], stdout=subprocess.PIPE)
+    try:
+        assert engine.stdout.readline() == b"sleeping\n"
+        monkeypatch.setenv("FORGE_FAULT", "kill_vllm:2@rollout")
+        monkeypatch.setenv("FORGE_FAULT_ONCE", str(tmp_path / "fired"))
+        monkeypatch.setattr(faults, "_current_stage", "rollout")
+        monkeypatch.setattr(faults, "_completed_samples", 0)
+        progress = faults.engine_kill_progress()
+        assert list(progress([1, 2, 3])) == [1, 2, 3]  # vLLM's prompt-rendering pass: untouched
+        bar = progress(total=4)
+        bar.update(1)
+        assert engine.poll() is None
+        bar.update(1)
+        assert engine.wait(timeout=10) == -9
+    finally:
+        engine.kill()
+        engine.wait()
+    monkeypatch.setattr(faults, "_current_stage", "sft")
+    assert faults.engine_kill_progress() is None  # other stages get no progress hook at all
+
+
+_OWNER = """
+import sys, time
+from forge_core.launch import LaunchSpec, start
+handle = start(LaunchSpec("sleeper", torchrun=False, deadline_s=600), log=lambda line: None)
+print(handle.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_launches_of_a_sigkilled_launcher_are_reaped_and_live_ones_are_not(tmp_path, fault_row):
+    from forge_core.launch import reap_orphaned_launches
+
+    row = fault_row(
+        "launcher process SIGKILLed while its launch runs",
+        "forge_core.launch registry (what a flow calls at its start)",
+        "the orphaned worker outlives its launcher; reap_orphaned_launches ends it and drops its record; "
+        "the launch of a live launcher is left alone",
+    )
+    registry = tmp_path / "launches"
+    env = {**os.environ, "FORGE_LAUNCH_REGISTRY": str(registry), "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    owners = [
+        subprocess.Popen([sys.executable, "-c", _OWNER], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    try:
+        workers = [psutil.Process(int(owner.stdout.readline())) for owner in owners]
+        dead, live = owners
+        dead.kill()
+        dead.wait()
+        time.sleep(0.5)
+        assert workers[0].is_running(), "the worker died with its launcher: no orphan to reap"
+        assert len(list(registry.glob("*.json"))) == 2
+
+        assert reap_orphaned_launches(registry, grace_s=2) == [workers[0].pid]
+        assert not _running(workers[0])
+        assert workers[1].is_running() and len(list(registry.glob("*.json"))) == 1
+    finally:
+        for owner in owners:
+            owner.kill()
+            owner.wait()
+        reap_orphaned_launches(registry, grace_s=2)
+    assert not _running(workers[1])
+    row.fact("1 orphan ended, 1 live launch kept")
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

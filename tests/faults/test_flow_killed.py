@@ -1,0 +1,53 @@
+"""The flow process SIGKILLed mid-GRPO, then run again (scenarios 1 and 2 in scenarios.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fault_kit import wait_until_gone
+
+pytestmark = pytest.mark.integration
+
+SKIPPED_STAGES = ("prepare_data", "train_sft", "evaluate", "generate_rollouts")
+
+
+def test_flow_killed_mid_grpo_rerun_skips_done_stages_resumes_grpo_and_ends_orphans(
+    killed_flow, flow_rerun, fault_row
+):
+    row = fault_row(
+        "flow process SIGKILLed mid-GRPO (GRPO rank 1 hung after step 2), then the flow re-run",
+        "`python -m flows.post_train` (own process), re-run in-process",
+        "the dead flow left live worker processes; the re-run ends them at its start and its registry "
+        "record goes; prepare/SFT/eval/rollout are skipped (manifests untouched); GRPO resumes from its "
+        "committed step-1 checkpoint; the re-run completes",
+    )
+    # The premise: SIGKILL gave the flow no chance to clean up, so its launch outlived it.
+    assert killed_flow.orphans, "the SIGKILLed flow left no worker process behind: nothing to test"
+    assert killed_flow.stale_launches, "the dead flow's launch is not in the registry"
+    row.fact(f"{len(killed_flow.orphans)} orphans ({', '.join(sorted({_kind(p) for p in killed_flow.orphans}))})")
+
+    assert flow_rerun.state.is_completed(), flow_rerun.state.message
+    assert wait_until_gone(killed_flow.orphans, timeout_s=10) == []
+    registry = Path(killed_flow.env["FORGE_LAUNCH_REGISTRY"])
+    assert not list(registry.glob("*.json")), "launch records left in the registry after the re-run"
+    assert any("left running by an earlier flow process" in line for line in flow_rerun.logs)
+
+    store = killed_flow.store
+    for uri, committed_at in flow_rerun.committed_before.items():
+        assert store.read_manifest(uri).committed_at == committed_at, f"{uri} was rewritten by the re-run"
+    skipped = [line for line in flow_rerun.logs if "output already committed" in line]
+    assert len(skipped) == 4, skipped  # prepare, sft, eval of the SFT policy, rollout-1
+    for name in SKIPPED_STAGES:
+        assert flow_rerun.task_runs[name].state.is_completed()
+
+    grpo = store.read_manifest(flow_rerun.summary["final_policy_uri"])
+    assert grpo.kind == "grpo"
+    assert grpo.metrics["resumed_from_step"] == 1
+    row.fact("GRPO resumed_from_step=1, 4 stages skipped")
+
+
+def _kind(process) -> str:
+    if "torch.distributed.run" in process.cmdline:
+        return "torchrun"
+    return "rank" if "forge_core.run" in process.cmdline else "other"
