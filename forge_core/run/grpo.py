@@ -42,7 +42,13 @@ from forge_core.models import load_hf_folder
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.trainers.base import ArtifactContext
-from forge_core.trainers.grpo import GRPOTrainer, RolloutBatch, rollouts_to_rl_batch, summarize_steps
+from forge_core.trainers.grpo import (
+    GRPOTrainer,
+    RolloutBatch,
+    rollouts_to_rl_batch,
+    steps_per_batch,
+    summarize_steps,
+)
 from forge_core.trainers.rl_batch import RLBatch
 from forge_core.trainers.stage import commit_stage, download_policy, export_policy, stage_kind
 
@@ -188,7 +194,7 @@ def main(spec: StageSpec) -> None:
         policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist_ctx)
         vocab_size = broadcast_object(_hf_vocab_size(policy_dir) if dist_ctx.is_rank0 else None)
         rollouts = read_rollouts(store, cfg, inputs)
-        steps = cfg.grpo.epochs * (rollouts.batch.batch_size // cfg.grpo.mini_batch_size)
+        steps = steps_per_batch(cfg.grpo, rollouts.batch.batch_size)
         engine = Engine.Config.from_run_config(
             cfg, vocab_size, cfg.grpo.optimizer, max(steps, 1), init_weights_dir=policy_dir
         ).build()

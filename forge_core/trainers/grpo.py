@@ -163,6 +163,11 @@ def summarize_steps(history: Sequence[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
+def steps_per_batch(cfg: GRPOConfig, num_samples: int) -> int:
+    """Optimizer steps (plan steps) one rollout batch of `num_samples` feeds: what the LR schedule spans."""
+    return cfg.epochs * (num_samples // cfg.mini_batch_size)
+
+
 class GRPOTrainer(TitanTrainer):
     """TitanTrainer plus GRPO's data plan: mini-batches x epochs over one rollout batch, reference logprobs
     for the KL term, in-stage checkpoints and progress lines."""
@@ -185,9 +190,6 @@ class GRPOTrainer(TitanTrainer):
             dp_rank=self.engine.dp_rank,
             dp_size=self.engine.dp_degree,
         )
-
-    def steps_per_batch(self, num_samples: int) -> int:
-        return self.cfg.epochs * (num_samples // self.cfg.mini_batch_size)
 
     @staticmethod
     def micro_batch_rows(batch: RLBatch, step: MiniBatchStep) -> list[torch.Tensor]:

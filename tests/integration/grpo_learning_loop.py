@@ -33,7 +33,7 @@ from forge_core.run.grpo import plan_seed
 from forge_core.run.rollout import iteration_prompts
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ObjectStore
-from forge_core.trainers.grpo import GRPOTrainer, rollouts_to_rl_batch
+from forge_core.trainers.grpo import GRPOTrainer, rollouts_to_rl_batch, steps_per_batch
 from forge_core.trainers.stage import download_policy
 
 REWARDS = {
@@ -123,9 +123,9 @@ def grpo_from_sft(
     try:
         curve.append((0, _accuracy(generator, eval_prompts, cfg)))
         samples_per_batch = cfg.rollout.prompts_per_iteration * sampling.group_size
-        steps_per_batch = cfg.grpo.epochs * (samples_per_batch // cfg.grpo.mini_batch_size)
         engine = Engine.Config.from_run_config(
-            cfg, vocab_size, cfg.grpo.optimizer, iterations * steps_per_batch, init_weights_dir=str(policy_dir)
+            cfg, vocab_size, cfg.grpo.optimizer, iterations * steps_per_batch(cfg.grpo, samples_per_batch),
+            init_weights_dir=str(policy_dir),
         ).build()
         trainer = GRPOTrainer(engine, cfg.grpo, build_policy_loss(cfg.grpo.loss, sampling.max_new_tokens))
         split = {"generate_s": 0.0, "train_s": 0.0, "reload_s": 0.0}
