@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench lint docs clean
+.PHONY: install demo test test-all test-fast bench lint docs clean
 
 install:
 	@VENV=$(VENV) scripts/install.sh
@@ -12,7 +12,10 @@ demo: install
 	@$(PY) -m flows.demo
 
 test: install
-	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -m "not slow and not unverified" $(PYTEST_ARGS)
+
+test-all: install
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
 	@$(PY) -m pytest -q -m "not slow and not integration" $(PYTEST_ARGS)

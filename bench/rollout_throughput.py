@@ -1,11 +1,11 @@
 """Rollout generation throughput: the rollout stage's Generator against raw vLLM and transformers.
 
-    python -m bench.rollout_throughput                       # full run (about 10-20 min on 2 shared cores)
-    python -m bench.rollout_throughput --quick               # fewer variants/sizes, for a smoke check
+    python -m bench.rollout_throughput            # full run (about 20 min on 2 busy shared cores)
+    python -m bench.rollout_throughput --quick    # no variants, two crossover sizes, 2 repeats
 
 One process, the same model (a 24M-parameter Llama: dim 512, 8 layers, the demo tokenizer) and the same
-prompts (32 demo prompts x 8 samples x 32 new tokens, temperature 1: one rollout batch of the demo) for
-every side:
+prompts (32 demo prompts x 8 samples x 16 new tokens, temperature 1: one rollout batch of the demo
+config) for every side:
 - value:    `Generator.generate` (what the rollout stage runs: per-prompt seeds, logprobs, Sample rows);
 - baseline: raw `vllm.LLM.generate` on the same engine (one SamplingParams, no seeds): target >= 0.9x;
 - also:     transformers' `generate` (same sampling: full vocabulary, no top-k), timed alternating with ours.
@@ -35,9 +35,9 @@ from bench.harness import alternate, median, summarize, write_result
 
 NUM_PROMPTS = 32
 GROUP_SIZE = 8
-MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS = 16
 MAIN_SIZE = (512, 8)  # (dim, layers): 24M parameters with the demo vocabulary
-CROSSOVER_SIZES = [(128, 2), (256, 4), (512, 8), (768, 12)]
+CROSSOVER_SIZES = [(128, 2), (256, 4), (768, 12)]  # plus MAIN_SIZE, measured by the main run
 
 
 # ---- fixtures: tokenizer, models, prompts ---------------------------------------------------------------
@@ -233,7 +233,9 @@ def measure_transformers_threads(model_dir: Path, prompts, tokenizer, threads: i
     torch.set_num_threads(threads)
     try:
         counter = Counter()
-        seconds = timed_calls(transformers_side(model_dir, prompts, counter, tokenizer), warmup=1, repeats=repeats)
+        seconds = timed_calls(
+            transformers_side(model_dir, prompts, counter, tokenizer), warmup=1, repeats=repeats
+        )
     finally:
         torch.set_num_threads(previous)
     result = {"threads": threads, "tokens_per_s": round(median(tokens_per_s(counter, seconds)), 1)}
@@ -255,6 +257,11 @@ def measure_main(model_dir: Path, prompts, tokenizer, repeats: int) -> dict:
         )
         ours_vs_hf_s, hf_s = alternate(
             stage, transformers_side(model_dir, prompts, hf, tokenizer), warmup=1, repeats=repeats
+        )
+        print(
+            f"[bench] main: startup {generator.startup_s:.1f}s, ours {median(tokens_per_s(ours, ours_s)):.1f}, raw "
+            f"vLLM {median(tokens_per_s(raw, raw_s)):.1f}, transformers {median(tokens_per_s(hf, hf_s)):.1f} tokens/s",
+            flush=True,
         )
         return {
             "startup_s": generator.startup_s,
@@ -325,17 +332,39 @@ def main() -> None:
         main_dir = root / "llama-main"
         params = write_model(main_dir, tokenizer_dir, tokenizer, *MAIN_SIZE)
 
+        main_run = measure_main(main_dir, prompts, tokenizer, repeats)
         variants = {
-            "vllm_bind_auto_default": measure_variant("auto", main_dir, prompts, repeats, cpu_threads="auto"),
-            "in_process_engine": measure_variant("in-process", main_dir, prompts, repeats, in_process=True),
+            "vllm_bind_auto_default": {
+                "startup_s": round(main_run["startup_s"], 1),
+                "tokens_per_s": round(median(main_run["ours_tokens_per_s"]), 1),
+                "cpu_threads": "auto",
+            },
+            "transformers_1_thread": measure_transformers_threads(main_dir, prompts, tokenizer, 1, repeats),
         }
         if not args.quick:
+            variants["in_process_engine"] = measure_variant(
+                "in-process", main_dir, prompts, repeats, in_process=True
+            )
             variants["bind_all_cores"] = measure_variant("all", main_dir, prompts, repeats, cpu_threads="all")
-            variants["max_num_seqs_64"] = measure_variant("seqs64", main_dir, prompts, repeats, max_num_seqs=64)
-        variants["transformers_1_thread"] = measure_transformers_threads(main_dir, prompts, tokenizer, 1, repeats)
-        main_run = measure_main(main_dir, prompts, tokenizer, repeats)
-        sizes = CROSSOVER_SIZES[1:3] if args.quick else CROSSOVER_SIZES
+            variants["max_num_seqs_64"] = measure_variant(
+                "seqs64", main_dir, prompts, repeats, max_num_seqs=64
+            )
+        sizes = CROSSOVER_SIZES[:1] if args.quick else CROSSOVER_SIZES
         crossover = measure_crossover(root, tokenizer_dir, tokenizer, prompts, sizes, repeats=1)
+        crossover.append(
+            {
+                "dim": MAIN_SIZE[0],
+                "layers": MAIN_SIZE[1],
+                "params_m": round(params / 1e6, 2),
+                "vllm_tokens_per_s": round(median(main_run["ours_vs_transformers_tokens_per_s"]), 1),
+                "transformers_tokens_per_s": round(median(main_run["transformers_tokens_per_s"]), 1),
+                "vllm_startup_s": round(main_run["startup_s"], 1),
+            }
+        )
+        crossover[-1]["vllm_over_transformers"] = round(
+            crossover[-1]["vllm_tokens_per_s"] / crossover[-1]["transformers_tokens_per_s"], 2
+        )
+        crossover.sort(key=lambda row: row["params_m"])
 
     ours = median(main_run["ours_tokens_per_s"])
     raw = median(main_run["raw_vllm_tokens_per_s"])

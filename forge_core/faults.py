@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 FAULT_ENV = "FORGE_FAULT"
 FAULT_ONCE_ENV = "FORGE_FAULT_ONCE"
+# Set by `set_current_stage` so that processes a worker starts (vLLM engines, rollout replicas) know it too.
+STAGE_ENV = "FORGE_STAGE"
 RANK_ACTIONS = ("kill_rank", "raise_rank", "hang_rank")
 KILL_VLLM = "kill_vllm"
 STORAGE_OUTAGE = "storage_outage"
@@ -72,9 +74,15 @@ class Fault:
 
 
 def set_current_stage(stage: str) -> None:
-    """Called once by a stage worker (`python -m forge_core.run <stage>`): faults with `@<stage>` fire here."""
+    """Called once by a stage worker (`python -m forge_core.run <stage>`): faults with `@<stage>` fire here
+    and in the processes it starts."""
     global _current_stage
     _current_stage = stage
+    os.environ[STAGE_ENV] = stage
+
+
+def current_stage() -> str | None:
+    return _current_stage or os.environ.get(STAGE_ENV)
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -125,7 +133,7 @@ def _active_faults(actions: tuple[str, ...]) -> list[tuple[int, Fault]]:
     return [
         (index, fault)
         for index, fault in enumerate(parse_faults(spec))
-        if fault.action in actions and fault.applies_to_stage(_current_stage)
+        if fault.action in actions and fault.applies_to_stage(current_stage())
     ]
 
 

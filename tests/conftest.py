@@ -134,3 +134,17 @@ def file_store(tmp_path):
     from forge_core.storage import ObjectStore
 
     return ObjectStore(f"file://{tmp_path}/store", retries=TEST_RETRIES, retry_backoff_s=TEST_RETRY_BACKOFF_S)
+
+
+# Suites written in the last hours of session 1 whose full runs were not yet verified end to end (Prefect
+# flows, deployment path, fault injection, security). `make test` leaves them out until a session has seen
+# them pass from a fresh clone; `make test-all` runs them. Remove a folder from this list once verified.
+UNVERIFIED_SUITES = ("tests/flows/", "tests/deploy/", "tests/faults/", "tests/security/")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = str(config.rootpath)
+    for item in items:
+        rel = str(item.path)[len(root) + 1 :] if str(item.path).startswith(root) else str(item.path)
+        if rel.startswith(UNVERIFIED_SUITES):
+            item.add_marker(pytest.mark.unverified)

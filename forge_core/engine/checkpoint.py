@@ -23,12 +23,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forge_core.engine.distributed import DistContext, barrier, broadcast_object
 from forge_core.engine.rng import capture_rng_state, restore_rng_state
-from forge_core.storage import CHECKPOINTS_DIR, ArtifactCorrupted, ObjectStore
+from forge_core.engine.safe_dcp import SafeFsspecReader, SafeLoadPlanner
+from forge_core.launch.errors import RetryableStageError
+from forge_core.storage import CHECKPOINTS_DIR, ArtifactCorrupted, ObjectStore, StorageUnavailable
+from forge_core.storage.retry import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,11 @@ class ResumeState:
     step: int
     data_cursor: dict
     uri: str
+
+
+def _storage_may_recover(exc: BaseException) -> bool:
+    """A store outage (retries exhausted) or a transient network error, not a denial or a bug."""
+    return isinstance(exc, StorageUnavailable) or is_transient(exc)
 
 
 def checkpoint_uri(store: ObjectStore, output_uri: str, step: int) -> str:
@@ -164,21 +173,30 @@ class Checkpointer:
             return ref
         state = self._state(components, _TrainState(step, data_cursor))
         writer = FsspecWriter(self.store.fsspec_path(ref.uri), **self.store.storage_options)
-        dcp.save(state, storage_writer=writer)
-        error = self._commit(ref) if self.dist.is_rank0 else None
-        error = broadcast_object(error)
-        if error:
-            raise RuntimeError(f"checkpoint {ref.uri}: commit failed on rank 0: {error}")
+        try:
+            dcp.save(state, storage_writer=writer)
+        except CheckpointException as exc:
+            if any(_storage_may_recover(failure) for failure, _ in exc.failures.values()):
+                raise RetryableStageError(f"checkpoint {ref.uri}: writing shards failed: {exc}") from exc
+            raise
+        failure = broadcast_object(self._commit(ref) if self.dist.is_rank0 else None)
+        if failure:
+            message, retryable = failure
+            # A storage outage at the commit point is worth a retry (it resumes from the previous checkpoint).
+            raise (RetryableStageError if retryable else RuntimeError)(
+                f"checkpoint {ref.uri}: commit failed on rank 0: {message}"
+            )
         barrier()
         return ref
 
-    def _commit(self, ref: CheckpointRef) -> str | None:
+    def _commit(self, ref: CheckpointRef) -> tuple[str, bool] | None:
+        """Rank 0: None, or (what failed, whether a retry may succeed)."""
         try:
             writer = self.store.writer(ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
             writer.adopt_existing()
             writer.commit(config=self.config, inputs=self.inputs, metrics={"step": ref.step})
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which then all raise
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", _storage_may_recover(exc)
         return None
 
     def _state(self, components: dict[str, Stateful], train_state: _TrainState) -> dict[str, Stateful]:
@@ -207,14 +225,15 @@ class Checkpointer:
         """Collective: restore `ref` (already verified) into `components` and this rank's RNG streams."""
         train_state = _TrainState()
         state = self._state(components, train_state)
-        reader = FsspecReader(self.store.fsspec_path(ref.uri), **self.store.storage_options)
+        # Storage is not trusted with code: no plain unpickling of what it returns (safe_dcp.py).
+        reader = SafeFsspecReader(self.store.fsspec_path(ref.uri), **self.store.storage_options)
         rng_prefix = f"rng.{state['rng'].key}."
         if not any(key.startswith(rng_prefix) for key in reader.read_metadata().state_dict_metadata):
             raise ValueError(
                 f"checkpoint {ref.uri} has no RNG state for rank {self.dist.rank}: it was written by a run with "
                 "fewer ranks; resume with the world size it was written with"
             )
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
         restore_rng_state(state["rng"].loaded, self.dist.device)
         log.info("resumed from %s (step %d)", ref.uri, train_state.step)
         return ResumeState(step=train_state.step, data_cursor=train_state.data_cursor, uri=ref.uri)

@@ -41,7 +41,9 @@ def engine_core_processes() -> list[psutil.Process]:
     found = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.name().startswith(ENGINE_PROCESS_NAME[:15]) or proc.cmdline()[:1] == [ENGINE_PROCESS_NAME]:
+            if proc.name().startswith(ENGINE_PROCESS_NAME[:15]) or proc.cmdline()[:1] == [
+                ENGINE_PROCESS_NAME
+            ]:
                 found.append(proc)
         except psutil.Error:
             continue
@@ -81,7 +83,9 @@ class EngineDeathWatch:
         _engine_died.set()
         outputs = getattr(self._client, "outputs_queue", None)
         if outputs is None:
-            log.error("%s, and this vLLM client has no output queue to fail: the stage deadline will end it", what)
+            log.error(
+                "%s, and this vLLM client has no output queue to fail: the stage deadline will end it", what
+            )
             return
         outputs.put_nowait(EngineDeadError())
 

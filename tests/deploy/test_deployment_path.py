@@ -35,17 +35,18 @@ async def _deployment_runs(client, name: str) -> list:
 
 
 def _flow_run_logs(prefect: LocalPrefect, flow_run_id) -> str:
+    """The run's last 200 log lines, where a failure's cause is."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
-    logs = prefect.api(
+    newest_first = prefect.api(
         lambda client: client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-            sort=LogSort.TIMESTAMP_ASC,
+            sort=LogSort.TIMESTAMP_DESC,
             limit=200,
         )
     )
-    return "\n".join(log.message for log in logs)
+    return "\n".join(log.message for log in reversed(newest_first))
 
 
 def wait_for_flow_run(prefect: LocalPrefect, deployment: str, worker_log) -> object:

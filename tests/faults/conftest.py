@@ -67,7 +67,9 @@ def pytest_runtest_makereport(item, call):
     if row is None:
         return
     if report.when == "call":
-        row.result = "pass" if report.passed else ("skipped" if report.skipped else f"FAIL: {_first_line(report)}")
+        row.result = (
+            "pass" if report.passed else ("skipped" if report.skipped else f"FAIL: {_first_line(report)}")
+        )
     elif report.failed:  # setup or teardown failed (e.g. a shared scenario)
         row.result = f"ERROR in {report.when}: {_first_line(report)}"
 
@@ -75,7 +77,9 @@ def pytest_runtest_makereport(item, call):
 def _first_line(report) -> str:
     text = str(getattr(report, "longrepr", "") or "")
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith("E ")]
-    return (lines[0][2:].strip() if lines else text.strip().splitlines()[-1:][0] if text.strip() else "")[:160]
+    return (lines[0][2:].strip() if lines else text.strip().splitlines()[-1:][0] if text.strip() else "")[
+        :160
+    ]
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -93,8 +97,10 @@ def write_table(rows: list[FaultRow]) -> None:
     table = "\n".join(
         [
             _TABLE_START,
-            f"_Last written by `pytest tests/faults` on {stamp}; rows of tests that did not run then keep "
-            "their previous result._",
+            (
+                f"_Last written by `pytest tests/faults` on {stamp}; rows of tests that did not run then "
+                "keep their previous result._"
+            ),
             "",
             "| fault | where | what was checked | result | test |",
             "| --- | --- | --- | --- | --- |",

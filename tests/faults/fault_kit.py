@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import socket
@@ -21,14 +22,21 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import psutil
 
 TINY_CONFIG = "configs/tiny_test.yaml"
 # What every fault scenario adds to the tiny config: a checkpoint after every step (so resume and the
 # corrupt-checkpoint fallback have something to fall back to), a held-out split the tiny data can afford,
-# and no wandb process (the security tests turn it on).
-COMMON_OVERRIDES = ("sft.checkpoint_every=1", "sft.eval_rows=8", "logging.wandb_mode=disabled")
+# no wandb process (the S3 scenario turns it on), and stage deadlines that only a hang reaches even on a
+# loaded 2-core box (the hang scenario sets its own SFT deadline).
+COMMON_OVERRIDES = (
+    "sft.checkpoint_every=1",
+    "sft.eval_rows=8",
+    "logging.wandb_mode=disabled",
+    *(f"launch.{stage}.deadline_s=1800" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
+)
 WORKER_MARKERS = ("forge_core.run", "torch.distributed.run", "VLLM::")
 
 
@@ -50,7 +58,7 @@ class _SharedPrefectApi:
             from prefect.testing.utilities import prefect_test_harness
 
             self._stack = ExitStack()
-            self._stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+            self._stack.enter_context(prefect_test_harness(server_startup_timeout=600))
             self.api_url = PREFECT_API_URL.value()
         self._users += 1
         return self.api_url
@@ -101,9 +109,9 @@ def flow_run(flow_run_id):
 
 
 def flush_prefect_logs() -> None:
-    from prefect.logging.handlers import APILogHandler
+    from prefect.logging.handlers import APILogWorker
 
-    APILogHandler.flush()
+    APILogWorker.drain_all(timeout=30)
 
 
 def all_logs(flow_run_id=None) -> list[str]:
@@ -117,7 +125,9 @@ def all_logs(flow_run_id=None) -> list[str]:
     while True:
         offset = len(messages)
         page = _run_async(
-            lambda c: c.read_logs(log_filter=log_filter, limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC)
+            lambda c, offset=offset: c.read_logs(
+                log_filter=log_filter, limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC
+            )
         )
         messages += [log.message for log in page]
         if len(page) < 200:
@@ -129,7 +139,7 @@ def all_artifacts_text() -> str:
     pages: list[dict] = []
     while True:
         offset = len(pages)
-        page = _run_async(lambda c: c.read_artifacts(limit=200, offset=offset))
+        page = _run_async(lambda c, offset=offset: c.read_artifacts(limit=200, offset=offset))
         pages += [a.model_dump(mode="json") for a in page]
         if len(page) < 200:
             return json.dumps(pages)
@@ -183,7 +193,7 @@ class ProcessWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-process-watch")
 
-    def __enter__(self) -> ProcessWatch:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -237,7 +247,7 @@ class CommitWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-commit-watch")
 
-    def __enter__(self) -> CommitWatch:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -271,7 +281,7 @@ class CommitWatch:
                 self.committed[uri] = self.store.manifest_sha256(uri)
             except (ArtifactCorrupted, ArtifactNotCommitted) as exc:
                 self.violations.append(f"{uri}: {type(exc).__name__}: {exc}")
-            except Exception:  # noqa: BLE001 - a store outage mid-read: try again at the next poll
+            except Exception:  # noqa: BLE001, S112 - a store outage mid-read: try again at the next poll
                 continue
 
 
@@ -312,6 +322,7 @@ class OutageMotoServer:
         self._down = threading.Event()
         self._armed: tuple[re.Pattern, float, object, object] | None = None
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self.events: list[OutageEvent] = []
 
     def start(self) -> OutageMotoServer:
@@ -322,6 +333,8 @@ class OutageMotoServer:
         )
         from werkzeug.serving import make_server
 
+        # One log line per request would drown the test's own logs (and Prefect's).
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
         app = DomainDispatcherApplication(create_backend_app)
         self._server = make_server(
             "127.0.0.1", self.port, self._wrap(app), threaded=True, request_handler=MotoRequestHandler
@@ -330,6 +343,11 @@ class OutageMotoServer:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="moto-outage")
         self._thread.start()
         return self
+
+    def close(self) -> None:
+        """Stop for good: an outage in progress does not come back."""
+        self._closed.set()
+        self.stop()
 
     def stop(self) -> None:
         self._down.set()
@@ -369,7 +387,8 @@ class OutageMotoServer:
         self.stop()
         if on_down is not None:
             on_down(event)
-        time.sleep(max(0.0, event.started + outage_s - time.monotonic()))
+        if self._closed.wait(max(0.0, event.started + outage_s - time.monotonic())):
+            return
         self.start()
         event.restarted = time.monotonic()
         if on_up is not None:

@@ -144,7 +144,9 @@ class FlowRerun:
 
 
 def committed_at_by_uri(store: ObjectStore, kinds: tuple[str, ...]) -> dict[str, str]:
-    return {uri: store.read_manifest(uri).committed_at for kind in kinds for uri in store.list_committed(kind)}
+    return {
+        uri: store.read_manifest(uri).committed_at for kind in kinds for uri in store.list_committed(kind)
+    }
 
 
 def rerun_flow(killed: KilledFlow) -> FlowRerun:
@@ -200,7 +202,9 @@ class FaultedRun:
 def corrupt_after_commit(checkpoint_dir: Path) -> str:
     """Overwrite bytes in the middle of the largest file of a committed checkpoint (same size: only the
     sha256 can tell). Returns the file's path relative to the checkpoint."""
-    target = max((p for p in checkpoint_dir.iterdir() if p.name != "_MANIFEST.json"), key=lambda p: p.stat().st_size)
+    target = max(
+        (p for p in checkpoint_dir.iterdir() if p.name != "_MANIFEST.json"), key=lambda p: p.stat().st_size
+    )
     data = bytearray(target.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
@@ -352,13 +356,15 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             secrets=secrets,
         )
     finally:
-        server.stop()
+        server.close()
 
 
 def _step_manifest_candidates(store: ObjectStore) -> list[str]:
     """Where the step-4 checkpoint's manifest would be (its data files are there, its manifest is not)."""
     step4_files = [u for u in store.list_files(store.root) if "/_checkpoints/step-4/" in u]
-    return sorted({u.split("/_checkpoints/step-4/")[0] + "/_checkpoints/step-4/_MANIFEST.json" for u in step4_files})
+    return sorted(
+        {u.split("/_checkpoints/step-4/")[0] + "/_checkpoints/step-4/_MANIFEST.json" for u in step4_files}
+    )
 
 
 def _dump_bucket(store: ObjectStore, local: Path) -> Path:

@@ -1,6 +1,7 @@
 """A stand-in worker for launcher and fault-hook tests: `python -m sleeper [process title]` sleeps until killed.
 
-With a title it renames itself (setproctitle, as vLLM names its engine process `VLLM::EngineCore`)."""
+With a title it renames itself (setproctitle, as vLLM names its engine process `VLLM::EngineCore`). It never
+writes output: an orphan that writes to its dead launcher's pipe dies of it, and these tests need orphans."""
 
 import sys
 import time
@@ -10,6 +11,5 @@ if __name__ == "__main__":
         import setproctitle
 
         setproctitle.setproctitle(sys.argv[1])
-    print("sleeping", flush=True)
     while True:
         time.sleep(1)

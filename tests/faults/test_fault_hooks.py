@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
+from fault_kit import OutageMotoServer
 
 from forge_core import faults
 from forge_core.faults import InjectedFault, maybe_inject_fault, parse_faults
@@ -42,7 +44,11 @@ def test_each_fault_fires_once_with_its_own_marker(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     "spec, why",
-    [("kill_vllm:x", "kill_vllm:<samples>"), ("storage_outage:0", "duration in seconds > 0"), ("kill_rank:1:2@", "empty stage")],
+    [
+        ("kill_vllm:x", "kill_vllm:<samples>"),
+        ("storage_outage:0", "duration in seconds > 0"),
+        ("kill_rank:1:2@", "empty stage"),
+    ],
 )
 def test_bad_fault_entries_say_what_is_expected(spec, why):
     with pytest.raises(ValueError, match=why):
@@ -76,9 +82,9 @@ def test_storage_outage_is_ridden_out_by_the_store_retries(monkeypatch, tmp_path
 
 
 def test_kill_vllm_kills_the_engine_process_after_the_given_samples(monkeypatch, tmp_path):
-    engine = subprocess.Popen([sys.executable, str(HERE / "sleeper.py"), "VLLM::EngineCore"], stdout=subprocess.PIPE)
+    engine = subprocess.Popen([sys.executable, str(HERE / "sleeper.py"), "VLLM::EngineCore"])
     try:
-        assert engine.stdout.readline() == b"sleeping\n"
+        _wait_for_title(engine.pid, "VLLM::EngineCor")
         monkeypatch.setenv("FORGE_FAULT", "kill_vllm:2@rollout")
         monkeypatch.setenv("FORGE_FAULT_ONCE", str(tmp_path / "fired"))
         monkeypatch.setattr(faults, "_current_stage", "rollout")
@@ -116,13 +122,18 @@ def test_launches_of_a_sigkilled_launcher_are_reaped_and_live_ones_are_not(tmp_p
         "the launch of a live launcher is left alone",
     )
     registry = tmp_path / "launches"
-    env = {**os.environ, "FORGE_LAUNCH_REGISTRY": str(registry), "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "FORGE_LAUNCH_REGISTRY": str(registry),
+        "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     owners = [
-        subprocess.Popen([sys.executable, "-c", _OWNER], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+        subprocess.Popen([sys.executable, "-c", _OWNER], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
     ]
     try:
         workers = [psutil.Process(int(owner.stdout.readline())) for owner in owners]
-        dead, live = owners
+        dead = owners[0]
         dead.kill()
         dead.wait()
         time.sleep(0.5)
@@ -141,8 +152,58 @@ def test_launches_of_a_sigkilled_launcher_are_reaped_and_live_ones_are_not(tmp_p
     row.fact("1 orphan ended, 1 live launch kept")
 
 
+def _wait_for_title(pid: int, title: str) -> None:
+    deadline = time.monotonic() + 60
+    while not psutil.Process(pid).name().startswith(title):
+        assert time.monotonic() < deadline, f"pid {pid} never took the title {title!r}"
+        time.sleep(0.05)
+
+
 def _running(proc: psutil.Process) -> bool:
     try:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_s3_down_while_dcp_writes_shards_is_a_retryable_checkpoint_failure(
+    fake_aws_env, fault_row, monkeypatch
+):
+    import torch
+
+    from forge_core.engine import Checkpointer, checkpoint_uri
+    from forge_core.engine.checkpoint import ModelState
+    from forge_core.engine.distributed import DistContext
+    from forge_core.launch import RetryableStageError
+
+    fault_row(
+        "moto S3 server stopped on the first PUT of a DCP shard (world of one)",
+        "Checkpointer.save (DCP FsspecWriter)",
+        "the failure surfaces as RetryableStageError (DCP's CheckpointException is a BaseException the "
+        "launcher would call fatal); the half-written checkpoint is not committed; the previous one is",
+    )
+    # DCP's own S3 client (botocore) retries a refused connection for seconds; one attempt tells the same.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    server = OutageMotoServer().start()
+    try:
+        bucket = f"forge-dcp-{uuid.uuid4().hex[:10]}"
+        store = ObjectStore(
+            f"s3://{bucket}/run", endpoint_url=server.endpoint_url, retries=1, retry_backoff_s=0.05
+        )
+        store.fs.call_s3("create_bucket", Bucket=bucket)
+        world_of_one = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        output = store.artifact_uri("sft", "run")
+        checkpointer = Checkpointer(store, output, world_of_one, stage="sft", config={}, inputs={})
+        model = {"model": ModelState(torch.nn.Linear(4, 3))}
+        checkpointer.save(1, model, {})
+        server.arm(r"^PUT /[^ ]*/step-2/[^ ]*\.distcp", outage_s=600)
+
+        with pytest.raises(RetryableStageError, match="writing shards failed"):
+            checkpointer.save(2, model, {})
+
+        server.close()
+        server = OutageMotoServer(server.port).start()  # the same data: moto keeps it in this process
+        assert store.is_committed(checkpoint_uri(store, output, 1))
+        assert not store.is_committed(checkpoint_uri(store, output, 2))
+    finally:
+        server.close()

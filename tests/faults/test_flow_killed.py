@@ -25,7 +25,9 @@ def test_flow_killed_mid_grpo_rerun_skips_done_stages_resumes_grpo_and_ends_orph
     # The premise: SIGKILL gave the flow no chance to clean up, so its launch outlived it.
     assert killed_flow.orphans, "the SIGKILLed flow left no worker process behind: nothing to test"
     assert killed_flow.stale_launches, "the dead flow's launch is not in the registry"
-    row.fact(f"{len(killed_flow.orphans)} orphans ({', '.join(sorted({_kind(p) for p in killed_flow.orphans}))})")
+    row.fact(
+        f"{len(killed_flow.orphans)} orphans ({', '.join(sorted({_kind(p) for p in killed_flow.orphans}))})"
+    )
 
     assert flow_rerun.state.is_completed(), flow_rerun.state.message
     assert wait_until_gone(killed_flow.orphans, timeout_s=10) == []

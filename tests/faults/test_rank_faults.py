@@ -21,14 +21,20 @@ def test_hung_rank_hits_the_stage_deadline_and_the_retry_succeeds(faulted_run, f
     deadline_lines = [line for line in faulted_run.logs if "deadline of" in line and "exceeded" in line]
     assert deadline_lines, "no deadline line in the train_sft logs"
     assert faulted_run.task_runs["train_sft"].run_count == 3  # hung, killed, completed
-    hung_launch = faulted_run.launch_ids[1]  # [0] is prepare
-    hung = [p for p in faulted_run.processes if p.launch_id == hung_launch]
+    sft_launches = [
+        launch
+        for launch in faulted_run.launch_ids
+        if any(p.launch_id == launch and "forge_core.run sft" in p.cmdline for p in faulted_run.processes)
+    ]
+    hung = [p for p in faulted_run.processes if p.launch_id == sft_launches[0]]
     assert len(hung) >= 3, hung  # torchrun and both ranks were seen
     assert wait_until_gone(faulted_run.processes, timeout_s=10) == []
     row.fact(f"deadline {faulted_run.deadline_s:.0f} s; {len(hung)} processes of the hung attempt ended")
 
 
-def test_killed_rank_is_retried_resumes_and_ends_like_an_uninterrupted_run(faulted_run, killed_flow, fault_row, tmp_path):
+def test_killed_rank_is_retried_resumes_and_ends_like_an_uninterrupted_run(
+    faulted_run, killed_flow, fault_row, tmp_path
+):
     row = fault_row(
         "SFT rank 1 SIGKILLed after step 3 (`kill_rank:1:3@sft`)",
         "train_sft task (torchrun, 2 ranks)",

@@ -8,7 +8,9 @@ from fault_kit import rollout_rows
 pytestmark = pytest.mark.integration
 
 
-def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(faulted_run, killed_flow, fault_row):
+def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(
+    faulted_run, killed_flow, fault_row
+):
     row = fault_row(
         "vLLM engine core SIGKILLed once the requests are queued (`kill_vllm:0@rollout`)",
         "generate_rollouts task (plain worker + vLLM engine process)",

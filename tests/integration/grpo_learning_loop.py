@@ -1,6 +1,6 @@
 """The GRPO learning check's pipeline, in one process: prepare the demo data, run the SFT stage, then GRPO
 iterations with one vLLM engine kept up (weights reloaded in place after every update) and one GRPOTrainer
-(one AdamW across iterations), measuring held-out greedy exact match before and after.
+(one AdamW across iterations), measuring held-out greedy accuracy and reward before and after.
 
 Every piece is the stage code: `prepare_data`, `forge_core.run.sft.main`, the rollout stage's prompt choice
 and scoring (`iteration_prompts`, `RewardSet`, `rollout_table`), `rollouts_to_rl_batch` + `GRPOTrainer.fit`,
@@ -88,10 +88,11 @@ def _sft_policy(cfg: RunConfig, store: ObjectStore, data_uri: str) -> str:
     return sft_uri
 
 
-def _accuracy(generator: Generator, prompts, cfg: RunConfig) -> float:
-    exact = RewardSet.from_config([RewardComponentConfig(name="exact_answer", weight=1.0)])
-    outcome = evaluate(generator, prompts, exact, evaluation_sampling(cfg.eval, cfg.rollout.sampling), seed=cfg.seed)
-    return outcome.metrics["accuracy"]
+def _held_out(generator: Generator, prompts, cfg: RunConfig) -> dict[str, float]:
+    """Greedy exact-match accuracy and mean reward (the training rewards) on the held-out prompts."""
+    rewards = RewardSet.from_config(cfg.rollout.rewards)
+    outcome = evaluate(generator, prompts, rewards, evaluation_sampling(cfg.eval, cfg.rollout.sampling), seed=cfg.seed)
+    return {"accuracy": outcome.metrics["accuracy"], "reward": outcome.metrics["mean_reward"]}
 
 
 def prepare_and_sft(cfg: RunConfig) -> tuple[ObjectStore, str, str]:
@@ -106,8 +107,8 @@ def prepare_and_sft(cfg: RunConfig) -> tuple[ObjectStore, str, str]:
 def grpo_from_sft(
     cfg: RunConfig, store: ObjectStore, data_uri: str, sft_uri: str, workdir: Path, iterations: int, eval_every: int = 0
 ) -> dict:
-    """Held-out greedy exact match of the SFT policy and after `iterations` GRPO iterations (plus every
-    `eval_every` iterations), the training reward, and where the time went."""
+    """Held-out greedy accuracy and mean reward of the SFT policy and after `iterations` GRPO iterations (plus
+    every `eval_every` iterations), the training reward, and where the time went."""
     reader = store.reader(data_uri)
     rl_table = reader.read_table("rl_prompts.parquet")
     eval_prompts = prompts_from_table(reader.read_table("eval.parquet").slice(0, cfg.eval.num_prompts))
@@ -121,7 +122,7 @@ def grpo_from_sft(
     timings["vllm_start_s"] = time.perf_counter() - start
     curve = []
     try:
-        curve.append((0, _accuracy(generator, eval_prompts, cfg)))
+        curve.append((0, _held_out(generator, eval_prompts, cfg)))
         samples_per_batch = cfg.rollout.prompts_per_iteration * sampling.group_size
         engine = Engine.Config.from_run_config(
             cfg, vocab_size, cfg.grpo.optimizer, iterations * steps_per_batch(cfg.grpo, samples_per_batch),
@@ -150,15 +151,15 @@ def grpo_from_sft(
             generator.reload()
             split["reload_s"] += time.perf_counter() - t
             if eval_every and (iteration + 1) % eval_every == 0 and iteration + 1 < iterations:
-                curve.append((iteration + 1, _accuracy(generator, eval_prompts, cfg)))
-        curve.append((iterations, _accuracy(generator, eval_prompts, cfg)))
+                curve.append((iteration + 1, _held_out(generator, eval_prompts, cfg)))
+        curve.append((iterations, _held_out(generator, eval_prompts, cfg)))
         timings.update(split)
     finally:
         generator.close()
         destroy_distributed()
     return {
-        "sft_accuracy": curve[0][1],
-        "grpo_accuracy": curve[-1][1],
+        "sft": curve[0][1],
+        "grpo": curve[-1][1],
         "curve": curve,
         "train_reward_first5": sum(rewards_seen[:5]) / max(len(rewards_seen[:5]), 1),
         "train_reward_last5": sum(rewards_seen[-5:]) / max(len(rewards_seen[-5:]), 1),
