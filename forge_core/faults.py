@@ -105,6 +105,10 @@ def _parse_entry(spec: str, entry: str) -> Fault:
     if "@" in entry and not stage.strip():
         raise bad(": empty stage after '@'")
     stage_name = stage.strip() or None
+    from forge_core.config.schema import STAGES  # here: storage imports this module, keep it a leaf
+
+    if stage_name is not None and stage_name not in STAGES:
+        raise bad(f": unknown stage {stage_name!r} (stages: {', '.join(STAGES)})")
     action = parts[0]
     if action in RANK_ACTIONS:
         if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):

@@ -1,6 +1,6 @@
 """Fixtures shared by every test area.
 
-- `s3_endpoint` (session): a real moto S3 server on 127.0.0.1 (ThreadedMotoServer), with fake AWS
+- `s3_endpoint` (session): a real moto S3 server on 127.0.0.1 (a child process), with fake AWS
   credentials in the environment for the whole session; yields its endpoint URL.
 - `s3_store`: an ObjectStore on a fresh bucket of that server, one bucket per test.
 - `file_store`: an ObjectStore on a fresh local folder.
@@ -11,7 +11,10 @@ Areas add their own fixtures in tests/<area>/conftest.py.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -34,28 +37,51 @@ def free_port() -> int:
 
 
 class RestartableMotoServer:
-    """A moto S3 server on 127.0.0.1:<port> that can go away and come back on the same port (fault tests)."""
+    """A moto S3 server on 127.0.0.1:<port> in a child process; it can go away and come back on the same port
+    with its data intact (fault tests). See tests/moto_server_process.py for why it is not in this process."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.endpoint_url = f"http://127.0.0.1:{port}"
-        self._server = None
+        self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self._server.start()
+        if self._process is None:
+            script = Path(__file__).with_name("moto_server_process.py")
+            self._process = subprocess.Popen(
+                [sys.executable, str(script), str(self.port)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            self._expect("up")
+        else:
+            self._command("start", "up")
 
     def stop(self) -> None:
         """Stop serving and close the listening socket, so that new connections are refused."""
-        if self._server is None:
+        if self._process is not None:
+            self._command("stop", "down")
+
+    def close(self) -> None:
+        if self._process is None:
             return
-        self._server.stop()
-        # ThreadedMotoServer.stop() only ends serve_forever(); the still-open listening socket would queue new
-        # connections (clients hang until their read timeout) instead of refusing them like a dead server.
-        self._server._server.server_close()
-        self._server = None
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    def _command(self, command: str, answer: str) -> None:
+        self._process.stdin.write(command + "\n")
+        self._process.stdin.flush()
+        self._expect(answer)
+
+    def _expect(self, answer: str) -> None:
+        line = self._process.stdout.readline().strip()
+        assert line == answer, f"moto server process answered {line!r}, expected {answer!r}"
 
 
 @pytest.fixture
@@ -71,7 +97,7 @@ def moto_server_factory(fake_aws_env):
 
     yield start
     for server in servers:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture(scope="session")
@@ -95,16 +121,13 @@ def fake_aws_env():
 
 @pytest.fixture(scope="session")
 def s3_endpoint(fake_aws_env):
-    """URL of a moto S3 server running in this process for the whole session."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    """URL of a moto S3 server (a child process) running for the whole session."""
+    server = RestartableMotoServer(free_port())
     server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server.endpoint_url
     finally:
-        server.stop()
+        server.close()
 
 
 def new_s3_store(

@@ -65,6 +65,10 @@ def _backend_for(device_type: str) -> str:
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
+# Whether the default process group was created by init_distributed (and so is destroy_distributed's to end).
+_group_created_here = False
+
+
 def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) -> DistContext:
     """Initialise the default process group once per process and return this rank's `DistContext`.
 
@@ -80,7 +84,9 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) ->
     else:
         torch_device = torch.device("cpu")
 
+    global _group_created_here
     if not dist.is_initialized():
+        _group_created_here = True
         timeout = timedelta(seconds=timeout_s)
         if _launched_by_torchrun():
             dist.init_process_group(backend=_backend_for(device_type), timeout=timeout)
@@ -98,9 +104,15 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) ->
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group if this process created one."""
-    if dist.is_initialized():
+    """Tear down the default process group if `init_distributed` created it.
+
+    A group someone else created (an in-process vLLM engine initialises torch.distributed too) is theirs to
+    destroy: destroying it here would break that engine's own shutdown.
+    """
+    global _group_created_here
+    if _group_created_here and dist.is_initialized():
         dist.destroy_process_group()
+    _group_created_here = False
 
 
 def barrier() -> None:

@@ -169,13 +169,11 @@ class _Replica:
     max_model_len: int = 0
 
     @classmethod
-    def start(
-        cls, context, index: int, policy_dir: Path, sampling, options: EngineOptions, env: dict[str, str]
-    ):
+    def start(cls, context, index: int, policy_dir: Path, sampling, layout: ReplicaLayout):
         parent, child = context.Pipe()
         process = context.Process(
             target=_replica_main,
-            args=(child, str(policy_dir), sampling, options, env),
+            args=(child, str(policy_dir), sampling, layout),
             name=f"forge-rollout-replica-{index}",
             daemon=False,  # it spawns vLLM's own processes, which daemonic processes may not do
         )

@@ -43,6 +43,7 @@ def test_demo_artifact_holds_verifiable_splits(store):
     sft_file = pq.ParquetFile(pa.BufferReader(reader.read_bytes("sft.parquet")))
     assert sft_file.num_row_groups == math.ceil(200 / 128)  # one row group per batch
 
+    width = cfg.data.demo.num_digits + 1  # the answer is zero-padded to one digit more than the operands
     for row in sft.to_pylist():
         mask, ids = row["loss_mask"], row["input_ids"]
         assert len(ids) == len(mask) == row["length"] <= cfg.data.max_seq_len
@@ -51,12 +52,12 @@ def test_demo_artifact_holds_verifiable_splits(store):
         prompt = tok.backend.decode(ids[: row["prompt_length"]])
         completion = tok.backend.decode(ids[row["prompt_length"]:])
         a, b = prompt.removeprefix("Q: ").removesuffix("=? A: ").split("+")
-        assert demo.check_answer(completion, f"{int(a) + int(b):04d}"), (prompt, completion)
+        assert demo.check_answer(completion, f"{int(a) + int(b):0{width}d}"), (prompt, completion)
 
     for row in rl.to_pylist() + held_out.to_pylist():
         assert row["prompt_ids"] == tok.backend.encode(row["prompt"]).ids
         a, b = row["prompt"].removeprefix("Q: ").removesuffix("=? A: ").split("+")
-        assert row["ground_truth"] == f"{int(a) + int(b):04d}"
+        assert row["ground_truth"] == f"{int(a) + int(b):0{width}d}"
 
     sft_prompts = {tok.backend.decode(ids[:n]) for ids, n in zip(sft["input_ids"].to_pylist(), sft["prompt_length"].to_pylist())}
     eval_prompts = set(held_out["prompt"].to_pylist())

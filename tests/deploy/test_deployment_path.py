@@ -160,8 +160,6 @@ def test_deploy_run_and_read_back(local_prefect: LocalPrefect, process_keeper, t
         # The deployment path, not the loop, is under test here (tests/flows runs the GRPO iterations):
         # prepare, SFT under torchrun and one vLLM evaluation keep it within its time budget.
         "grpo.iterations=0",
-        # configs/tiny_test.yaml has 64 SFT rows and the schema's default holds out 64 of them.
-        "sft.eval_rows=8",
     ]
     cfg = load_config(str(REPO_ROOT / "configs/tiny_test.yaml"), overrides)
 

@@ -1,8 +1,9 @@
 """Fixtures of the fault suite, and the generator of its table (tests/faults/README.md).
 
-Each fault test declares its row with the `fault_row` fixture (fault, where, what is checked) and may add
-measured facts to it; the outcome is filled in from the test's report, and at the end of the session the
-table in README.md is rewritten. Rows of tests that did not run in the session keep their previous line.
+Each fault test declares its row with `@pytest.mark.fault(fault=..., where=..., checked=...)` and may add
+measured facts through the `fault_row` fixture; the outcome is filled in from the test's reports (a failed
+shared scenario shows as an error of its tests), and at the end of the session the table in README.md is
+rewritten. Rows of tests that did not run in the session keep their previous line.
 
 Expensive runs are session fixtures shared by several tests (see scenarios.py for what each does).
 """
@@ -47,23 +48,36 @@ class FaultRow:
 _rows: dict[str, FaultRow] = {}
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "fault(fault, where, checked): this test's row in tests/faults/README.md"
+    )
+
+
+def _row_of(item) -> FaultRow | None:
+    marker = item.get_closest_marker("fault")
+    if marker is None:
+        return None
+    if item.nodeid not in _rows:
+        _rows[item.nodeid] = FaultRow(item.name, **marker.kwargs)
+    return _rows[item.nodeid]
+
+
 @pytest.fixture
-def fault_row(request):
-    """`fault_row(fault, where, checked) -> FaultRow`: this test's line in the README table."""
-
-    def declare(fault: str, where: str, checked: str) -> FaultRow:
-        row = FaultRow(request.node.name, fault, where, checked)
-        _rows[request.node.nodeid] = row
-        return row
-
-    return declare
+def fault_row(request) -> FaultRow:
+    """This test's line in the README table (declared by its `fault` marker), for measured facts."""
+    row = _row_of(request.node)
+    assert row is not None, (
+        f"{request.node.nodeid}: add @pytest.mark.fault(fault=..., where=..., checked=...)"
+    )
+    return row
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    row = _rows.get(item.nodeid)
+    row = _row_of(item)
     if row is None:
         return
     if report.when == "call":

@@ -87,7 +87,9 @@ class KilledFlow:
 
 
 def kill_flow_mid_grpo(root: Path, api_url: str) -> KilledFlow:
-    overrides = file_overrides(root)
+    # The tiny policy earns the same reward on every sample, so GRPO would skip its steps (no gradient) and
+    # the fault hook, which fires after optimizer steps, would never run: keep zero-variance groups.
+    overrides = file_overrides(root, "grpo.advantage.drop_zero_variance_groups=false")
     env = fault_env(root, "hang_rank:1:2@grpo")
     log_path = root / "flow-1.log"
     with open(log_path, "w") as log:

@@ -19,15 +19,15 @@ def prepare_only(config_json: str) -> str:
     return prepare_data.with_options(retries=2, retry_delay_seconds=0)(config_json)
 
 
+@pytest.mark.fault(
+    fault="bad data: a source row without its completion",
+    where="prepare_data task (plain worker), 2 retries allowed",
+    checked="the launcher calls it fatal; the task runs once; the flow run fails with the worker's message "
+    "(file, row, reason, fix)",
+)
 def test_bad_data_fails_at_once_and_its_message_reaches_the_flow(prefect_api, tmp_path, fault_row):
-    row = fault_row(
-        "bad data: a source row without its completion",
-        "prepare_data task (plain worker), 2 retries allowed",
-        "the launcher calls it fatal; the task runs once; the flow run fails with the worker's message "
-        "(file, row, reason, fix)",
-    )
     source = tmp_path / "rows.jsonl"
-    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(20)]
+    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(10)]  # 1 bad row: 10% > 5%
     rows[7] = {"prompt": "7+7=", "answer": "14"}
     source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = load_config(
@@ -48,4 +48,4 @@ def test_bad_data_fails_at_once_and_its_message_reaches_the_flow(prefect_api, tm
     message = flow_run(flow_run_id).state.message
     assert "fatal" in message and str(source) in message and "row 7" in message, message
     assert "missing_field" in message, message
-    row.fact("run_count=1; flow state: " + message.split("\n", 1)[0][:90] + "...")
+    fault_row.fact("run_count=1; flow state: " + message.split("\n", 1)[0][:90] + "...")

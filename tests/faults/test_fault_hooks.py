@@ -55,13 +55,13 @@ def test_bad_fault_entries_say_what_is_expected(spec, why):
         parse_faults(spec)
 
 
+@pytest.mark.fault(
+    fault="`storage_outage:0.4:_MANIFEST.json` (every store call fails for 0.4 s from the first manifest write)",
+    where="ObjectStore retry path (any stage; file:// here)",
+    checked="with enough retries the commit succeeds after the outage; with too few it fails with "
+    "StorageUnavailable naming the URI (retryable for the launcher)",
+)
 def test_storage_outage_is_ridden_out_by_the_store_retries(monkeypatch, tmp_path, fault_row):
-    row = fault_row(
-        "`storage_outage:0.4:_MANIFEST.json` (every store call fails for 0.4 s from the first manifest write)",
-        "ObjectStore retry path (any stage; file:// here)",
-        "with enough retries the commit succeeds after the outage; with too few it fails with "
-        "StorageUnavailable naming the URI (retryable for the launcher)",
-    )
     monkeypatch.setenv("FORGE_FAULT", "storage_outage:0.4:_MANIFEST.json")
     monkeypatch.setattr(faults, "_outage_started", None)
     patient = ObjectStore(f"file://{tmp_path}/a", retries=8, retry_backoff_s=0.05)
@@ -70,7 +70,7 @@ def test_storage_outage_is_ridden_out_by_the_store_retries(monkeypatch, tmp_path
     writer.commit(config={}, inputs={}, metrics={})
     assert patient.is_committed(patient.artifact_uri("data", "k"))
     assert patient.retrier.retried >= 1
-    row.fact(f"{patient.retrier.retried} retries")
+    fault_row.fact(f"{patient.retrier.retried} retries")
 
     monkeypatch.setattr(faults, "_outage_started", None)
     impatient = ObjectStore(f"file://{tmp_path}/b", retries=1, retry_backoff_s=0.01)
@@ -112,15 +112,15 @@ time.sleep(600)
 """
 
 
+@pytest.mark.fault(
+    fault="launcher process SIGKILLed while its launch runs",
+    where="forge_core.launch registry (what a flow calls at its start)",
+    checked="the orphaned worker outlives its launcher; reap_orphaned_launches ends it and drops its record; "
+    "the launch of a live launcher is left alone",
+)
 def test_launches_of_a_sigkilled_launcher_are_reaped_and_live_ones_are_not(tmp_path, fault_row):
     from forge_core.launch import reap_orphaned_launches
 
-    row = fault_row(
-        "launcher process SIGKILLed while its launch runs",
-        "forge_core.launch registry (what a flow calls at its start)",
-        "the orphaned worker outlives its launcher; reap_orphaned_launches ends it and drops its record; "
-        "the launch of a live launcher is left alone",
-    )
     registry = tmp_path / "launches"
     env = {
         **os.environ,
@@ -149,7 +149,7 @@ def test_launches_of_a_sigkilled_launcher_are_reaped_and_live_ones_are_not(tmp_p
             owner.wait()
         reap_orphaned_launches(registry, grace_s=2)
     assert not _running(workers[1])
-    row.fact("1 orphan ended, 1 live launch kept")
+    fault_row.fact("1 orphan ended, 1 live launch kept")
 
 
 def _wait_for_title(pid: int, title: str) -> None:
@@ -166,9 +166,13 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def test_s3_down_while_dcp_writes_shards_is_a_retryable_checkpoint_failure(
-    fake_aws_env, fault_row, monkeypatch
-):
+@pytest.mark.fault(
+    fault="moto S3 server stopped on the first PUT of a DCP shard (world of one)",
+    where="Checkpointer.save (DCP FsspecWriter)",
+    checked="the failure surfaces as RetryableStageError (DCP's CheckpointException is a BaseException the "
+    "launcher would call fatal); the half-written checkpoint is not committed; the previous one is",
+)
+def test_s3_down_while_dcp_writes_shards_is_a_retryable_checkpoint_failure(fake_aws_env, monkeypatch):
     import torch
 
     from forge_core.engine import Checkpointer, checkpoint_uri
@@ -176,12 +180,6 @@ def test_s3_down_while_dcp_writes_shards_is_a_retryable_checkpoint_failure(
     from forge_core.engine.distributed import DistContext
     from forge_core.launch import RetryableStageError
 
-    fault_row(
-        "moto S3 server stopped on the first PUT of a DCP shard (world of one)",
-        "Checkpointer.save (DCP FsspecWriter)",
-        "the failure surfaces as RetryableStageError (DCP's CheckpointException is a BaseException the "
-        "launcher would call fatal); the half-written checkpoint is not committed; the previous one is",
-    )
     # DCP's own S3 client (botocore) retries a refused connection for seconds; one attempt tells the same.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     server = OutageMotoServer().start()

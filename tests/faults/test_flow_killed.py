@@ -12,20 +12,20 @@ pytestmark = pytest.mark.integration
 SKIPPED_STAGES = ("prepare_data", "train_sft", "evaluate", "generate_rollouts")
 
 
+@pytest.mark.fault(
+    fault="flow process SIGKILLed mid-GRPO (GRPO rank 1 hung after step 2), then the flow re-run",
+    where="`python -m flows.post_train` (own process), re-run in-process",
+    checked="the dead flow left live worker processes; the re-run ends them at its start and its registry "
+    "record goes; prepare/SFT/eval/rollout are skipped (manifests untouched); GRPO resumes from its "
+    "committed step-1 checkpoint; the re-run completes",
+)
 def test_flow_killed_mid_grpo_rerun_skips_done_stages_resumes_grpo_and_ends_orphans(
     killed_flow, flow_rerun, fault_row
 ):
-    row = fault_row(
-        "flow process SIGKILLed mid-GRPO (GRPO rank 1 hung after step 2), then the flow re-run",
-        "`python -m flows.post_train` (own process), re-run in-process",
-        "the dead flow left live worker processes; the re-run ends them at its start and its registry "
-        "record goes; prepare/SFT/eval/rollout are skipped (manifests untouched); GRPO resumes from its "
-        "committed step-1 checkpoint; the re-run completes",
-    )
     # The premise: SIGKILL gave the flow no chance to clean up, so its launch outlived it.
     assert killed_flow.orphans, "the SIGKILLed flow left no worker process behind: nothing to test"
     assert killed_flow.stale_launches, "the dead flow's launch is not in the registry"
-    row.fact(
+    fault_row.fact(
         f"{len(killed_flow.orphans)} orphans ({', '.join(sorted({_kind(p) for p in killed_flow.orphans}))})"
     )
 
@@ -46,7 +46,7 @@ def test_flow_killed_mid_grpo_rerun_skips_done_stages_resumes_grpo_and_ends_orph
     grpo = store.read_manifest(flow_rerun.summary["final_policy_uri"])
     assert grpo.kind == "grpo"
     assert grpo.metrics["resumed_from_step"] == 1
-    row.fact("GRPO resumed_from_step=1, 4 stages skipped")
+    fault_row.fact("GRPO resumed_from_step=1, 4 stages skipped")
 
 
 def _kind(process) -> str:

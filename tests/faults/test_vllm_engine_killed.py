@@ -8,15 +8,15 @@ from fault_kit import rollout_rows
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.fault(
+    fault="vLLM engine core SIGKILLed once the requests are queued (`kill_vllm:0@rollout`)",
+    where="generate_rollouts task (plain worker + vLLM engine process)",
+    checked="the worker fails with EngineDeadError instead of hanging; the task is retried; the rollouts "
+    "(tokens, logprobs, rewards) equal an uninterrupted run's with the same seed",
+)
 def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(
     faulted_run, killed_flow, fault_row
 ):
-    row = fault_row(
-        "vLLM engine core SIGKILLed once the requests are queued (`kill_vllm:0@rollout`)",
-        "generate_rollouts task (plain worker + vLLM engine process)",
-        "the worker fails with EngineDeadError instead of hanging; the task is retried; the rollouts "
-        "(tokens, logprobs, rewards) equal an uninterrupted run's with the same seed",
-    )
     assert faulted_run.state.is_completed(), faulted_run.state.message
     assert faulted_run.task_runs["generate_rollouts"].run_count == 2
     assert any("kill_vllm" in line for line in faulted_run.logs)
@@ -26,4 +26,4 @@ def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(
     reference = rollout_rows(killed_flow.store, reference_uri)
     assert len(mine) == len(reference) > 0
     assert mine == reference
-    row.fact(f"{len(mine)} samples equal")
+    fault_row.fact(f"{len(mine)} samples equal")

@@ -63,8 +63,9 @@ def test_value_error_in_one_rank_is_fatal_and_rank0_filter_holds(workers_env, re
 
 def test_rank_killed_by_sigkill_is_retryable(workers_env, recorder):
     result = launch(two_ranks(["--mode", "sigkill", "--target-rank", "1"], workers_env), log=recorder)
-    assert result.outcome is Outcome.RETRYABLE
-    assert result.reason == "rank 1: killed by SIGKILL (exit -9)"
+    diagnosis = (result.reason, result.rank_errors, result.tail[-40:])  # printed if an assertion fails
+    assert result.outcome is Outcome.RETRYABLE, diagnosis
+    assert result.reason == "rank 1: killed by SIGKILL (exit -9)", diagnosis
     assert result.rank_errors[1].exitcode == -9
     with pytest.raises(LaunchFailed) as info:
         result.raise_for_outcome()

@@ -24,6 +24,7 @@ from forge_core.engine.distributed import DistContext
 from forge_core.engine.safe_dcp import SafeFsspecReader, SafeLoadPlanner, UnsafeCheckpoint
 from forge_core.storage import ObjectStore
 
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -46,3 +46,15 @@ def test_fake_secrets_appear_in_no_output_of_a_failing_and_retried_s3_run(outage
     if leaked := _leaks("\n".join(outage_run.state_messages).encode(), secrets):
         found["flow and task state messages"] = leaked
     assert found == {}, f"secrets found in outputs: {found}"
+
+
+def test_what_the_store_hands_to_other_tools_carries_no_credentials(fake_aws_credentials, fake_aws_env):
+    """storage_options travel into DCP, fsspec calls and specs; repr into logs and messages."""
+    import json
+
+    from forge_core.storage import ObjectStore
+
+    store = ObjectStore("s3://some-bucket/run", endpoint_url="http://127.0.0.1:9", retries=0)
+    exposed = json.dumps(store.storage_options) + repr(store) + store.fsspec_path(store.root)
+    assert "127.0.0.1:9" in exposed  # the endpoint is there, so the options are what we think they are
+    assert _leaks(exposed.encode(), fake_aws_credentials) == []

@@ -11,6 +11,7 @@ import pytest
 
 from forge_core.storage import ObjectStore
 
+pytestmark = pytest.mark.integration
 ESCAPES = [
     "../outside",
     "a/../../outside",

@@ -1,0 +1,156 @@
+"""moto's S3 server that goes down at a chosen request, in a child process: `python outage_moto_process.py <port>`.
+
+Driven by `fault_kit.OutageMotoServer` over stdin/stdout, one line each:
+
+    parent -> child                      child -> parent
+    arm <outage_s> <regex>               armed
+                                         down <METHOD> <path>   the first request matching <regex> came in: its
+                                                                connection was dropped without a reply and the
+                                                                listening socket closed (new connections are
+                                                                refused, kept-alive ones get dropped)
+                                         up <dropped>           serving again on the same port, <outage_s> after
+                                                                the trigger; <dropped> requests were dropped
+                                                                during the outage (the trigger included)
+    start                                up <dropped>           end an outage now (or just `up 0` if serving)
+    end of stdin                         (the process exits)
+
+The first line, once the server listens, is `up 0`. moto keeps its data in this process across outages, as a
+real server keeps its disk across a restart.
+
+Why a child process: moto's server is a Flask app, and importing Flask leaves werkzeug `LocalProxy` globals in
+`sys.modules` of whoever imports it; vLLM's in-process engine scans module globals when it starts and trips over
+them. The pytest process must never import moto's server (see tests/moto_server_process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+
+
+class OutageServer:
+    def __init__(self, port: int, protocol) -> None:
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+
+        self.port = port
+        self._protocol = protocol
+        self._app = DomainDispatcherApplication(create_backend_app)
+        self._lock = threading.Lock()
+        self._server = None
+        self._armed: tuple[re.Pattern, float] | None = None
+        self._down = threading.Event()
+        self._dropped = 0
+        self._outage_over = threading.Event()
+
+    def say(self, line: str) -> None:
+        with self._lock:
+            self._protocol.write(line + "\n")
+            self._protocol.flush()
+
+    # ---- serving ------------------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        from moto.moto_server.werkzeug_app import MotoRequestHandler
+        from werkzeug.serving import make_server
+
+        self._server = make_server(
+            "127.0.0.1", self.port, self._outage_aware, threaded=True, request_handler=MotoRequestHandler
+        )
+        self._down.clear()
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="moto-outage").start()
+
+    def _stop_serving(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()  # without it new connections would queue instead of being refused
+
+    def _outage_aware(self, environ, start_response):
+        request = f"{environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')}"
+        if self._down.is_set() or self._triggered_by(request):
+            with self._lock:
+                self._dropped += 1
+            return _drop_connection(environ, start_response)
+        return self._app(environ, start_response)
+
+    # ---- outages ------------------------------------------------------------------------------------------
+
+    def arm(self, outage_s: float, pattern: str) -> None:
+        with self._lock:
+            self._armed = (re.compile(pattern), outage_s)
+        self.say("armed")
+
+    def _triggered_by(self, request: str) -> bool:
+        with self._lock:
+            if self._armed is None or not self._armed[0].search(request):
+                return False
+            outage_s = self._armed[1]
+            self._armed = None
+            self._down.set()
+            self._dropped = 0
+        self._outage_over.clear()
+        threading.Thread(target=self._outage, args=(request, outage_s), daemon=True).start()
+        return True
+
+    def _outage(self, trigger: str, outage_s: float) -> None:
+        # Not from the request's thread: shutdown() waits for serve_forever, which is not that thread anyway,
+        # but the trigger's reply (a dropped connection) must not wait for the whole outage.
+        self._stop_serving()
+        self.say(f"down {trigger}")
+        self._outage_over.wait(outage_s)
+        self.end_outage()
+
+    def end_outage(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                dropped = None
+            else:
+                dropped = self._dropped
+        if dropped is None:
+            self.say("up 0")
+            return
+        self._outage_over.set()
+        self.serve()
+        self.say(f"up {dropped}")
+
+
+def _drop_connection(environ, start_response):
+    """Close the client's connection without a reply, as a crashed server does."""
+    sock = environ.get("werkzeug.socket")
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    start_response("503 Service Unavailable", [("Content-Length", "0"), ("Connection", "close")])
+    return [b""]
+
+
+def main(port: int) -> None:
+    # The protocol gets its own copy of stdout; anything a library prints goes to stderr instead.
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    # One log line per request would drown the test's own logs.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = OutageServer(port, protocol)
+    server.serve()
+    server.say("up 0")
+    for line in sys.stdin:
+        command, _, rest = line.rstrip("\n").partition(" ")
+        if command == "arm":
+            outage_s, _, pattern = rest.partition(" ")
+            server.arm(float(outage_s), pattern)
+        elif command == "start":
+            server.end_outage()
+        else:
+            raise SystemExit(f"outage_moto_process: unknown command {line!r}")
+    server._stop_serving()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
