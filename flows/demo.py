@@ -16,6 +16,7 @@ every committed stage.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -76,6 +77,7 @@ def print_demo_report(summary: dict, cfg, started: float) -> None:
     print(f"\nfinal policy:  {summary['final_policy_uri']}")
     print(f"plot:          {summary['plot_path']}  (also on the Prefect flow run as an image artifact)")
     print(f"flow run:      {summary['flow_run_id']}  (browse it: .venv/bin/prefect server start)")
+    print(f"summary:       {summary['summary_path']}")
     runs = _new_wandb_runs(log_dir, started)
     if runs:
         print(f"wandb:         {len(runs)} offline runs under {log_dir}")
@@ -105,8 +107,18 @@ def run_demo(overrides: list[str], verbose: bool = False) -> dict:
     )
     started = time.time()
     summary = post_train(DEMO_CONFIG, overrides)
+    summary["summary_path"] = str(write_summary(summary, cfg))
     print_demo_report(summary, cfg, started)
     return summary
+
+
+def write_summary(summary: dict, cfg) -> Path:
+    """The flow's summary as JSON next to the run's plot, for scripts (docs/demo_seeds.py reads it)."""
+    run_dir = Path(summary["plot_path"]).parent if summary.get("plot_path") else Path(cfg.logging.dir)
+    path = run_dir / f"summary-{summary['flow_run_id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

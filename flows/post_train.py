@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from prefect.runtime import flow_run
 from flows.report import StageRecord, format_table, plot_curves, stage_table
 from forge_core.config import RunConfig, config_to_json, load_config
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches, terminate_all_live
+from forge_core.rollout.lifetime import stop_flow_engines
 from forge_core.storage import ObjectStore
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
 
@@ -76,8 +79,28 @@ class StageTasks:
 
 
 def kill_launches(flow, flow_run, state) -> None:
-    """Cancellation/crash hook: take down every process tree this flow run launched."""
+    """Cancellation/crash hook: take down every process tree this flow run launched, and its rollout engines."""
     terminate_all_live()
+    parameters = flow_run.parameters or {}
+    try:
+        cfg = load_config(
+            parameters.get("config", "configs/demo_cpu.yaml"), list(parameters.get("overrides") or [])
+        )
+    except ValueError:
+        return  # the flow failed on its config before it could start anything
+    stop_flow_engines(cfg)
+
+
+@contextmanager
+def flow_engines(cfg: RunConfig) -> Iterator[None]:
+    """The flow run's long-lived rollout engines (`rollout.engine_lifetime: flow`) end with it, also when it
+    fails: the first rollout or evaluate stage starts them, nothing else would stop them."""
+    try:
+        yield
+    finally:
+        stopped = stop_flow_engines(cfg)
+        if stopped:
+            get_run_logger().info("stopped the run's rollout engine services: pids %s", stopped)
 
 
 def end_orphaned_launches() -> list[int]:
@@ -202,7 +225,8 @@ def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | Non
     # A SIGTERM to the flow process (worker cancel) must take the launched process trees down with it.
     install_sigterm_handler()
     end_orphaned_launches()
-    return asdict(run_pipeline(cfg))
+    with flow_engines(cfg):
+        return asdict(run_pipeline(cfg))
 
 
 if __name__ == "__main__":

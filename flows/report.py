@@ -33,11 +33,19 @@ def _data_metric(m: Mapping) -> str:
     return f"rows {_fmt(rows)}"
 
 
+def _grpo_metric(m: Mapping) -> str:
+    # A batch whose every group scored equal rewards has no advantage to learn from: GRPO skips all its
+    # steps and writes no loss. Say so rather than print a missing loss.
+    if m.get("train/steps") == 0 and m.get("train/skipped_steps"):
+        return f"no update (equal rewards in every group) on reward {_fmt(m.get('reward/mean'))}"
+    return f"loss {_fmt(m.get('final/loss'))} on reward {_fmt(m.get('reward/mean'))}"
+
+
 _KEY_METRICS: dict[str, Callable[[Mapping], str]] = {
     "data": _data_metric,
     "sft": lambda m: f"loss {_fmt(m.get('final_loss'))}",
     "rollouts": lambda m: f"reward {_fmt(m.get('reward_mean'))} pass {_fmt(m.get('pass_rate'))}",
-    "grpo": lambda m: f"loss {_fmt(m.get('final/loss'))} on reward {_fmt(m.get('reward/mean'))}",
+    "grpo": _grpo_metric,
     "eval": lambda m: f"accuracy {_fmt(m.get('accuracy'))}",
 }
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
-from flows.post_train import end_orphaned_launches, kill_launches, stage_tasks
+from flows.post_train import end_orphaned_launches, flow_engines, kill_launches, stage_tasks
 from forge_core.config import config_to_json, load_config
 from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
@@ -40,10 +40,15 @@ def _accuracy(store: ObjectStore, eval_uri: str) -> float:
 @flow(name="retrain", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """GRPO from the promoted policy on freshly prepared data; promote if held-out accuracy improves."""
-    logger = get_run_logger()
     cfg = load_config(config, list(overrides or []))
     install_sigterm_handler()
     end_orphaned_launches()
+    with flow_engines(cfg):
+        return _retrain(cfg)
+
+
+def _retrain(cfg) -> dict:
+    logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
     config_json = config_to_json(cfg)
     pointer = promotion_pointer(cfg.name)

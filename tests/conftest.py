@@ -159,10 +159,9 @@ def file_store(tmp_path):
     return ObjectStore(f"file://{tmp_path}/store", retries=TEST_RETRIES, retry_backoff_s=TEST_RETRY_BACKOFF_S)
 
 
-# Suites written in the last hours of session 1 whose full runs were not yet verified end to end (Prefect
-# flows, deployment path, fault injection, security). `make test` leaves them out until a session has seen
-# them pass from a fresh clone; `make test-all` runs them. Remove a folder from this list once verified.
-UNVERIFIED_SUITES = ("tests/flows/", "tests/deploy/", "tests/faults/", "tests/security/")
+# Suites not yet seen passing as part of the whole suite: `make test` leaves them out, `make test-all` runs
+# them. Empty since session 2 verified flows, deploy, faults and security; a new late suite may go here.
+UNVERIFIED_SUITES: tuple[str, ...] = ()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

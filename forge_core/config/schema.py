@@ -12,6 +12,7 @@ Run from YAML:  `cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50", "se
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -329,9 +330,20 @@ class RolloutConfig:
     # Run vLLM's engine core and worker inside the stage process (tensor_parallel_size=1 only): start-up in
     # seconds instead of tens of seconds on CPU, no scheduler process competing for the cores.
     engine_in_process: bool = True
+    # How long a vLLM engine lives. "stage": each rollout/evaluate stage starts its own and stops it when it
+    # ends. "flow": the stages share one long-lived engine service (forge_core.rollout.service) that loads
+    # each new policy in place (milliseconds instead of an engine start-up); the flow stops it at its end.
+    # Samples do not depend on it (per-prompt seeds), so it is not part of the rollout artifacts' key.
+    engine_lifetime: Literal["stage", "flow"] = "stage"
+    # Folder of the flow's engine service (Unix socket, key, log; made mode 0700). null = a folder under the
+    # temp dir keyed by run name, storage root and working directory (forge_core.rollout.lifetime). Not
+    # part of the artifacts' key either. Its socket path must fit a Unix socket (107 bytes).
+    engine_state_dir: str | None = None
 
     def check(self) -> list[str]:
         errors = []
+        if self.engine_state_dir is not None:
+            errors += _engine_state_dir_errors(self.engine_state_dir)
         if self.engine_in_process and self.tensor_parallel_size != 1:
             errors.append(
                 f"rollout.engine_in_process=true: needs rollout.tensor_parallel_size=1 (got "
@@ -352,6 +364,28 @@ class RolloutConfig:
                 "('0-3|4-7' for two tensor-parallel workers)"
             )
         return errors
+
+
+# The engine service's socket file in its state dir (forge_core.rollout.service, default name) and the
+# limit of a Unix socket path on Linux (108 bytes with the terminating NUL).
+_ENGINE_SOCKET_NAME_BYTES = len("/rollout.sock")
+_UNIX_SOCKET_PATH_MAX = 107
+
+
+def _engine_state_dir_errors(state_dir: str) -> list[str]:
+    if not state_dir.strip():
+        return ["rollout.engine_state_dir='': give a folder for the engine service, or null for the default"]
+    folder = os.path.abspath(os.path.expanduser(state_dir))
+    socket_bytes = len(os.fsencode(folder)) + _ENGINE_SOCKET_NAME_BYTES
+    if socket_bytes > _UNIX_SOCKET_PATH_MAX:
+        return [
+            (
+                f"rollout.engine_state_dir={state_dir!r}: the engine's socket path would be {socket_bytes} "
+                f"bytes, more than a Unix socket allows ({_UNIX_SOCKET_PATH_MAX}); choose a shorter folder "
+                "or null"
+            )
+        ]
+    return []
 
 
 @dataclass

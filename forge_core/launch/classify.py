@@ -161,7 +161,10 @@ def decide_failure(rank_errors: dict[int, RankError], fallback: str) -> Decision
     damage of the death (a peer's collective failing). Else an unclassified Python exception is fatal.
     Without any information the failure counts as retryable: the number of retries bounds the cost.
     """
-    by_category = {c: [e for e in rank_errors.values() if e.category == c.value] for c in Category}
+    # torchrun SIGTERMs the surviving peers of a failed rank: their deaths follow from the failure, so they
+    # neither decide the outcome nor name the cause unless nothing else failed (the whole group was stopped).
+    causes = [e for e in rank_errors.values() if not _terminated_peer(e)] or list(rank_errors.values())
+    by_category = {c: [e for e in causes if e.category == c.value] for c in Category}
     fatal, retryable = by_category[Category.FATAL], by_category[Category.RETRYABLE]
     python_errors = [e for e in by_category[Category.UNCLASSIFIED] if e.exc_type]
     if fatal:
@@ -171,8 +174,12 @@ def decide_failure(rank_errors: dict[int, RankError], fallback: str) -> Decision
         return Decision(Outcome.RETRYABLE, _first(signalled or retryable).summary)
     if python_errors:
         return Decision(Outcome.FATAL, _first(python_errors).summary)
-    unexplained = list(rank_errors.values())
+    unexplained = causes
     return Decision(Outcome.RETRYABLE, _first(unexplained).summary if unexplained else fallback)
+
+
+def _terminated_peer(error: RankError) -> bool:
+    return error.exitcode == -signal.SIGTERM and not error.exc_type
 
 
 def _from_recorded(rank: int, rec: RecordedError, exitcode: int | None, local_rank: int | None) -> RankError:

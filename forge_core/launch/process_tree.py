@@ -2,6 +2,9 @@
 
 torchrun starts each rank in its own session, so killpg(torchrun) misses them: the tree is tracked with
 psutil snapshots plus a scan for the launch's FORGE_LAUNCH_ID (finds processes already reparented away).
+A descendant that carries ANOTHER launch id belongs to that launch and is left alone: a service a worker
+starts to outlive it (the long-lived rollout engine, forge_core.rollout.service) has its own id and
+registry record, and whoever owns that record ends it.
 
 The root (torchrun or the plain worker) is our child. Its exit status is read with
 waitid(WNOWAIT), which leaves the zombie for Popen to reap: if anything else reaps it first, Popen reports
@@ -114,7 +117,9 @@ class ProcessTree:
             for key, proc in keyed:
                 self._seen.setdefault(key, proc)
             seen = list(self._seen.values())
-        return [p for p in seen if is_alive(p)]
+        # Checked on every call, not only when first seen: a child caught between fork and exec still
+        # shows its parent's environment.
+        return [p for p in seen if is_alive(p) and not _of_another_launch(p, self.launch_id)]
 
     def live_pids(self) -> list[int]:
         live = self.snapshot()
@@ -158,6 +163,14 @@ def end_processes(processes: list[psutil.Process], grace_s: float) -> list[int]:
     _send(survivors, signal.SIGKILL)
     _wait_gone(survivors, timeout_s=5.0)
     return sorted(p.pid for p in survivors)
+
+
+def _of_another_launch(proc: psutil.Process, launch_id: str) -> bool:
+    try:
+        other = proc.environ().get(LAUNCH_ID_ENV)
+    except psutil.Error:
+        return False  # unreadable: keep it, ending too much beats leaking
+    return other is not None and other != launch_id
 
 
 def _identity(proc: psutil.Process) -> tuple[int, float] | None:

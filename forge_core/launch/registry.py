@@ -45,15 +45,21 @@ def _record_path(directory: Path, launch_id: str) -> Path:
     return directory / f"{launch_id}.json"
 
 
-def record_launch(launch_id: str, root_pid: int, module: str) -> None:
-    """Note a started launch (written atomically: a reader never sees half a record)."""
+def record_launch(launch_id: str, root_pid: int, module: str, owner: tuple[int, float] | None = None) -> None:
+    """Note a started launch (written atomically: a reader never sees half a record).
+
+    `owner` (pid, create time) is the process whose death makes the launch an orphan; default: this one.
+    A service that outlives the worker that started it names the worker's own launcher (`launch_owner`).
+    """
     directory = registry_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    owner = psutil.Process()
+    if owner is None:
+        this = psutil.Process()
+        owner = (this.pid, this.create_time())
     record = {
         "launch_id": launch_id,
-        "owner_pid": owner.pid,
-        "owner_create_time": owner.create_time(),
+        "owner_pid": owner[0],
+        "owner_create_time": owner[1],
         "root_pid": root_pid,
         "module": module,
         "started_at": time.time(),
@@ -61,6 +67,15 @@ def record_launch(launch_id: str, root_pid: int, module: str) -> None:
     tmp = directory / f".{launch_id}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, _record_path(directory, launch_id))
+
+
+def launch_owner(launch_id: str) -> tuple[int, float] | None:
+    """(pid, create time) of the process that started launch `launch_id`, from its record; None if unknown."""
+    try:
+        record = json.loads(_record_path(registry_dir(), launch_id).read_text())
+        return int(record["owner_pid"]), float(record["owner_create_time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def forget_launch(launch_id: str) -> None:

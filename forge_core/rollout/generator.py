@@ -13,6 +13,7 @@ running one takes milliseconds for small models, which is why the class keeps th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -186,6 +187,17 @@ def _check_policy_folder(folder: Path) -> None:
 def _model_config(folder: Path) -> dict:
     config = json.loads((folder / "config.json").read_text())
     return {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+
+
+def model_fingerprint(folder: str | Path) -> str:
+    """sha256 of what two policy folders must share for an in-place reload: config.json (minus keys that
+    vary between exports of one architecture) and tokenizer.json."""
+    folder = Path(folder)
+    _check_policy_folder(folder)
+    digest = hashlib.sha256(json.dumps(_model_config(folder), sort_keys=True).encode())
+    tokenizer = folder / "tokenizer.json"
+    digest.update(tokenizer.read_bytes() if tokenizer.is_file() else b"")
+    return digest.hexdigest()
 
 
 def _check_same_model(current: Path, new: Path) -> None:

@@ -12,9 +12,12 @@
 | response_text, ground_truth | string | what the rewards scored |
 | reward_<name> | float64 | one column per reward component, unweighted |
 | reward | float64 | the weighted sum of the components |
-| policy_uri, policy_version | string | the policy artifact that sampled and its manifest sha256 |
+| policy_uri, policy_version | string | the policy artifact that sampled; the weights version served |
 | iteration, seed | int32, int64 | the GRPO iteration and the rollout seed |
 | sampling_params, reward_versions | string | JSON: sampling settings; {reward name: version} |
+
+`policy_version` is `forge_core.rollout.policy.weights_version` of the policy's manifest: the checksum the
+engine (or the long-lived engine service) confirmed it was serving when it generated these rows.
 
     table = rollout_table(samples, scored, lineage)
     metrics = rollout_metrics(table, primary_column="reward_exact_answer")

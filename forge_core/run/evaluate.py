@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.rewards import RewardSet
-from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate
+from forge_core.rollout.lifetime import stage_generator
 from forge_core.rollout.policy import PolicyRef, fetch_policy
-from forge_core.rollout.pool import open_generator
 from forge_core.rollout.prompts import prompts_from_table
 from forge_core.rollout.sampling import evaluation_sampling
 from forge_core.rollout.types import Prompt
-from forge_core.run.rollout import DATA_INPUT, POLICY_INPUT, read_prompt_split, required_input
+from forge_core.run.rollout import DATA_INPUT, POLICY_INPUT, engine_metrics, read_prompt_split, required_input
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ObjectStore
 
@@ -94,9 +93,10 @@ def run_evaluation(plan: EvalPlan, generator) -> EvalOutcome:
     outcome = evaluate(generator, plan.prompts, plan.rewards, sampling, seed=plan.cfg.seed)
     metrics = {
         **outcome.metrics,
-        "engine_startup_s": float(getattr(generator, "startup_s", 0.0)),
+        **engine_metrics(plan.cfg, generator),
         "policy_uri": plan.policy.uri,
         "policy_version": plan.policy.version,
+        "policy_manifest_sha256": plan.policy.manifest_sha256,
         "reward_versions": plan.rewards.versions(),
         "primary_reward": plan.rewards.primary_column,
         "sampling": dataclasses.asdict(sampling),
@@ -123,7 +123,5 @@ def main(spec: StageSpec) -> None:
     if plan is None:
         log.info("%s is already committed; nothing to do", spec.output_uri)
         return
-    rollout = plan.cfg.rollout
-    engine = EngineOptions.from_config(rollout, seed=plan.cfg.seed)
-    with open_generator(plan.policy.local_dir, rollout.sampling, engine, rollout.num_engines) as generator:
+    with stage_generator(plan.cfg, plan.policy, seed=plan.cfg.seed) as generator:
         run_evaluation(plan, generator)

@@ -57,9 +57,17 @@ class StagePlan:
         return self.output_uri.rstrip("/") + "/_spec.json"
 
 
+# Keys inside those sections that only say how the work is run, never what it produces.
+OPERATIONAL_KEYS = {"rollout": ("engine_lifetime", "engine_state_dir")}
+
+
 def stage_key_material(cfg: RunConfig, stage: str) -> dict:
     """The slice of the resolved config that identifies a stage's output."""
-    return select_sections(cfg, STAGE_CONFIG_SECTIONS[stage])
+    material = select_sections(cfg, STAGE_CONFIG_SECTIONS[stage])
+    for section, keys in OPERATIONAL_KEYS.items():
+        if section in material:
+            material[section] = {k: v for k, v in material[section].items() if k not in keys}
+    return material
 
 
 def source_content_hash(cfg: RunConfig, store: ObjectStore) -> str | None:

@@ -12,7 +12,8 @@ permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts).
 Output `<output_uri>` (kind `rollouts`): `rollouts.parquet`, one row per sample with tokens, the generator's
 logprobs, finish reason, each reward component, the total reward and lineage (forge_core.rollout.table), and a
 manifest whose metrics hold reward mean/std, pass rate, length statistics, generation tokens/s and the engine
-start-up time.
+start-up time (or, with `rollout.engine_lifetime: flow`, the in-place reload time of the flow's long-lived
+engine service; forge_core.rollout.lifetime).
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import pyarrow as pa
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.data.schemas import TABLES
 from forge_core.rewards import RewardSet
-from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.lifetime import stage_generator
 from forge_core.rollout.policy import PolicyRef, fetch_policy
-from forge_core.rollout.pool import open_generator
 from forge_core.rollout.prompts import check_prompt_table, iteration_indices, prompts_from_table
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
@@ -99,6 +99,15 @@ def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed:
     return prompts_from_table(table.take(pa.array(indices)), first_group_id=iteration * per_iteration)
 
 
+def engine_metrics(cfg: RunConfig, generator) -> dict:
+    """How the engine was had: started by this stage (start-up s) or the flow's service (reload s)."""
+    return {
+        "engine_lifetime": cfg.rollout.engine_lifetime,
+        "engine_startup_s": float(getattr(generator, "startup_s", 0.0)),
+        "engine_reload_s": float(getattr(generator, "reload_s", 0.0)),
+    }
+
+
 def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
     """Resolve and check everything that can fail cheaply; None when the output is already committed."""
     started_at = time.perf_counter()
@@ -152,9 +161,10 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
         "iteration": plan.iteration,
         "generation_s": generation_s,
         "tokens_per_s": sum(s.response_len for s in samples) / generation_s if generation_s > 0 else 0.0,
-        "engine_startup_s": float(getattr(generator, "startup_s", 0.0)),
+        **engine_metrics(plan.cfg, generator),
         "num_engines": plan.cfg.rollout.num_engines,
         "policy_version": plan.policy.version,
+        "policy_manifest_sha256": plan.policy.manifest_sha256,
         "reward_versions": plan.rewards.versions(),
         "reward_weights": plan.rewards.weights(),
         "primary_reward": plan.rewards.primary_column,
@@ -182,7 +192,5 @@ def main(spec: StageSpec) -> None:
     if plan is None:
         log.info("%s is already committed; nothing to do", spec.output_uri)
         return
-    rollout = plan.cfg.rollout
-    engine = EngineOptions.from_config(rollout, seed=plan.seed)
-    with open_generator(plan.policy.local_dir, rollout.sampling, engine, rollout.num_engines) as generator:
+    with stage_generator(plan.cfg, plan.policy, seed=plan.seed) as generator:
         run_rollout(plan, generator)

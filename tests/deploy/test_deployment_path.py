@@ -1,6 +1,8 @@
 """The cluster path end to end on one box: `prefect server start`, `forgeflow pools create`,
 `prefect --no-prompt deploy --all` (prefect.yaml), `prefect worker start`, `prefect deployment run` with
 parameters, then the flow run's state, UI artifacts and schedules read back through the Prefect API.
+A first run is cancelled (`prefect flow-run cancel`) during SFT: the worker's cancel must end every process
+the run launched, and the next run skips the stage that run committed.
 
     .venv/bin/python -m pytest tests/deploy -q -x
 """
@@ -23,6 +25,10 @@ FLOW_RUN_TIMEOUT_S = 600.0
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # Stages of post_train on a config with `grpo.iterations` = N: evaluate runs 1 + N times, rollout/grpo N.
 STAGES = ("prepare", "sft", "evaluate", "rollout", "grpo")
+
+
+FLOW_RUN_ID = re.compile(r"UUID: ([0-9a-f-]{36})")
+SKIPPED_LOG = "output already committed"  # what tasks.stages.run_stage logs when it skips a stage
 
 
 async def _deployment_runs(client, name: str) -> list:
@@ -49,30 +55,116 @@ def _flow_run_logs(prefect: LocalPrefect, flow_run_id) -> str:
     return "\n".join(log.message for log in reversed(newest_first))
 
 
-def wait_for_flow_run(prefect: LocalPrefect, deployment: str, worker_log) -> object:
-    """The deployment's only flow run, once terminal; fails with the run's logs unless it COMPLETED."""
+def run_deployment(prefect: LocalPrefect, deployment: str, params: dict, env: dict | None = None) -> str:
+    """`prefect deployment run` as an operator types it; returns the new flow run's id.
+
+    prefect 3.7 reads every --param value as JSON (a bare word falls back to a string), so a list of
+    overrides travels as one JSON array; `--job-variable env=...` adds to the flow run process's environment.
+    """
+    args = ["deployment", "run", deployment]
+    for name, value in params.items():
+        args += ["--param", f"{name}={value if isinstance(value, str) else json.dumps(value)}"]
+    if env:
+        args += ["--job-variable", f"env={json.dumps(env)}"]
+    done = prefect.cli("prefect", *args)
+    match = FLOW_RUN_ID.search(done.stdout)
+    assert match, done.stdout
+    return match.group(1)
+
+
+def wait_for_flow_run(prefect: LocalPrefect, flow_run_id: str, worker_log, expected: str = "COMPLETED"):
+    """The flow run once terminal; fails with the run's logs unless it ended in the `expected` state."""
     deadline = time.monotonic() + FLOW_RUN_TIMEOUT_S
-    run = None
     while time.monotonic() < deadline:
-        runs = prefect.api(lambda client: _deployment_runs(client, deployment))
-        assert len(runs) <= 1, f"expected one flow run of {deployment}, found {len(runs)}"
-        run = runs[0] if runs else None
-        if run is not None and run.state is not None and run.state.type.value in TERMINAL_STATES:
+        run = prefect.api(lambda client: client.read_flow_run(flow_run_id))
+        if run.state is not None and run.state.type.value in TERMINAL_STATES:
             break
         time.sleep(2.0)
     else:
-        state = run.state.type.value if run and run.state else "no flow run"
+        state = run.state.type.value if run.state else "no state"
         pytest.fail(
-            f"{deployment}: not finished after {FLOW_RUN_TIMEOUT_S:.0f}s (state {state})\n"
+            f"flow run {flow_run_id}: not finished after {FLOW_RUN_TIMEOUT_S:.0f}s (state {state})\n"
             f"--- worker log ---\n{tail(worker_log)}"
         )
-    if run.state.type.value != "COMPLETED":
+    if run.state.type.value != expected:
         pytest.fail(
-            f"{deployment}: flow run {run.id} ended {run.state.type.value}: {run.state.message}\n"
+            f"flow run {run.id} ended {run.state.type.value} (expected {expected}): {run.state.message}\n"
             f"--- flow run logs ---\n{_flow_run_logs(prefect, run.id)}\n"
             f"--- worker log ---\n{tail(worker_log)}"
         )
     return run
+
+
+def _running_sft_ranks(keeper) -> list:
+    return [
+        p
+        for p in keeper.seen_matching("forge_core.run sft")
+        if "torch.distributed.run" not in p.cmdline and p.still_running()
+    ]
+
+
+def cancel_during_sft(prefect: LocalPrefect, keeper, flow_run_id: str, worker_log) -> None:
+    """Once both SFT ranks run, cancel the flow run the way an operator does; wait until it is CANCELLED."""
+    deadline = time.monotonic() + FLOW_RUN_TIMEOUT_S
+    while len(_running_sft_ranks(keeper)) < 2:
+        run = prefect.api(lambda client: client.read_flow_run(flow_run_id))
+        if run.state is not None and run.state.type.value in TERMINAL_STATES:
+            pytest.fail(f"flow run ended {run.state.type.value} before SFT ran:\n{tail(worker_log)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"SFT's ranks not running after {FLOW_RUN_TIMEOUT_S:.0f}s:\n{tail(worker_log)}")
+        time.sleep(0.5)
+    prefect.cli("prefect", "flow-run", "cancel", flow_run_id)
+    wait_for_flow_run(prefect, flow_run_id, worker_log, expected="CANCELLED")
+
+
+def assert_launches_ended(keeper) -> None:
+    """Every process a stage launch started (torchrun, its ranks, stage workers) is gone. The worker reaps
+    the flow-run process after the state change, hence a short bounded wait for stragglers to exit."""
+    launched = keeper.seen_matching("forge_core.run")
+    assert any("torch.distributed.run" in p.cmdline for p in launched), "no torchrun process was ever seen"
+    deadline = time.monotonic() + 15.0
+    while any(p.still_running() for p in launched) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    alive = [p for p in launched if p.still_running()]
+    assert alive == [], f"launched processes outlived the cancelled flow run: {alive}"
+
+
+def _task_runs_by_name(prefect: LocalPrefect, flow_run_id) -> dict[str, list]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    runs = prefect.api(
+        lambda client: client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    )
+    by_name: dict[str, list] = {}
+    for run in runs:
+        by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run)
+    return by_name
+
+
+def _task_run_logs(prefect: LocalPrefect, task_run_id) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    logs = prefect.api(
+        lambda client: client.read_logs(
+            log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id]))
+        )
+    )
+    return "\n".join(log.message for log in logs)
+
+
+def data_commit_times(store: ObjectStore) -> dict[str, str]:
+    return {uri: store.read_manifest(uri).committed_at for uri in store.list_committed("data")}
+
+
+def assert_prepare_skipped(prefect: LocalPrefect, flow_run_id, store: ObjectStore, before: dict) -> None:
+    """The re-run after the cancelled run: its prepare_data task run completed by skipping the data
+    artifact the cancelled run committed, which keeps its commit time."""
+    (prepare,) = _task_runs_by_name(prefect, flow_run_id)["prepare_data"]
+    assert prepare.state.type.value == "COMPLETED", prepare.state
+    assert SKIPPED_LOG in _task_run_logs(prefect, prepare.id)
+    assert len(before) == 1 and data_commit_times(store) == before, (before, data_commit_times(store))
 
 
 def _artifacts(prefect: LocalPrefect, flow_run_id) -> list:
@@ -89,9 +181,11 @@ def _table_rows(artifact) -> list[dict]:
     return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
 
 
-def assert_ui_artifacts(prefect: LocalPrefect, flow_run_id, store: ObjectStore, iterations: int) -> None:
-    """Per stage run: a progress artifact, a metrics table and an output markdown naming a committed URI;
-    per flow run: the summary."""
+def assert_ui_artifacts(
+    prefect: LocalPrefect, flow_run_id, store: ObjectStore, iterations: int, skipped: tuple[str, ...] = ()
+) -> None:
+    """Per stage run: a progress artifact, a metrics table and an output markdown naming a committed URI
+    (none for a `skipped` stage, which launched nothing); per flow run: the summary."""
     artifacts = _artifacts(prefect, flow_run_id)
     by_key: dict[str, list] = {}
     for artifact in artifacts:
@@ -104,7 +198,7 @@ def assert_ui_artifacts(prefect: LocalPrefect, flow_run_id, store: ObjectStore, 
         "grpo": iterations,
     }
     for stage in STAGES:
-        expected = runs_per_stage[stage]
+        expected = 0 if stage in skipped else runs_per_stage[stage]
         for suffix, kind in (("progress", "progress"), ("metrics", "table"), ("output", "markdown")):
             found = by_key.setdefault(f"{stage}-{suffix}", [])
             assert len(found) == expected, f"{stage}-{suffix}: {len(found)} artifacts, expected {expected}"
@@ -171,32 +265,34 @@ def test_deploy_run_and_read_back(local_prefect: LocalPrefect, process_keeper, t
     worker_dir = tmp_path / "worker-cwd"  # not the checkout: the deployment's pull step must get there itself
     worker_dir.mkdir()
     worker = local_prefect.start_worker("local-cpu", cwd=worker_dir)
-
-    # prefect 3.7 reads every --param value as JSON (a bare word falls back to a string), so the list of
-    # overrides travels as one JSON array.
-    local_prefect.cli(
-        "prefect",
-        "deployment",
-        "run",
-        "post-train/demo-cpu",
-        "--param",
-        "config=configs/tiny_test.yaml",
-        "--param",
-        f"overrides={json.dumps(overrides)}",
-    )
-    run = wait_for_flow_run(local_prefect, "post-train/demo-cpu", worker.log_path)
-
-    assert run.parameters == {"config": "configs/tiny_test.yaml", "overrides": overrides}
+    params = {"config": "configs/tiny_test.yaml", "overrides": overrides}
     store = ObjectStore.from_config(cfg.storage)
-    assert len(store.list_committed("grpo")) == cfg.grpo.iterations
-    assert_ui_artifacts(local_prefect, run.id, store, cfg.grpo.iterations)
+
+    # 1. Cancel a run during SFT (its rank 1 hangs at step 1): the worker SIGTERMs the flow-run process,
+    # which must take torchrun and both ranks down with it.
+    hanging = run_deployment(
+        local_prefect, "post-train/demo-cpu", params, env={"FORGE_FAULT": "hang_rank:1:1@sft"}
+    )
+    cancel_during_sft(local_prefect, process_keeper, hanging, worker.log_path)
+    assert_launches_ended(process_keeper)
+    assert store.list_committed("sft") == []
+    data_committed = data_commit_times(store)
+
+    # 2. Run again, without the fault: the committed data prep is skipped, the rest runs to completion.
+    flow_run_id = run_deployment(local_prefect, "post-train/demo-cpu", params)
+    run = wait_for_flow_run(local_prefect, flow_run_id, worker.log_path)
+
+    assert run.parameters == params
+    assert_prepare_skipped(local_prefect, run.id, store, data_committed)
+    for kind, count in {"sft": 1, "eval": 1, "grpo": cfg.grpo.iterations}.items():
+        assert len(store.list_committed(kind)) == count, kind
+    assert_ui_artifacts(local_prefect, run.id, store, cfg.grpo.iterations, skipped=("prepare",))
     assert_nightly_schedule_inactive(local_prefect)
     status = local_prefect.cli("forgeflow", "status", "--config", "configs/tiny_test.yaml", *overrides)
     assert re.search(rf"^{run.id}  {run.name} +Completed ", status.stdout, re.MULTILINE), status.stdout
     grpo_line = rf"^grpo\s+{cfg.grpo.iterations} committed"
     assert re.search(grpo_line, status.stdout, re.MULTILINE), status.stdout
 
-    assert process_keeper.seen_matching("torch.distributed.run"), "no torchrun process was ever seen"
     process_keeper.stop_all()
     survivors = process_keeper.survivors()
     assert survivors == [], f"processes outlived the stop: {survivors}"

@@ -5,7 +5,7 @@
 - `ProcessWatch`: remembers every worker process launched while it runs, to prove none is left afterwards.
 - `CommitWatch`: re-reads every artifact the moment it looks committed and verifies all its files, to prove
   that no partial artifact is ever visible as committed.
-- `OutageMotoServer`: a real moto S3 server that dies at a chosen request and comes back later.
+- `OutageMotoServer`: a real moto S3 server (child process) that dies at a chosen request and comes back.
 - Small readers of what stages leave behind: per-step metrics, exported weights, rollout tables.
 """
 
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
+import queue
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -145,6 +147,12 @@ def all_artifacts_text() -> str:
             return json.dumps(pages)
 
 
+def attempts(logs: list[str], stage: str) -> list[str]:
+    """The launch attempts of `stage` in a flow run's logs, e.g. ["RETRYABLE in 88 s", "SUCCESS in 37 s"]."""
+    found = [re.search(rf"^{stage}: ([A-Z]+) in ([0-9.]+)s$", line.strip()) for line in logs]
+    return [f"{m.group(1)} in {float(m.group(2)):.0f} s" for m in found if m]
+
+
 # ---- processes -------------------------------------------------------------------------------------------
 
 
@@ -163,8 +171,9 @@ class SeenProcess:
             return False
 
 
-def worker_processes_under(pid: int) -> list[SeenProcess]:
-    """Launched worker processes (torchrun, ranks, stage workers, vLLM) below `pid`."""
+def worker_processes_under(pid: int, registry: str | None = None) -> list[SeenProcess]:
+    """Launched worker processes (torchrun, ranks, stage workers, vLLM) below `pid`; with `registry`, only
+    those started with that FORGE_LAUNCH_REGISTRY (one scenario's, when several run side by side)."""
     seen = []
     try:
         children = psutil.Process(pid).children(recursive=True)
@@ -175,19 +184,24 @@ def worker_processes_under(pid: int) -> list[SeenProcess]:
             cmdline = " ".join(proc.cmdline())
             if not any(marker in cmdline for marker in WORKER_MARKERS):
                 continue
-            seen.append(
-                SeenProcess(proc.pid, proc.create_time(), cmdline, proc.environ().get("FORGE_LAUNCH_ID"))
-            )
+            environ = proc.environ()
+            if registry is not None and environ.get("FORGE_LAUNCH_REGISTRY") != registry:
+                continue
+            seen.append(SeenProcess(proc.pid, proc.create_time(), cmdline, environ.get("FORGE_LAUNCH_ID")))
         except psutil.Error:
             continue
     return seen
 
 
 class ProcessWatch:
-    """Samples the worker processes below `root_pid` every `every_s` while running (use as a context)."""
+    """Samples the worker processes below `root_pid` (of one launch `registry`, if given) every `every_s`
+    while running (use as a context)."""
 
-    def __init__(self, root_pid: int | None = None, every_s: float = 0.5) -> None:
+    def __init__(
+        self, root_pid: int | None = None, every_s: float = 0.5, registry: str | None = None
+    ) -> None:
         self.root_pid = root_pid or os.getpid()
+        self.registry = registry
         self.every_s = every_s
         self.seen: dict[tuple[int, float], SeenProcess] = {}
         self._stop = threading.Event()
@@ -208,7 +222,7 @@ class ProcessWatch:
                 return
 
     def sample(self) -> None:
-        for proc in worker_processes_under(self.root_pid):
+        for proc in worker_processes_under(self.root_pid, self.registry):
             self.seen.setdefault((proc.pid, proc.create_time), proc)
 
     def launch_ids(self) -> list[str]:
@@ -304,110 +318,118 @@ class OutageEvent:
 
 
 class OutageMotoServer:
-    """moto's S3 server (werkzeug, threaded) on 127.0.0.1:<port> that goes down when a request matches.
+    """moto's S3 server on 127.0.0.1:<port>, in a child process (outage_moto_process.py), that goes down
+    when a request matches.
 
     `arm(pattern, outage_s, on_down, on_up)`: the first request whose "<METHOD> <path>" matches `pattern` (a
     regex) gets its connection dropped without a reply; the listening socket closes (new connections are
     refused), requests still arriving on kept-alive connections are dropped too; `on_down(event)` runs while
     the server is down; `outage_s` after the trigger the server listens again on the same port and
-    `on_up(event)` runs. moto keeps its data in this process, so objects written before the outage are still
-    there afterwards, as after a real restart.
+    `on_up(event)` runs (both on a reader thread of this process, in that order). `end_outage()` brings it
+    back at once. moto keeps its data in the child across outages, as a real server keeps its disk across a
+    restart. moto (Flask) is never imported here: see outage_moto_process.py for why.
     """
 
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self._server = None
-        self._thread: threading.Thread | None = None
-        self._down = threading.Event()
-        self._armed: tuple[re.Pattern, float, object, object] | None = None
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
         self.events: list[OutageEvent] = []
+        self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self._callbacks: tuple[object, object] = (None, None)
+        self._replies: queue.Queue[str] = queue.Queue()  # "armed" and "up" lines, for who waits on them
 
     def start(self) -> OutageMotoServer:
-        from moto.moto_server.werkzeug_app import (
-            DomainDispatcherApplication,
-            MotoRequestHandler,
-            create_backend_app,
+        script = Path(__file__).with_name("outage_moto_process.py")
+        self._process = subprocess.Popen(
+            [sys.executable, str(script), str(self.port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        from werkzeug.serving import make_server
-
-        # One log line per request would drown the test's own logs (and Prefect's).
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)
-        app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server(
-            "127.0.0.1", self.port, self._wrap(app), threaded=True, request_handler=MotoRequestHandler
-        )
-        self._down.clear()
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="moto-outage")
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read_events, daemon=True, name="moto-outage-events")
+        self._reader.start()
+        self._expect("up", timeout_s=300)
         return self
 
     def close(self) -> None:
-        """Stop for good: an outage in progress does not come back."""
-        self._closed.set()
-        self.stop()
-
-    def stop(self) -> None:
-        self._down.set()
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        """Stop for good: an outage in progress does not come back; moto's data is gone."""
+        if self._process is None:
+            return
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(timeout=30)
+        self._process = None
 
     def arm(self, pattern: str, outage_s: float, on_down=None, on_up=None) -> None:
-        with self._lock:
-            self._armed = (re.compile(pattern), outage_s, on_down, on_up)
+        assert "\n" not in pattern, pattern
+        self._callbacks = (on_down, on_up)
+        self._send(f"arm {outage_s} {pattern}")
+        self._expect("armed", timeout_s=60)
 
-    def _wrap(self, app):
-        def outage_aware(environ, start_response):
-            request = f"{environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')}"
-            if self._down.is_set() or self._triggered_by(request):
-                if self.events:
-                    self.events[-1].refused_requests += 1
-                return _drop_connection(environ, start_response)
-            return app(environ, start_response)
+    def end_outage(self) -> None:
+        """Serve again now (the data is still there); returns once the server listens."""
+        self._send("start")
+        self._expect("up", timeout_s=60)
 
-        return outage_aware
+    def _send(self, line: str) -> None:
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
 
-    def _triggered_by(self, request: str) -> bool:
-        with self._lock:
-            if self._armed is None or not self._armed[0].search(request):
-                return False
-            _, outage_s, on_down, on_up = self._armed
-            self._armed = None
-            event = OutageEvent(trigger=request, started=time.monotonic())
-            self.events.append(event)
-            self._down.set()
-        threading.Thread(target=self._outage, args=(event, outage_s, on_down, on_up), daemon=True).start()
-        return True
-
-    def _outage(self, event: OutageEvent, outage_s: float, on_down, on_up) -> None:
-        self.stop()
-        if on_down is not None:
-            on_down(event)
-        if self._closed.wait(max(0.0, event.started + outage_s - time.monotonic())):
-            return
-        self.start()
-        event.restarted = time.monotonic()
-        if on_up is not None:
-            try:
-                on_up(event)
-            except Exception as exc:  # noqa: BLE001 - recorded for the test to report
-                event.notes["on_up_error"] = f"{type(exc).__name__}: {exc}"
-
-
-def _drop_connection(environ, start_response):
-    """Close the client's connection without a reply, as a crashed server does."""
-    sock = environ.get("werkzeug.socket")
-    if sock is not None:
+    def _expect(self, reply: str, timeout_s: float) -> None:
         try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-    start_response("503 Service Unavailable", [("Content-Length", "0"), ("Connection", "close")])
-    return [b""]
+            line = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"moto outage server (pid {self._process.pid}) sent no {reply!r} in {timeout_s:g} s "
+                f"(exit code {self._process.poll()})"
+            ) from None
+        assert line == reply, f"moto outage server answered {line!r}, expected {reply!r}"
+
+    def _read_events(self) -> None:
+        for line in self._process.stdout:
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            if kind == "down":
+                self._went_down(rest)
+            elif kind == "up":
+                self._came_back(int(rest))
+            else:
+                self._replies.put(kind)
+
+    def _went_down(self, trigger: str) -> None:
+        event = OutageEvent(trigger=trigger, started=time.monotonic())
+        self.events.append(event)
+        _run_callback("on_down", self._callbacks[0], event)
+
+    def _came_back(self, dropped: int) -> None:
+        event = self.events[-1] if self.events and self.events[-1].restarted is None else None
+        if event is not None:
+            event.refused_requests = dropped
+            event.restarted = time.monotonic()
+            _run_callback("on_up", self._callbacks[1], event)
+        self._replies.put("up")
+
+
+def _run_callback(name: str, callback, event: OutageEvent) -> None:
+    if callback is None:
+        return
+    try:
+        callback(event)
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to report
+        event.notes[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+
+
+# Modules whose presence in the test process breaks vLLM's in-process engine (tests/rollout shares the
+# pytest session): Flask's werkzeug LocalProxy globals. moto's server imports Flask.
+FORBIDDEN_IN_TEST_PROCESS = ("flask", "moto.server", "moto.moto_server.werkzeug_app")
+
+
+def forbidden_modules_loaded() -> list[str]:
+    return [name for name in FORBIDDEN_IN_TEST_PROCESS if name in sys.modules]
 
 
 # ---- what stages leave behind ----------------------------------------------------------------------------

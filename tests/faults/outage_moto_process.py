@@ -45,6 +45,7 @@ class OutageServer:
         self._down = threading.Event()
         self._dropped = 0
         self._outage_over = threading.Event()
+        self._state_lock = threading.Lock()  # serialises going down and coming back
 
     def say(self, line: str) -> None:
         with self._lock:
@@ -92,30 +93,31 @@ class OutageServer:
             self._armed = None
             self._down.set()
             self._dropped = 0
-        self._outage_over.clear()
+            self._outage_over.clear()
+        # The trigger's reply (a dropped connection) must not wait for the server to stop: another thread.
         threading.Thread(target=self._outage, args=(request, outage_s), daemon=True).start()
         return True
 
     def _outage(self, trigger: str, outage_s: float) -> None:
-        # Not from the request's thread: shutdown() waits for serve_forever, which is not that thread anyway,
-        # but the trigger's reply (a dropped connection) must not wait for the whole outage.
-        self._stop_serving()
-        self.say(f"down {trigger}")
-        self._outage_over.wait(outage_s)
-        self.end_outage()
+        with self._state_lock:
+            if self._outage_over.is_set():  # `start` came first: the outage is over before it began
+                return
+            self._stop_serving()
+            self.say(f"down {trigger}")
+        if not self._outage_over.wait(outage_s):  # set: `start` ended it early
+            self.end_outage()
 
     def end_outage(self) -> None:
-        with self._lock:
-            if self._server is not None:
-                dropped = None
-            else:
+        with self._state_lock:
+            if not self._down.is_set():
+                self.say("up 0")
+                return
+            self._outage_over.set()
+            self._stop_serving()  # a no-op unless `start` came before the outage thread stopped it
+            with self._lock:
                 dropped = self._dropped
-        if dropped is None:
-            self.say("up 0")
-            return
-        self._outage_over.set()
-        self.serve()
-        self.say(f"up {dropped}")
+            self.serve()
+            self.say(f"up {dropped}")
 
 
 def _drop_connection(environ, start_response):

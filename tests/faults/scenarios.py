@@ -1,11 +1,13 @@
 """The expensive runs of the fault suite, each shared by several tests (session fixtures in conftest.py).
 
-1. `kill_flow_mid_grpo`: the tiny pipeline as its own flow process (`python -m flows.post_train`, on the
-   session's Prefect API); GRPO rank 1 hangs after step 2 (FORGE_FAULT=hang_rank:1:2@grpo), then the flow
-   process is SIGKILLed. Its prepare/SFT/eval/rollout stages ran uninterrupted: they are the reference
-   for the faulted runs.
-2. `rerun_flow`: the same flow again, in this process: it must end the first run's orphans, skip what was
-   committed and resume GRPO from its checkpoint.
+1. `FlowToKill`: the tiny pipeline as its own flow process (`python -m flows.post_train`, on the session's
+   Prefect API); GRPO rank 1 hangs after step 2 (FORGE_FAULT=hang_rank:1:2@grpo), then the flow process is
+   SIGKILLed. Its prepare/SFT/eval/rollout stages ran uninterrupted: they are the reference for the faulted
+   runs. Being a process of its own, it starts with the session and runs while the cheap tests and
+   scenario 4 run in this process (see conftest.py).
+2. `FlowRerunProcess`: the same flow again, as a new flow process: it must end the first run's orphans, skip
+   what was committed and resume GRPO from its checkpoint. It runs while scenario 3 does (mostly while
+   scenario 3's hung SFT attempt waits out its deadline).
 3. `faulted_sft_and_rollout`: prepare -> SFT -> rollout as Prefect tasks with retries, under three faults
    that fire once each: SFT rank 1 hangs at step 1 (the deadline must end it), then SFT rank 1 is SIGKILLed
    at step 3 while the test overwrites bytes of the committed step-2 checkpoint, then the rollout worker
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +40,7 @@ from fault_kit import (
     SeenProcess,
     all_artifacts_text,
     all_logs,
+    flow_run,
     task_runs,
     worker_processes_under,
 )
@@ -68,6 +72,13 @@ def fired(root: Path, index: int) -> bool:
     return (root / ("fault-fired" + (f".{index}" if index else ""))).exists()
 
 
+def saved_logs(flow_run_id, path: Path) -> list[str]:
+    """A flow run's log messages, also written to `path` (to read after a failure)."""
+    logs = all_logs(flow_run_id)
+    path.write_text("\n".join(logs) + "\n")
+    return logs
+
+
 # ---- 1 + 2: the flow process SIGKILLed mid-GRPO, then run again ------------------------------------------
 
 
@@ -80,57 +91,93 @@ class KilledFlow:
     orphans: list[SeenProcess]  # worker processes still alive after the flow process died
     stale_launches: list[str]  # registry records left by the dead flow
     sft_launch_s: float  # how long the uninterrupted SFT launch took (sizes the hang test's deadline)
+    wall_s: float  # from the flow process's start to its SIGKILL
 
     @property
     def store(self) -> ObjectStore:
         return ObjectStore(f"file://{self.root}/store")
 
 
-def kill_flow_mid_grpo(root: Path, api_url: str) -> KilledFlow:
-    # The tiny policy earns the same reward on every sample, so GRPO would skip its steps (no gradient) and
-    # the fault hook, which fires after optimizer steps, would never run: keep zero-variance groups.
-    overrides = file_overrides(root, "grpo.advantage.drop_zero_variance_groups=false")
-    env = fault_env(root, "hang_rank:1:2@grpo")
-    log_path = root / "flow-1.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.post_train", TINY_CONFIG, *overrides],
-            env={**os.environ, **env, "PREFECT_API_URL": api_url},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-    try:
-        deadline = time.monotonic() + STAGE_WAIT_S
-        while not fired(root, 0) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if not fired(root, 0):
-            raise AssertionError(
-                f"GRPO never reached its hang (flow exit code {proc.poll()}); flow output tail:\n"
-                + log_path.read_text()[-4000:]
+class FlowToKill:
+    """Scenario 1 in the background: the flow process runs while this process runs other tests; a thread
+    SIGKILLs it once GRPO hangs. `result()` waits for that and returns the KilledFlow."""
+
+    def __init__(self, root: Path, api_url: str) -> None:
+        # The tiny policy earns the same reward on every sample, so GRPO would skip its steps (no gradient)
+        # and the fault hook, which fires after optimizer steps, would never run: keep zero-variance groups.
+        self.root = root
+        self.overrides = file_overrides(root, "grpo.advantage.drop_zero_variance_groups=false")
+        self.env = fault_env(root, "hang_rank:1:2@grpo")
+        self.log_path = root / "flow-1.log"
+        self._started = time.monotonic()
+        with open(self.log_path, "w") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "flows.post_train", TINY_CONFIG, *self.overrides],
+                env={**os.environ, **self.env, "PREFECT_API_URL": api_url},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
             )
-        time.sleep(1.0)  # rank 0 is now blocked in the step's collective, rank 1 sleeps
-        workers = worker_processes_under(proc.pid)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    time.sleep(1.0)
-    output = log_path.read_text()
-    registry = Path(env["FORGE_LAUNCH_REGISTRY"])
-    return KilledFlow(
-        root=root,
-        overrides=overrides,
-        env=env,
-        output=output,
-        orphans=[p for p in workers if p.alive()],
-        stale_launches=sorted(p.stem for p in registry.glob("*.json")),
-        sft_launch_s=_launch_seconds(output, "sft"),
-    )
+        self._workers: list[SeenProcess] = []
+        self._error: AssertionError | None = None
+        self._wall_s = 0.0
+        self._killer = threading.Thread(target=self._kill_once_grpo_hangs, daemon=True, name="flow-killer")
+        self._killer.start()
+
+    def _kill_once_grpo_hangs(self) -> None:
+        proc = self._proc
+        try:
+            deadline = time.monotonic() + STAGE_WAIT_S
+            while not fired(self.root, 0) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not fired(self.root, 0):
+                self._error = AssertionError(
+                    f"GRPO never reached its hang (flow exit code {proc.poll()}); flow output tail:\n"
+                    + self.log_path.read_text()[-4000:]
+                )
+                return
+            time.sleep(1.0)  # rank 0 is now blocked in the step's collective, rank 1 sleeps
+            self._workers = worker_processes_under(proc.pid)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            self._wall_s = time.monotonic() - self._started
+
+    def wait_until_stage_done(self, stage: str) -> None:
+        """Until the flow logged `<stage>: SUCCESS` (or died): what runs next then no longer competes with
+        that stage for the cores."""
+        while self._killer.is_alive() and f"{stage}: SUCCESS in" not in self.log_path.read_text():
+            time.sleep(0.5)
+
+    def result(self) -> KilledFlow:
+        self._killer.join()
+        if self._error is not None:
+            raise self._error
+        time.sleep(1.0)
+        output = self.log_path.read_text()
+        registry = Path(self.env["FORGE_LAUNCH_REGISTRY"])
+        return KilledFlow(
+            root=self.root,
+            overrides=self.overrides,
+            env=self.env,
+            output=output,
+            orphans=[p for p in self._workers if p.alive()],
+            stale_launches=sorted(p.stem for p in registry.glob("*.json")),
+            sft_launch_s=_launch_seconds(output, "sft"),
+            wall_s=self._wall_s,
+        )
+
+    def close(self) -> None:
+        """End the flow and whatever it left running, in case the re-run that should reap it never ran."""
+        from forge_core.launch import reap_orphaned_launches
+
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._killer.join()
+        reap_orphaned_launches(Path(self.env["FORGE_LAUNCH_REGISTRY"]), grace_s=5)
 
 
 def _launch_seconds(output: str, stage: str) -> float:
-    import re
-
     match = re.search(rf"{stage}: SUCCESS in ([0-9.]+)s", output)
     assert match, f"no '{stage}: SUCCESS in ...' line in the flow output"
     return float(match.group(1))
@@ -143,6 +190,7 @@ class FlowRerun:
     committed_before: dict[str, str]  # artifact URI -> committed_at, before the rerun
     logs: list[str]
     task_runs: dict[str, object]
+    wall_s: float
 
 
 def committed_at_by_uri(store: ObjectStore, kinds: tuple[str, ...]) -> dict[str, str]:
@@ -151,22 +199,57 @@ def committed_at_by_uri(store: ObjectStore, kinds: tuple[str, ...]) -> dict[str,
     }
 
 
-def rerun_flow(killed: KilledFlow) -> FlowRerun:
-    from flows.post_train import post_train
+class FlowRerunProcess:
+    """Scenario 2 in the background: the killed flow run again as a new flow process, as an operator would;
+    `result()` waits for it."""
 
-    before = committed_at_by_uri(killed.store, ("data", "sft", "eval", "rollouts", "grpo"))
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in killed.env.items():
-            mp.setenv(name, value)
-        state = post_train(TINY_CONFIG, killed.overrides, return_state=True)
-    flow_run_id = state.state_details.flow_run_id
-    return FlowRerun(
-        state=state,
-        summary=state.result() if state.is_completed() else {},
-        committed_before=before,
-        logs=all_logs(flow_run_id),
-        task_runs=task_runs(flow_run_id),
-    )
+    def __init__(self, killed: KilledFlow, api_url: str) -> None:
+        self.killed = killed
+        self.committed_before = committed_at_by_uri(killed.store, ("data", "sft", "eval", "rollouts", "grpo"))
+        self.log_path = killed.root / "flow-2.log"
+        self._started = time.monotonic()
+        with open(self.log_path, "w") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "flows.post_train", TINY_CONFIG, *killed.overrides],
+                env={**os.environ, **killed.env, "PREFECT_API_URL": api_url},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+        self._ended: float | None = None
+        self._waiter = threading.Thread(target=self._wait, daemon=True, name="flow-rerun-waiter")
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self._proc.wait()
+        self._ended = time.monotonic()
+
+    def result(self) -> FlowRerun:
+        self._waiter.join(timeout=STAGE_WAIT_S)
+        if self._ended is None:
+            self.close()
+            raise AssertionError(f"the re-run did not end in {STAGE_WAIT_S} s; see {self.log_path}")
+        wall_s = self._ended - self._started
+        output = self.log_path.read_text()
+        run_id = re.search(r"/flow-run/([0-9a-f-]{36})", output)
+        assert run_id, (
+            f"no flow run id in the re-run's output (exit code {self._proc.returncode}):\n{output[-4000:]}"
+        )
+        final_policy = re.search(r"^final policy: (\S+)$", output, re.MULTILINE)
+        flow_run_id = run_id.group(1)
+        return FlowRerun(
+            state=flow_run(flow_run_id).state,
+            summary={"final_policy_uri": final_policy.group(1)} if final_policy else {},
+            committed_before=self.committed_before,
+            logs=all_logs(flow_run_id),
+            task_runs=task_runs(flow_run_id),
+            wall_s=wall_s,
+        )
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
 
 # ---- 3: SFT hang + kill + corrupt checkpoint, rollout engine kill ----------------------------------------
@@ -194,6 +277,7 @@ class FaultedRun:
     task_runs: dict[str, object]
     launch_ids: list[str]
     processes: list[SeenProcess]
+    wall_s: float
     corrupted: list[str] = field(default_factory=list)  # "<checkpoint uri>/<file>" overwritten by the test
 
     @property
@@ -215,7 +299,11 @@ def corrupt_after_commit(checkpoint_dir: Path) -> str:
 
 
 def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
-    overrides = file_overrides(root, f"launch.sft.deadline_s={deadline_s:.0f}")
+    # kill_vllm needs an engine core process of its own to kill (an in-process engine would die with the
+    # worker, and the worker could not report EngineDeadError).
+    overrides = file_overrides(
+        root, f"launch.sft.deadline_s={deadline_s:.0f}", "rollout.engine_in_process=false"
+    )
     config_json = config_to_json(load_config(TINY_CONFIG, overrides))
     corrupted: list[str] = []
     stop = threading.Event()
@@ -235,8 +323,11 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
         for name, value in fault_env(root, SFT_FAULTS).items():
             mp.setenv(name, value)
         corrupter.start()
-        with ProcessWatch() as watch:
+        started = time.monotonic()
+        # Scenario 2's flow process may run meanwhile: watch only this scenario's launches.
+        with ProcessWatch(registry=os.environ["FORGE_LAUNCH_REGISTRY"]) as watch:
             state = sft_then_rollout(config_json, return_state=True)
+        wall_s = time.monotonic() - started
         stop.set()
         corrupter.join()
     flow_run_id = state.state_details.flow_run_id
@@ -245,10 +336,11 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
         deadline_s=deadline_s,
         state=state,
         uris=state.result() if state.is_completed() else {},
-        logs=all_logs(flow_run_id),
+        logs=saved_logs(flow_run_id, root / "flow.log"),
         task_runs=task_runs(flow_run_id),
         launch_ids=watch.launch_ids(),
         processes=list(watch.seen.values()),
+        wall_s=wall_s,
         corrupted=corrupted,
     )
 
@@ -285,6 +377,7 @@ class OutageRun:
     run_dir: Path
     state_messages: list[str]
     secrets: dict[str, str]
+    wall_s: float  # of the flow run
 
 
 _outage_runs: dict[str, OutageRun] = {}
@@ -332,8 +425,10 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
         with pytest.MonkeyPatch.context() as mp:
             for name, value in {**secrets, "FORGE_LAUNCH_REGISTRY": str(root / "launches")}.items():
                 mp.setenv(name, value)
+            started = time.monotonic()
             with commits:
                 state = sft_on_s3(config_json, return_state=True)
+            wall_s = time.monotonic() - started
         flow_run_id = state.state_details.flow_run_id
         final_store = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=3)
         before = server.events[0].notes.get("committed", {}) if server.events else {}
@@ -346,7 +441,7 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             state=state,
             uris=uris,
             task_runs=runs,
-            logs=all_logs(flow_run_id),
+            logs=saved_logs(flow_run_id, root / "flow.log"),
             outage=server.events[0] if server.events else None,
             violations=list(commits.violations),
             committed_before_outage=before,
@@ -356,6 +451,7 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             run_dir=root / "runs",
             state_messages=[str(state.message)] + [str(r.state.message) for r in runs.values() if r.state],
             secrets=secrets,
+            wall_s=wall_s,
         )
     finally:
         server.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fault_kit import wait_until_gone
+from fault_kit import attempts, wait_until_gone
 
 pytestmark = pytest.mark.integration
 
@@ -14,7 +14,7 @@ SKIPPED_STAGES = ("prepare_data", "train_sft", "evaluate", "generate_rollouts")
 
 @pytest.mark.fault(
     fault="flow process SIGKILLed mid-GRPO (GRPO rank 1 hung after step 2), then the flow re-run",
-    where="`python -m flows.post_train` (own process), re-run in-process",
+    where="`python -m flows.post_train` (own process), then run again as a new flow process",
     checked="the dead flow left live worker processes; the re-run ends them at its start and its registry "
     "record goes; prepare/SFT/eval/rollout are skipped (manifests untouched); GRPO resumes from its "
     "committed step-1 checkpoint; the re-run completes",
@@ -47,6 +47,10 @@ def test_flow_killed_mid_grpo_rerun_skips_done_stages_resumes_grpo_and_ends_orph
     assert grpo.kind == "grpo"
     assert grpo.metrics["resumed_from_step"] == 1
     fault_row.fact("GRPO resumed_from_step=1, 4 stages skipped")
+    fault_row.fact(
+        f"first flow {killed_flow.wall_s:.0f} s until killed, re-run {flow_rerun.wall_s:.0f} s "
+        f"(grpo attempts: {', '.join(attempts(flow_rerun.logs, 'grpo'))})"
+    )
 
 
 def _kind(process) -> str:

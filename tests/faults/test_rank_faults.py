@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fault_kit import policy_weights, step_metrics, wait_until_gone
+from fault_kit import attempts, policy_weights, step_metrics, wait_until_gone
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,8 @@ def test_hung_rank_hits_the_stage_deadline_and_the_retry_succeeds(faulted_run, f
     assert len(hung) >= 3, hung  # torchrun and both ranks were seen
     assert wait_until_gone(faulted_run.processes, timeout_s=10) == []
     fault_row.fact(
-        f"deadline {faulted_run.deadline_s:.0f} s; {len(hung)} processes of the hung attempt ended"
+        f"deadline {faulted_run.deadline_s:.0f} s; {len(hung)} processes of the hung attempt ended; "
+        f"scenario {faulted_run.wall_s:.0f} s, sft attempts: {', '.join(attempts(faulted_run.logs, 'sft'))}"
     )
 
 

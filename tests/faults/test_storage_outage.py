@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fault_kit import attempts
 from scenarios import OUTAGE_S
 
 pytestmark = pytest.mark.integration
@@ -33,5 +34,6 @@ def test_s3_down_during_checkpoint_commit_leaves_nothing_half_committed_and_the_
     assert outage_run.committed_after == outage_run.committed_before_outage
     fault_row.fact(
         f"{len(outage.notes['step4_files'])} uncommitted step-4 objects; {outage.refused_requests} requests "
-        f"dropped; {len(outage_run.committed_before_outage)} earlier artifacts intact"
+        f"dropped; {len(outage_run.committed_before_outage)} earlier artifacts intact; scenario "
+        f"{outage_run.wall_s:.0f} s, sft attempts: {', '.join(attempts(outage_run.logs, 'sft'))}"
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fault_kit import rollout_rows
+from fault_kit import attempts, rollout_rows
 
 pytestmark = pytest.mark.integration
 
@@ -26,4 +26,6 @@ def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(
     reference = rollout_rows(killed_flow.store, reference_uri)
     assert len(mine) == len(reference) > 0
     assert mine == reference
-    fault_row.fact(f"{len(mine)} samples equal")
+    fault_row.fact(
+        f"{len(mine)} samples equal; rollout attempts: {', '.join(attempts(faulted_run.logs, 'rollout'))}"
+    )

@@ -1,7 +1,8 @@
 """`make demo` (flows.demo) through the real post-train flow on configs/demo_cpu.yaml.
 
-The reduced run keeps the demo's config (task, model, rewards, 2 torchrun ranks, vLLM) and shrinks only the
-budgets: it checks every stage's committed manifest, the printed report and the README's rollout query.
+The reduced run keeps the demo's config (task, model, 2 torchrun ranks, vLLM), shrinks the budgets and adds
+per-digit credit to the reward (see REDUCED): it checks every stage's committed manifest, a real GRPO
+update, the printed report and the README's rollout query.
 The full demo (slow marker) checks the issue's learning target: GRPO adds >= 10 points of held-out accuracy.
 
     .venv/bin/python -m pytest tests/flows/test_demo.py -q -m "not slow"     # reduced, ~3 min
@@ -27,7 +28,14 @@ DEMO_CONFIG = REPO / "configs" / "demo_cpu.yaml"
 # One GRPO iteration covers every stage kind; each stage costs ~25 s of process and engine start-up on an idle
 # 2-core machine whatever its budget, so more iterations would mostly add start-up time.
 ITERATIONS = 1
-# Budgets only: 64 rollouts per iteration (2 optimizer steps of 32), 20 SFT steps, 64 held-out prompts.
+# Budgets: 64 rollouts per iteration (2 optimizer steps of 32), 20 SFT steps, 64 held-out prompts.
+# After 20 SFT steps the policy writes `<answer>..</answer>` but no sum exactly, so the demo's exact-match
+# reward alone is 0 for every sample and GRPO would skip every step. Per-digit partial credit, added as a
+# second component (exact match stays the primary one: accuracy and the README's query use it), differs
+# within a group, so the reduced GRPO stage really updates the policy.
+PER_DIGIT_REWARD = (
+    'rollout.rewards=[{"name": "exact_answer", "weight": 1.0}, {"name": "per_digit", "weight": 0.5}]'
+)
 REDUCED = [
     "data.demo.num_sft=256",
     "data.demo.num_rl=512",
@@ -40,6 +48,7 @@ REDUCED = [
     "sft.checkpoint_every=10",
     "rollout.prompts_per_iteration=16",
     "rollout.sampling.group_size=4",
+    PER_DIGIT_REWARD,
     f"grpo.iterations={ITERATIONS}",
     "grpo.epochs=1",
     "grpo.mini_batch_size=32",
@@ -88,6 +97,10 @@ def test_demo_at_reduced_budgets_commits_every_stage_and_reports(prefect_api, tm
     manifests = {row["stage"]: store.read_manifest(row["artifact"]) for row in rows}  # raises if uncommitted
     for label, manifest in manifests.items():
         assert manifest.kind == STAGE_KINDS[label.split("-")[0]], label
+    # Nothing else was committed: one artifact per stage run, no stray outputs of failed attempts.
+    runs_per_kind = {"data": 1, "sft": 1, "eval": 1 + ITERATIONS, "rollouts": ITERATIONS, "grpo": ITERATIONS}
+    for kind, count in runs_per_kind.items():
+        assert len(store.list_committed(kind)) == count, kind
     # Every key metric was found under the name the stage worker writes.
     for row in rows:
         assert row["key metric"] and "n/a" not in row["key metric"], row
@@ -100,7 +113,10 @@ def test_demo_at_reduced_budgets_commits_every_stage_and_reports(prefect_api, tm
         assert manifests[f"rollout-{n}"].metrics["samples"] == samples
         grpo = manifests[f"grpo-{n}"].metrics
         assert grpo["train/steps"] + grpo["train/skipped_steps"] == steps_per_iteration
-        assert grpo["policy_uri"] == store.join(rows[_expected_labels(ITERATIONS).index(f"grpo-{n}")]["artifact"], "policy")
+        assert grpo["train/steps"] >= 1, grpo  # the policy was updated, not passed through
+        assert grpo["policy_uri"] == store.join(
+            rows[_expected_labels(ITERATIONS).index(f"grpo-{n}")]["artifact"], "policy"
+        )
     for label in ["eval-sft", *(f"eval-grpo-{n}" for n in range(1, ITERATIONS + 1))]:
         assert manifests[label].metrics["n"] == cfg.eval.num_prompts
     # Lineage: the rollouts were sampled by the SFT policy, GRPO trained on them, eval scored its policy.

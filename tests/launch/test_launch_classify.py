@@ -135,6 +135,14 @@ def test_decide_failure_precedence():
     assert decide_failure({0: collateral, 1: killed}, "").reason == "rank 1: -9"
     # The signal death is named as the cause even when a retryable exception came with it.
     assert decide_failure({1: killed, 2: oserror}, "").reason == "rank 1: -9"
+    # A peer that torchrun SIGTERMed after another rank failed neither names the cause nor makes a Python
+    # error retryable; a group that was only SIGTERMed (preempted) is retryable.
+    terminated_peer = err(0, Category.RETRYABLE, exitcode=-15)
+    python_error = err(1, Category.UNCLASSIFIED, "RuntimeError")
+    assert decide_failure({0: terminated_peer, 1: killed}, "").reason == "rank 1: -9"
+    assert decide_failure({0: terminated_peer, 1: python_error}, "") == decide_failure({1: python_error}, "")
+    assert decide_failure({0: terminated_peer, 1: python_error}, "").outcome is Outcome.FATAL
+    assert decide_failure({0: terminated_peer}, "").outcome is Outcome.RETRYABLE
     assert decide_failure({0: collateral}, "").outcome is Outcome.FATAL
     assert decide_failure({0: bare_exit}, "").outcome is Outcome.RETRYABLE
     assert decide_failure({}, "torchrun exited with code 1").reason == "torchrun exited with code 1"

@@ -148,6 +148,10 @@ LAUNCHING_PROCESS = textwrap.dedent(
         time.sleep(0.05)
     if sys.argv[1] == "wait-for-sigterm":
         time.sleep(120)
+    # Return only once the test holds the worker's process handle: exiting at once could end the worker
+    # before the test looked at it.
+    while not os.path.exists(os.environ["PLAIN_WORKER_PID_FILE"] + ".seen"):
+        time.sleep(0.05)
     """
 )
 
@@ -159,6 +163,7 @@ def test_launching_process_ends_its_launches_on_sigterm_and_at_exit(how, workers
     parent = subprocess.Popen([sys.executable, "-c", LAUNCHING_PROCESS, mode], env=env)
     try:
         worker = processes_of([wait_for_pid_files(tmp_path, ["worker"], timeout_s=60)["worker"]])
+        (tmp_path / "worker.pid.seen").touch()
         if how == "sigterm":
             parent.send_signal(signal.SIGTERM)
             assert parent.wait(30) == -signal.SIGTERM  # the default action still runs after cleanup

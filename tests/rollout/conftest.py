@@ -110,9 +110,11 @@ def world(tmp_path_factory) -> PolicyWorld:
     return PolicyWorld(store, store_root, data_uri, stage_uri, policy_dir, tokenizer_dir, vocab_size)
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: an in-process engine shares torch.distributed's default group with the process,
+# and a later suite that initialises and destroys groups (trainers) would break its teardown.
+@pytest.fixture(scope="module")
 def generator(world, tmp_path_factory):
-    """The one vLLM engine of the rollout tests, on a private copy of the policy (reload tests rewrite it)."""
+    """The vLLM engine of one rollout test module, on a private copy of the policy (reload tests rewrite it)."""
     import shutil
 
     from forge_core.rollout import EngineOptions, Generator

@@ -18,6 +18,7 @@ import pytest
 from forge_core.config import config_from_dict, config_to_dict
 from forge_core.rewards import RewardSet
 from forge_core.rollout import RESULTS_TABLE, ROLLOUTS_TABLE, iteration_indices, rollout_schema
+from forge_core.rollout.policy import weights_version
 from forge_core.run.evaluate import plan_evaluation, run_evaluation
 from forge_core.run.rollout import plan_rollout, run_rollout
 from forge_core.run.spec import StageSpec, write_spec
@@ -81,7 +82,8 @@ def test_rollout_stage_commits_scored_rollouts_with_lineage(world, generator):
     # Lineage on every row.
     policy_uri = store.join(world.stage_uri, "policy")
     assert {r["policy_uri"] for r in rows} == {policy_uri}
-    assert {r["policy_version"] for r in rows} == {store.manifest_sha256(policy_uri)}
+    version = weights_version(store.read_manifest(policy_uri))  # the checksum of the weights the engine served
+    assert {r["policy_version"] for r in rows} == {version}
     assert {(r["iteration"], r["seed"]) for r in rows} == {(1, 3)}
     sampling = json.loads(rows[0]["sampling_params"])
     assert (sampling["group_size"], sampling["seed"], sampling["max_new_tokens"]) == (GROUP_SIZE, 3, 12)
@@ -103,6 +105,11 @@ def test_rollout_stage_commits_scored_rollouts_with_lineage(world, generator):
         "data": world.data_uri,
     }
     metrics = manifest.metrics
+    assert (metrics["policy_version"], metrics["policy_manifest_sha256"]) == (
+        version,
+        store.manifest_sha256(policy_uri),
+    )
+    assert (metrics["engine_lifetime"], metrics["engine_reload_s"]) == ("stage", 0.0)
     passed = back.column("reward_contains_digit").to_pylist()
     assert metrics["pass_rate"] == pytest.approx(sum(passed) / len(passed))
     assert 0 < metrics["pass_rate"] < 1
