@@ -5,8 +5,11 @@ Run it locally (ephemeral Prefect API) or as a deployment:
     python -m flows.post_train configs/demo_cpu.yaml sft.steps=50
     prefect deployment run 'post-train/demo-cpu' --param overrides='["grpo.iterations=2"]'
 
-Stages run one after another in the flow's own thread (no `.submit()`): a cancelled or killed flow then takes
-its launches down with it instead of leaving a task `Running` with orphaned ranks.
+Stages run one after another in the flow's own thread, except rollouts: they are `.submit()`ted to a rollout
+lane (one at a time, in iteration order) so that with `grpo.mode: async` the rollouts of iteration k, sampled
+by policy max(0, k - grpo.max_staleness), are generated while the iterations before k train. Sync is the same
+code with staleness 0 (each rollout is awaited as soon as it is submitted). A cancelled or killed flow still
+takes every launch down with it: the launcher's registry is per process, whichever thread launched.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from pathlib import Path
 
 from prefect import Task, flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
 from flows.report import StageRecord, format_table, plot_curves, stage_table
 from forge_core.config import RunConfig, config_to_json, load_config
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches, terminate_all_live
 from forge_core.rollout.lifetime import stop_flow_engines
+from forge_core.run.trainer_job import stop_flow_trainers
 from forge_core.storage import ObjectStore
+from forge_core.trainers.staleness import rollouts_to_start
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
 
 
@@ -79,7 +85,8 @@ class StageTasks:
 
 
 def kill_launches(flow, flow_run, state) -> None:
-    """Cancellation/crash hook: take down every process tree this flow run launched, and its rollout engines."""
+    """Cancellation/crash hook: take down every process tree this flow run launched (its trainer job too), and
+    its rollout engines."""
     terminate_all_live()
     parameters = flow_run.parameters or {}
     try:
@@ -88,16 +95,21 @@ def kill_launches(flow, flow_run, state) -> None:
         )
     except ValueError:
         return  # the flow failed on its config before it could start anything
+    stop_flow_trainers(cfg)
     stop_flow_engines(cfg)
 
 
 @contextmanager
 def flow_engines(cfg: RunConfig) -> Iterator[None]:
-    """The flow run's long-lived rollout engines (`rollout.engine_lifetime: flow`) end with it, also when it
-    fails: the first rollout or evaluate stage starts them, nothing else would stop them."""
+    """The flow run's long-lived rollout engines (`rollout.engine_lifetime: flow`) and GRPO trainer job
+    (`grpo.trainer_lifetime: flow`) end with it, also when it fails: the first rollout/evaluate or GRPO stage
+    starts them, nothing else would stop them."""
     try:
         yield
     finally:
+        trainers = stop_flow_trainers(cfg)
+        if trainers:
+            get_run_logger().info("stopped the run's GRPO trainer job: pids %s", trainers)
         stopped = stop_flow_engines(cfg)
         if stopped:
             get_run_logger().info("stopped the run's rollout engine services: pids %s", stopped)
@@ -138,14 +150,91 @@ class _StageClock:
         self._logger = logger
         self.records: list[StageRecord] = []
 
+    def record(self, label: str, uri: str, seconds: float) -> None:
+        self._logger.info("stage %s: done in %.1fs -> %s", label, seconds, uri)
+        self.records.append(StageRecord(label, uri, seconds))
+
     def __call__(self, label: str, task: Task, *args) -> str:
         self._logger.info("stage %s: start", label)
         started = time.monotonic()
         uri = task(*args)
-        seconds = time.monotonic() - started
-        self._logger.info("stage %s: done in %.1fs -> %s", label, seconds, uri)
-        self.records.append(StageRecord(label, uri, seconds))
+        self.record(label, uri, time.monotonic() - started)
         return uri
+
+
+@dataclass
+class _SubmittedStage:
+    label: str
+    future: PrefectFuture
+    submitted_at: float
+    after: _SubmittedStage | None  # the stage it waits for (the lane's previous rollout)
+    done_at: float | None = None
+
+    def seconds(self) -> float:
+        """Its own run time: from when it could start (submitted, and its predecessor done) to done."""
+        ready_at = max(self.submitted_at, self.after.done_at if self.after and self.after.done_at else 0.0)
+        return (self.done_at or time.monotonic()) - ready_at
+
+
+class _RolloutLane:
+    """The rollout stages of the GRPO loop as submitted tasks, run one at a time in iteration order (one
+    generator, as with one engine).
+
+    Before GRPO iteration k trains (policies 0..k committed) the flow calls `submit_ready(policies)`: it
+    submits what `forge_core.trainers.staleness.rollouts_to_start` names, every rollout up to iteration
+    k + bound, sampled by policy max(0, j - bound) <= k. With bound 0 (sync, or async with max_staleness 0)
+    that is rollout k alone, awaited at once: today's sequential flow."""
+
+    def __init__(self, clock: _StageClock, task: Task, cfg: RunConfig, config_json: str, data_uri: str):
+        self._clock = clock
+        self._task = task
+        self._config_json = config_json
+        self._data_uri = data_uri
+        self._mode = cfg.grpo.mode
+        self._max_staleness = cfg.grpo.max_staleness
+        self._iterations = cfg.grpo.iterations
+        self._submitted: list[_SubmittedStage] = []
+
+    def submit_ready(self, policies: list[str]) -> None:
+        trains_next = len(policies) - 1
+        ready = rollouts_to_start(trains_next, len(self._submitted), self._iterations, self._mode, self._max_staleness)
+        for iteration, sampler in ready:
+            self._submit(iteration, sampler, policies[sampler])
+
+    def _submit(self, iteration: int, sampler: int, policy_uri: str) -> None:
+        label = f"rollout-{iteration + 1}"
+        after = self._submitted[-1] if self._submitted else None
+        get_run_logger().info("stage %s: start (submitted; sampled by policy %d)", label, sampler)
+        future = self._task.submit(
+            self._config_json, policy_uri, self._data_uri, iteration, sampler,
+            wait_for=[after.future] if after else None,
+        )
+        stage = _SubmittedStage(label, future, time.monotonic(), after)
+        future.add_done_callback(lambda _: setattr(stage, "done_at", time.monotonic()))
+        self._submitted.append(stage)
+
+    def result(self, iteration: int) -> str:
+        """Iteration `iteration`'s committed rollouts URI (waits for them); raises what the task raised."""
+        stage = self._submitted[iteration]
+        uri = stage.future.result()
+        self._clock.record(stage.label, uri, stage.seconds())
+        return uri
+
+    def drain(self) -> None:
+        """Wait for the rollouts in flight: an evaluation samples the newest policy, and a long-lived engine
+        serves one policy at a time, so evaluations never overlap rollouts."""
+        for stage in self._submitted:
+            stage.future.wait()
+
+    def abandon(self) -> None:
+        """The flow is failing: end the launches of rollouts still in flight and wait until they are gone."""
+        in_flight = [stage for stage in self._submitted if stage.done_at is None]
+        while in_flight:
+            # Again each round: a rollout waiting on its predecessor may launch right after a cancel.
+            terminate_all_live(reason="the flow failed while rollouts were in flight")
+            for stage in in_flight:
+                stage.future.wait(timeout=1.0)
+            in_flight = [stage for stage in in_flight if stage.done_at is None]
 
 
 def run_pipeline(cfg: RunConfig) -> PipelineSummary:
@@ -168,16 +257,23 @@ def run_pipeline(cfg: RunConfig) -> PipelineSummary:
     summary.evals.append(_eval_point(store, "sft", sft_uri, eval_uri))
     logger.info("after SFT: accuracy %.3f", summary.evals[-1].accuracy)
 
-    policy_uri = sft_uri
-    for iteration in range(cfg.grpo.iterations):
-        n = iteration + 1
-        rollouts_uri = run(f"rollout-{n}", t.rollout, config_json, policy_uri, data_uri, iteration)
-        policy_uri = run(f"grpo-{n}", t.grpo, config_json, policy_uri, rollouts_uri, iteration)
-        summary.rollouts.append(rollouts_uri)
-        eval_uri = run(f"eval-grpo-{n}", t.evaluate, config_json, policy_uri, data_uri)
-        summary.evals.append(_eval_point(store, f"grpo-{n}", policy_uri, eval_uri))
-        logger.info("after GRPO iteration %d: accuracy %.3f", n, summary.evals[-1].accuracy)
-    summary.final_policy_uri = policy_uri
+    policies = [sft_uri]  # by policy index: SFT = 0, after GRPO iteration k = k+1
+    lane = _RolloutLane(run, t.rollout, cfg, config_json, data_uri)
+    try:
+        for iteration in range(cfg.grpo.iterations):
+            n = iteration + 1
+            lane.submit_ready(policies)
+            rollouts_uri = lane.result(iteration)
+            policies.append(run(f"grpo-{n}", t.grpo, config_json, policies[iteration], rollouts_uri, iteration))
+            summary.rollouts.append(rollouts_uri)
+            lane.drain()
+            eval_uri = run(f"eval-grpo-{n}", t.evaluate, config_json, policies[n], data_uri)
+            summary.evals.append(_eval_point(store, f"grpo-{n}", policies[n], eval_uri))
+            logger.info("after GRPO iteration %d: accuracy %.3f", n, summary.evals[-1].accuracy)
+    except BaseException:
+        lane.abandon()
+        raise
+    summary.final_policy_uri = policies[-1]
 
     summary.stages = stage_table(run.records, store)
     summary.plot_path = str(_plot(cfg, summary, store))

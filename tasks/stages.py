@@ -20,6 +20,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (
@@ -34,10 +35,12 @@ from prefect.tasks import exponential_backoff
 from tqdm import tqdm
 
 from forge_core.config import RunConfig, config_from_dict
-from forge_core.launch import LaunchFailed, launch
+from forge_core.launch import LaunchFailed, LaunchResult, launch
 from forge_core.metrics.progress import parse_progress_line
 from forge_core.run.plan import StagePlan, launch_spec_for, plan_stage
 from forge_core.run.spec import write_spec
+from forge_core.run.trainer_job import FLOW as TRAINER_FLOW
+from forge_core.run.trainer_job import run_in_flow_trainer
 from forge_core.storage import ObjectStore
 
 STAGE_RETRIES = 2
@@ -120,8 +123,21 @@ def _publish_stage_artifacts(plan: StagePlan, store: ObjectStore) -> None:
     )
 
 
-def run_stage(config_json: str, stage: str, inputs: dict[str, str], params: dict | None = None) -> str:
-    """Plan, skip-if-committed, launch, verify. Returns the committed output URI."""
+def launch_stage_worker(plan: StagePlan, cfg: RunConfig, log) -> LaunchResult:
+    """The default way to run a planned stage: its own worker launch (torchrun for training stages)."""
+    return launch(launch_spec_for(plan, cfg), log=log)
+
+
+def run_stage(
+    config_json: str,
+    stage: str,
+    inputs: dict[str, str],
+    params: dict | None = None,
+    run_worker: Callable[[StagePlan, RunConfig, Callable[[str], None]], LaunchResult] = launch_stage_worker,
+) -> str:
+    """Plan, skip-if-committed, launch, verify. Returns the committed output URI.
+
+    `run_worker(plan, cfg, log)` runs the planned stage (spec written) and returns its LaunchResult."""
     logger = get_run_logger()
     cfg: RunConfig = config_from_dict(json.loads(config_json))
     store = ObjectStore.from_config(cfg.storage)
@@ -140,9 +156,9 @@ def run_stage(config_json: str, stage: str, inputs: dict[str, str], params: dict
             # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a
             # missing limit is an error instead of an unbounded oversubscription of the GPUs.
             with concurrency(resources.pool, occupy=gpus, strict=True):
-                result = launch(launch_spec_for(plan, cfg), log=reporter)
+                result = run_worker(plan, cfg, reporter)
         else:
-            result = launch(launch_spec_for(plan, cfg), log=reporter)
+            result = run_worker(plan, cfg, reporter)
     finally:
         reporter.close()
     logger.info("%s: %s in %.1fs", stage, result.outcome.name, result.duration_s)
@@ -180,24 +196,32 @@ def train_sft(config_json: str, data_uri: str) -> str:
 
 
 @_stage_task(name="generate_rollouts")
-def generate_rollouts(config_json: str, policy_uri: str, data_uri: str, iteration: int) -> str:
-    """vLLM rollouts for one GRPO iteration, scored by the reward functions."""
+def generate_rollouts(
+    config_json: str, policy_uri: str, data_uri: str, iteration: int, policy_iteration: int | None = None
+) -> str:
+    """vLLM rollouts for GRPO iteration `iteration`, sampled by `policy_uri` whose policy index is
+    `policy_iteration` (SFT = 0, after GRPO iteration k = k+1; None = `iteration`, on-policy), scored by the
+    reward functions. Every row records the index, for the GRPO stage's staleness check."""
+    sampler = iteration if policy_iteration is None else policy_iteration
     return run_stage(
         config_json,
         "rollout",
         inputs={"policy": policy_uri, "data": data_uri},
-        params={"iteration": iteration},
+        params={"iteration": iteration, "policy_iteration": sampler},
     )
 
 
 @_stage_task(name="train_grpo")
 def train_grpo(config_json: str, policy_uri: str, rollouts_uri: str, iteration: int) -> str:
-    """One GRPO update on a committed rollout batch under torchrun."""
+    """One GRPO update on a committed rollout batch under torchrun: its own launch, or an order to the flow
+    run's long-lived trainer job with `grpo.trainer_lifetime: flow` (forge_core.run.trainer_job)."""
+    lifetime = json.loads(config_json).get("grpo", {}).get("trainer_lifetime", "stage")
     return run_stage(
         config_json,
         "grpo",
         inputs={"policy": policy_uri, "rollouts": rollouts_uri},
         params={"iteration": iteration},
+        run_worker=run_in_flow_trainer if lifetime == TRAINER_FLOW else launch_stage_worker,
     )
 
 

@@ -331,8 +331,9 @@ class RolloutConfig:
     # seconds instead of tens of seconds on CPU, no scheduler process competing for the cores.
     engine_in_process: bool = True
     # How long a vLLM engine lives. "stage": each rollout/evaluate stage starts its own and stops it when it
-    # ends. "flow": the stages share one long-lived engine service (forge_core.rollout.service) that loads
-    # each new policy in place (milliseconds instead of an engine start-up); the flow stops it at its end.
+    # ends. "flow": the stages share the flow run's long-lived engine services (forge_core.rollout.service;
+    # num_engines of them, prompts re-routed from a dead one to the live ones) that load each new policy in
+    # place (milliseconds instead of an engine start-up); the flow stops them at its end.
     # Samples do not depend on it (per-prompt seeds), so it is not part of the rollout artifacts' key.
     engine_lifetime: Literal["stage", "flow"] = "stage"
     # Folder of the flow's engine service (Unix socket, key, log; made mode 0700). null = a folder under the
@@ -343,7 +344,7 @@ class RolloutConfig:
     def check(self) -> list[str]:
         errors = []
         if self.engine_state_dir is not None:
-            errors += _engine_state_dir_errors(self.engine_state_dir)
+            errors += _engine_state_dir_errors(self.engine_state_dir, self.num_engines)
         if self.engine_in_process and self.tensor_parallel_size != 1:
             errors.append(
                 f"rollout.engine_in_process=true: needs rollout.tensor_parallel_size=1 (got "
@@ -366,17 +367,21 @@ class RolloutConfig:
         return errors
 
 
-# The engine service's socket file in its state dir (forge_core.rollout.service, default name) and the
-# limit of a Unix socket path on Linux (108 bytes with the terminating NUL).
-_ENGINE_SOCKET_NAME_BYTES = len("/rollout.sock")
+# The limit of a Unix socket path on Linux (108 bytes with the terminating NUL).
 _UNIX_SOCKET_PATH_MAX = 107
 
 
-def _engine_state_dir_errors(state_dir: str) -> list[str]:
+def _longest_engine_socket_name(num_engines: int) -> str:
+    """The longest socket file name of the flow's engine services (forge_core.rollout.service.engine_names:
+    `rollout` for one engine, `engine-0..N-1` for several)."""
+    return "/rollout.sock" if num_engines <= 1 else f"/engine-{num_engines - 1}.sock"
+
+
+def _engine_state_dir_errors(state_dir: str, num_engines: int) -> list[str]:
     if not state_dir.strip():
         return ["rollout.engine_state_dir='': give a folder for the engine service, or null for the default"]
     folder = os.path.abspath(os.path.expanduser(state_dir))
-    socket_bytes = len(os.fsencode(folder)) + _ENGINE_SOCKET_NAME_BYTES
+    socket_bytes = len(os.fsencode(folder)) + len(_longest_engine_socket_name(num_engines))
     if socket_bytes > _UNIX_SOCKET_PATH_MAX:
         return [
             (
@@ -462,6 +467,22 @@ class GRPOConfig:
     micro_batch_size: int = 64
     # In-stage checkpoint every N optimizer steps (and always after the last one).
     checkpoint_every: int = 16
+    # "stage": every GRPO iteration launches its own torchrun job. "flow": the first GRPO task of a flow run
+    # starts one torchrun job that trains every iteration in order (forge_core.run.trainer_job), saving
+    # torchrun + interpreter + import start-up per iteration; each iteration is still a task that waits on
+    # its committed artifact, and a retry restarts the job. Same results; not part of the artifacts' key.
+    trainer_lifetime: Literal["stage", "flow"] = "stage"
+    # How rollouts and training interleave. Policy index v: SFT = 0, after GRPO iteration k (0-based) = k+1;
+    # iteration k trains policy k on rollouts sampled by policy k - s (s = staleness, recorded per row).
+    # "sync": s = 0; each iteration's rollouts come from the policy it trains (rollout, GRPO, eval in turn).
+    # "async": iteration k's rollouts are sampled by policy max(0, k - max_staleness) and generated while
+    # the iterations before k train; the clipped ratio against the generator's logprobs corrects for it.
+    # async with max_staleness 0 is sync (same stages, same artifacts). Not part of the artifacts' key.
+    mode: Literal["sync", "async"] = "sync"
+    # Most policy updates a rollout row may lag the policy it trains (async); the GRPO stage fails on a row
+    # above it. Sync means 0 by definition: there this must stay at its default (1) or be 0, any other value
+    # is a config error since it could not take effect. Not part of the artifacts' key.
+    max_staleness: int = 1
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
@@ -481,7 +502,21 @@ class GRPOConfig:
             )
         if self.checkpoint_every < 1:
             errors.append(f"grpo.checkpoint_every={self.checkpoint_every}: must be >= 1")
+        if self.trainer_lifetime not in ("stage", "flow"):
+            errors.append(f"grpo.trainer_lifetime={self.trainer_lifetime!r}: must be 'stage' or 'flow'")
+        errors.extend(self._check_staleness())
         return errors
+
+    def _check_staleness(self) -> list[str]:
+        if self.max_staleness < 0:
+            return [f"grpo.max_staleness={self.max_staleness}: must be >= 0 (policy updates a rollout may lag)"]
+        if self.mode == "sync" and self.max_staleness not in (0, GRPOConfig.max_staleness):
+            ignored = (
+                f"grpo.max_staleness={self.max_staleness} with grpo.mode=sync: sync rollouts always have "
+                "staleness 0, so this bound would be ignored; set grpo.mode=async to use it, or leave it out"
+            )
+            return [ignored]
+        return []
 
 
 @dataclass
@@ -584,6 +619,12 @@ class RunConfig:
             errors.append(
                 f"rollout.sampling.group_size={self.rollout.sampling.group_size}: GRPO needs >= 2 samples per "
                 "prompt to compute a group baseline"
+            )
+        if self.grpo.trainer_lifetime == "flow" and self.launch.grpo.nnodes != 1:
+            errors.append(
+                f"grpo.trainer_lifetime='flow' with launch.grpo.nnodes={self.launch.grpo.nnodes}: the long-lived "
+                "trainer job takes its orders from a local folder and runs on one node; set "
+                "grpo.trainer_lifetime=stage for multi-node GRPO"
             )
         samples = self.rollout.prompts_per_iteration * self.rollout.sampling.group_size
         if self.grpo.iterations > 0 and self.grpo.mini_batch_size > 0 and samples % self.grpo.mini_batch_size:

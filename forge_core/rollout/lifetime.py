@@ -6,8 +6,10 @@ long-lived engine service (`flow`, forge_core.rollout.service).
     ...
     stop_flow_engines(cfg)                                     # the flow, at its end and on failure/cancel
 
-With `flow`, the stage connects to the service under `engine_state_dir(cfg)` (starting it if none answers),
-loads its policy version in place, generates, and disconnects; the service keeps running for the next stage.
+With `flow`, the stage connects to the `rollout.num_engines` services under `engine_state_dir(cfg)` (starting
+those that do not answer), loads its policy version in place, generates (prompts split across the live
+engines, a dead engine's prompts re-routed to the others: service/router.py), and disconnects; the services
+keep running for the next stage.
 Default state folder: `<tempdir>/forgeflow-engines-<uid>/<run name>-<hash>`, the hash over the run name, the
 storage root and the working directory, so reruns and resumes of one run find the engine their stages
 started while two different runs (or the same name in two projects) do not share one. Two concurrent flows of
@@ -58,13 +60,13 @@ def stage_generator(cfg: RunConfig, policy: PolicyRef, seed: int) -> Iterator:
     """
     rollout = cfg.rollout
     if rollout.engine_lifetime == FLOW:
-        client = EngineService.ensure(
+        router = EngineService.ensure_engines(
             engine_state_dir(cfg), rollout, policy.local_dir, policy.version, seed=seed
         )
         try:
-            yield client.serving(policy.version, rollout.sampling)
+            yield router.serving(policy.version, rollout.sampling)
         finally:
-            client.close()  # the service stays up for the next stage
+            router.close()  # the services stay up for the next stage
         return
     from forge_core.rollout.pool import open_generator
 
@@ -74,7 +76,7 @@ def stage_generator(cfg: RunConfig, policy: PolicyRef, seed: int) -> Iterator:
 
 
 def stop_flow_engines(cfg: RunConfig) -> list[int]:
-    """Stop the run's engine services (nothing when there are none); returns the pids stopped.
+    """Stop all the run's engine services (nothing when there are none); returns the pids stopped.
 
     Safe to call whatever `rollout.engine_lifetime` says: a flow calls it in its `finally`.
     """

@@ -54,6 +54,13 @@ class ReplicaLayout:
     env: dict[str, str]
     cpus: tuple[int, ...] | None = None
 
+    def apply(self) -> None:
+        """Give this process the replica's environment and cores; call before vLLM is imported (its
+        scheduler and worker processes inherit both)."""
+        os.environ.update(self.env)
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
+
 
 def replica_layouts(engine: EngineOptions, num_engines: int) -> list[ReplicaLayout]:
     """Disjoint cores per replica on CPU (the replica process, its scheduler and its worker all stay on
@@ -235,9 +242,7 @@ def _picklable(exc: BaseException) -> BaseException | None:
 
 def _replica_main(conn: Connection, policy_dir: str, sampling: SamplingConfig, layout: ReplicaLayout) -> None:
     """Body of a replica process: own cores and environment, one Generator, then serve calls until closed."""
-    os.environ.update(layout.env)
-    if layout.cpus is not None:
-        os.sched_setaffinity(0, layout.cpus)  # inherited by vLLM's scheduler and worker processes
+    layout.apply()
     options = layout.options
     try:
         generator = Generator(policy_dir, sampling, options)

@@ -13,8 +13,12 @@
 | reward_<name> | float64 | one column per reward component, unweighted |
 | reward | float64 | the weighted sum of the components |
 | policy_uri, policy_version | string | the policy artifact that sampled; the weights version served |
-| iteration, seed | int32, int64 | the GRPO iteration and the rollout seed |
+| iteration, seed | int32, int64 | the GRPO iteration (0-based) these rows train, and the rollout seed |
+| policy_iteration | int32 | the sampling policy's index (SFT = 0, after GRPO iteration k = k+1) |
 | sampling_params, reward_versions | string | JSON: sampling settings; {reward name: version} |
+
+A row's staleness is `iteration - policy_iteration`: 0 in `grpo.mode: sync`, at most `grpo.max_staleness` in
+`async` (forge_core.trainers.staleness checks it in the GRPO stage).
 
 `policy_version` is `forge_core.rollout.policy.weights_version` of the policy's manifest: the checksum the
 engine (or the long-lived engine service) confirmed it was serving when it generated these rows.
@@ -56,6 +60,7 @@ _LINEAGE_FIELDS = [
     pa.field("policy_uri", pa.string(), nullable=False),
     pa.field("policy_version", pa.string(), nullable=False),
     pa.field("iteration", pa.int32(), nullable=False),
+    pa.field("policy_iteration", pa.int32(), nullable=False),
     pa.field("seed", pa.int64(), nullable=False),
     pa.field("sampling_params", pa.string(), nullable=False),
     pa.field("reward_versions", pa.string(), nullable=False),
@@ -72,6 +77,12 @@ class RolloutLineage:
     seed: int
     sampling_params: str  # JSON
     reward_versions: str  # JSON
+    # The sampling policy's index (forge_core.trainers.staleness); None = `iteration` (on-policy, sync).
+    policy_iteration: int | None = None
+
+    @property
+    def sampler_index(self) -> int:
+        return self.iteration if self.policy_iteration is None else self.policy_iteration
 
 
 def rollout_schema(reward_columns: Sequence[str]) -> pa.Schema:
@@ -108,6 +119,7 @@ def rollout_table(samples: Sequence[Sample], scored: ScoredRewards, lineage: Rol
         "policy_uri": [lineage.policy_uri] * n,
         "policy_version": [lineage.policy_version] * n,
         "iteration": [lineage.iteration] * n,
+        "policy_iteration": [lineage.sampler_index] * n,
         "seed": [lineage.seed] * n,
         "sampling_params": [lineage.sampling_params] * n,
         "reward_versions": [lineage.reward_versions] * n,

@@ -3,7 +3,8 @@
     python -m forge_core.run <stage> --spec <output_uri>/_spec.json [--endpoint-url http://host:9000]
     torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec file:///.../_spec.json
 
-Stages: prepare, sft, rollout, grpo, evaluate; each is `forge_core.run.<stage>:main(spec)`. The stage runs
+Stages: prepare, sft, rollout, grpo, evaluate; each is `forge_core.run.<stage>:main(spec)`. Jobs (JOBS, e.g.
+`python -m forge_core.run grpo-job --orders <dir>`) take their own arguments. The stage runs
 wrapped in forge_core.launch.record_errors (torch's error recorder), so an exception on any rank lands in
 TORCHELASTIC_ERROR_FILE where the launcher reads it. `--endpoint-url` names a custom S3 endpoint for
 reading the spec itself (the FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL environment variables work too).
@@ -18,8 +19,16 @@ from collections.abc import Callable
 
 from forge_core.config.schema import STAGES, StorageConfig
 
+# Long-lived jobs (not stages): `python -m forge_core.run <job> <its own arguments>`.
+JOBS = {"grpo-job": "forge_core.run.grpo_job"}  # the GRPO trainer job of grpo.trainer_lifetime=flow
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in JOBS:
+        job_main = importlib.import_module(JOBS[argv[0]]).main
+        _error_recorder()(job_main)(argv[1:])
+        return 0
     args = _parse_args(argv)
     stage_main = _import_stage_main(args.stage)
     _error_recorder()(_run_stage)(args.stage, args.spec, args.endpoint_url, stage_main)

@@ -35,7 +35,7 @@ import numpy as np
 
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
-from forge_core.engine.distributed import broadcast_object, run_on_rank0
+from forge_core.engine.distributed import DistContext, broadcast_object, run_on_rank0
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.metrics import build_sinks
 from forge_core.models import load_hf_folder
@@ -51,6 +51,7 @@ from forge_core.trainers.grpo import (
 )
 from forge_core.trainers.rl_batch import RLBatch
 from forge_core.trainers.stage import commit_stage, download_policy, export_policy, stage_kind
+from forge_core.trainers.staleness import check_staleness
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> Rol
             f"{source}: a prompt + response has {longest} tokens, more than model.max_seq_len="
             f"{cfg.model.max_seq_len}; raise model.max_seq_len or lower rollout.sampling.max_new_tokens"
         )
-    stats = dict(rollouts.stats)
+    stats = {**rollouts.stats, **check_staleness(table, cfg.grpo, source)}  # fatal above grpo.max_staleness
     if "policy_uri" in table.column_names:
         sampled_by = {uri.rstrip("/").removesuffix("/policy") for uri in table.column("policy_uri").to_pylist()}
         on_input_policy = sampled_by == {inputs.policy_uri.rstrip("/")}
@@ -179,6 +180,18 @@ def main(spec: StageSpec) -> None:
     """Train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module docstring)."""
     started = time.perf_counter()  # the manifest's wall_s: the stage body, without interpreter start-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dist_ctx = init_distributed(spec.run_config().training.device)
+    try:
+        train_iteration(spec, dist_ctx, started)
+    finally:
+        destroy_distributed()
+
+
+def train_iteration(spec: StageSpec, dist_ctx: DistContext, started: float | None = None) -> None:
+    """Collective: one GRPO stage on an initialised process group, which it leaves up. The body of both the
+    per-stage worker (`main`) and the long-lived trainer job (forge_core.run.grpo_job), so the two lifetimes
+    run the same code. `started` (perf_counter) is where the manifest's wall_s counts from (default: now)."""
+    started = time.perf_counter() if started is None else started
     cfg = spec.run_config()
     store = ObjectStore.from_config(cfg.storage)
     if store.is_committed(spec.output_uri):
@@ -188,7 +201,6 @@ def main(spec: StageSpec) -> None:
     iteration = int(spec.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens)
     inputs = resolve_inputs(store, spec, kl_on=loss.kl is not None)
-    dist_ctx = init_distributed(cfg.training.device)
     with tempfile.TemporaryDirectory(prefix="forge-grpo-") as tmp:
         workdir = Path(tmp)
         policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist_ctx)
@@ -233,4 +245,3 @@ def main(spec: StageSpec) -> None:
             log.info("committed %s (policy %s)", spec.output_uri, policy_uri)
         finally:
             trainer.close()
-            destroy_distributed()

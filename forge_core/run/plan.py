@@ -58,7 +58,11 @@ class StagePlan:
 
 
 # Keys inside those sections that only say how the work is run, never what it produces.
-OPERATIONAL_KEYS = {"rollout": ("engine_lifetime", "engine_state_dir")}
+OPERATIONAL_KEYS = {
+    "rollout": ("engine_lifetime", "engine_state_dir"),
+    # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them.
+    "grpo": ("trainer_lifetime", "mode", "max_staleness"),
+}
 
 
 def stage_key_material(cfg: RunConfig, stage: str) -> dict:

@@ -7,7 +7,9 @@ Inputs (`spec.inputs`):
            manifest hash) and loaded into vLLM.
   data     a committed `data` artifact; this iteration's prompts come from its `rl_prompts.parquet`.
 Params: `iteration` (int >= 0, default 0) picks the prompts: positions [k*P, (k+1)*P) of a per-epoch
-permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts).
+permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts). `policy_iteration` (int, 0 ..
+iteration; default: iteration, i.e. on-policy) is the index of the policy input (SFT = 0, after GRPO
+iteration k = k+1), recorded on every row so the GRPO stage can check staleness (forge_core.trainers.staleness).
 
 Output `<output_uri>` (kind `rollouts`): `rollouts.parquet`, one row per sample with tokens, the generator's
 logprobs, finish reason, each reward component, the total reward and lineage (forge_core.rollout.table), and a
@@ -55,6 +57,7 @@ class RolloutPlan:
     output_uri: str
     inputs: dict[str, str]
     iteration: int
+    policy_iteration: int
     seed: int
     prompts: list[Prompt]
     rewards: RewardSet
@@ -77,6 +80,18 @@ def iteration_param(spec: StageSpec) -> int:
     value = spec.params.get("iteration", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"stage spec {spec.output_uri}: params.iteration={value!r}; give an int >= 0")
+    return value
+
+
+def policy_iteration_param(spec: StageSpec, iteration: int) -> int:
+    """The sampling policy's index; absent = `iteration` (on-policy, what every rollout was before async)."""
+    value = spec.params.get("policy_iteration", iteration)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= iteration:
+        raise ValueError(
+            f"stage spec {spec.output_uri}: params.policy_iteration={value!r} with params.iteration={iteration}; "
+            f"give the policy input's index, an int in [0, {iteration}] (a rollout cannot come from a policy "
+            "newer than the one it trains)"
+        )
     return value
 
 
@@ -118,6 +133,7 @@ def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
     policy_uri = required_input(spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to sample)")
     data_uri = required_input(spec, DATA_INPUT, "a committed data artifact (rl_prompts.parquet)")
     iteration = iteration_param(spec)
+    policy_iteration = policy_iteration_param(spec, iteration)
     rewards = RewardSet.from_config(cfg.rollout.rewards)  # a bad reward fails before vLLM starts
     seed = rollout_seed(cfg.seed, cfg.rollout.sampling)
     table = read_prompt_split(store, data_uri, PROMPTS_SPLIT)
@@ -129,6 +145,7 @@ def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
         output_uri=spec.output_uri,
         inputs={POLICY_INPUT: policy_uri, DATA_INPUT: data_uri},
         iteration=iteration,
+        policy_iteration=policy_iteration,
         seed=seed,
         prompts=prompts,
         rewards=rewards,
@@ -153,12 +170,14 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
         seed=plan.seed,
         sampling_params=sampling_json(sampling, plan.seed),
         reward_versions=json.dumps(plan.rewards.versions(), sort_keys=True),
+        policy_iteration=plan.policy_iteration,
     )
     table = rollout_table(samples, scored, lineage)
     metrics = {
         **rollout_metrics(table, plan.rewards.primary_column),
         "prompts": float(len(plan.prompts)),
         "iteration": plan.iteration,
+        "policy_iteration": plan.policy_iteration,
         "generation_s": generation_s,
         "tokens_per_s": sum(s.response_len for s in samples) / generation_s if generation_s > 0 else 0.0,
         **engine_metrics(plan.cfg, generator),

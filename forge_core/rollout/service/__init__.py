@@ -1,0 +1,104 @@
+"""The long-lived rollout engine: one vLLM `Generator` in a service process that outlives the stages using it.
+
+A stage-per-iteration loop pays a vLLM start-up (tens of seconds on CPU) in every rollout and evaluate stage;
+this service pays it once per flow run and loads each new policy in place (`Generator.reload`, milliseconds
+for small models). Stage code uses it through the Generator interface:
+
+    client = EngineService.ensure(state_dir, cfg.rollout, policy.local_dir, policy.version)
+    samples = client.serving(policy.version).generate(prompts, seed=7)   # or client.generate(..., expected_version)
+    client.close()                               # disconnects; the service keeps running
+    ...
+    stop_services(state_dir)                     # the flow, at its end and on failure/cancellation
+
+or by hand: `python -m forge_core.rollout.service --state-dir D --policy-dir P --policy-version V ...` (what
+`ensure` runs; see `server.main`).
+
+Several engines (`rollout.num_engines: N > 1`): `EngineService.ensure_engines(state_dir, rollout, policy_dir,
+policy_version)` keeps N services `engine-0` .. `engine-<N-1>` (one vLLM engine each, on its own cores or GPUs:
+pool.replica_layouts) and returns an `EngineRouter` (router.py) with the same generate/serving/close: it splits
+prompts across the live engines and re-routes a dead engine's prompts to the others (per-prompt seeds: the
+samples do not change); the next `ensure_engines` restarts the dead one. With N = 1 it is the one service
+`rollout`.
+
+Modules: `state` (the state folder, records, errors: both sides), `client` (EngineClient, EngineService,
+stop_services: the caller's side), `router` (EngineRouter), `server` (the service process). Import the public
+names from here.
+
+Requests: `ping` -> {pid, policy_version, uptime_s, ...}; `load(policy_dir, policy_version)` -> reloads the
+weights in place and records the version (no-op when that version is already served); `generate(prompts,
+seed, sampling, expected_version)` -> samples, refused with `PolicyVersionMismatch` when the engine serves
+another version (never silently the wrong policy); `shutdown`.
+
+Channel: `multiprocessing.connection` on a Unix socket in the state folder. No TCP port to pick, collide on
+or expose; access is limited by file permissions (folder 0700, socket 0600) plus an HMAC challenge with a
+32-byte key in `<state_dir>/authkey` (0600), so only this user's processes that can read the key get in;
+token-id lists and `Sample`s travel as pickles (no HTTP/JSON encoding of every token, no tokenizer round
+trip as with vLLM's OpenAI server). Pickle is safe here because every peer has passed the key challenge.
+
+State folder `<state_dir>` (one flow run's engines; several services by `name`):
+  `<name>.sock`  the socket, `<name>.json`  the service record (pid, start time, launch id, status
+  starting/ready/failed, what it serves), `<name>.log`  its stdout/stderr, `<name>.lock`  serialises
+  start-ups, `authkey`.
+
+Process ownership: the service runs in its own session with its own FORGE_LAUNCH_ID and writes a launch
+registry record (forge_core.launch.registry) whose owner is the process that bounds its life: the flow
+process that launched the stage worker calling `ensure` (found through the worker's own FORGE_LAUNCH_ID),
+else the caller. So `reap_orphaned_launches()` ends a service whose flow died, the stage's launcher leaves it
+alone (process_tree skips descendants of another launch), and the service also exits by itself when its
+owner is gone. vLLM's processes started by the service carry its launch id, so `stop_services` finds them.
+
+Requests touching the engine run one at a time on the service's main thread (vLLM is not shared across
+threads); `ping` is answered by the connection's thread, also while a generation runs. After an unexpected
+engine error (e.g. vLLM's EngineDeadError) the service replies and exits: the next `ensure` (the stage's
+retry) starts a new one.
+"""
+
+from forge_core.rollout.service.client import (
+    EngineClient,
+    EngineService,
+    ServedGenerator,
+    end_stale_service,
+    engine_names,
+    healthy_client,
+    service_environment,
+    stop_services,
+)
+from forge_core.rollout.service.router import EngineRouter
+from forge_core.rollout.service.server import main
+from forge_core.rollout.service.state import (
+    DEFAULT_NAME,
+    MODULE,
+    EngineServiceError,
+    PolicyVersionMismatch,
+    ServicePaths,
+    ServiceRecord,
+    check_private,
+    log_tail,
+    prepare_state_dir,
+    read_record,
+    write_record,
+)
+
+__all__ = [
+    "DEFAULT_NAME",
+    "MODULE",
+    "EngineClient",
+    "EngineRouter",
+    "EngineService",
+    "EngineServiceError",
+    "PolicyVersionMismatch",
+    "ServedGenerator",
+    "ServicePaths",
+    "ServiceRecord",
+    "check_private",
+    "end_stale_service",
+    "engine_names",
+    "healthy_client",
+    "log_tail",
+    "main",
+    "prepare_state_dir",
+    "read_record",
+    "service_environment",
+    "stop_services",
+    "write_record",
+]

@@ -1,0 +1,582 @@
+"""The caller's side of the engine service: connecting, starting, restarting and stopping services.
+
+    client = EngineService.ensure(state_dir, cfg.rollout, policy_dir, policy_version)   # EngineClient
+    samples = client.serving(policy_version).generate(prompts, seed=7)
+    stop_services(state_dir)
+
+The package docstring (forge_core.rollout.service) has the whole picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing.connection import AuthenticationError, Client, Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import psutil
+
+from forge_core.config.schema import RolloutConfig, SamplingConfig
+from forge_core.launch import registry
+from forge_core.launch.process_tree import end_processes, is_alive, processes_with_launch_id
+from forge_core.launch.spec import ERROR_FILE_ENV, LAUNCH_ID_ENV, LOG_PREFIX_TEMPLATE_ENV
+from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.generator import model_fingerprint
+from forge_core.rollout.service.state import (
+    DEFAULT_NAME,
+    FAILED,
+    MODULE,
+    PING_TIMEOUT_S,
+    READY,
+    EngineServiceError,
+    PolicyVersionMismatch,
+    ServicePaths,
+    engine_identity,
+    log_tail,
+    prepare_state_dir,
+    read_record,
+)
+from forge_core.rollout.types import Prompt, Sample
+
+if TYPE_CHECKING:
+    from forge_core.rollout.pool import ReplicaLayout
+    from forge_core.rollout.service.router import EngineRouter
+
+log = logging.getLogger(__name__)
+# How often a client waiting for a reply checks that the service process still lives.
+REPLY_POLL_S = 0.5
+
+# Services this process started: kept so their exit status is collected (no zombies while we live).
+_children: dict[int, subprocess.Popen] = {}
+
+
+def _raise_reply_error(error: dict, pid: int, paths: ServicePaths) -> None:
+    kind, message = error.get("kind"), error.get("message", "")
+    if kind == "version":
+        raise PolicyVersionMismatch(message)
+    if kind == "user":
+        raise ValueError(message)
+    raise EngineServiceError(
+        f"engine service pid {pid} ({paths.socket}) failed: {message}\n{error.get('traceback', '')}"
+    )
+
+
+class EngineClient:
+    """A connection to one engine service. Not thread-safe: one request at a time per client."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        paths: ServicePaths,
+        info: dict,
+        startup_s: float = 0.0,
+        process: psutil.Process | None = None,
+    ):
+        self._conn = conn
+        self.paths = paths
+        self.pid = int(info["pid"])
+        self.info = info
+        # The service process (from its record): a reply never comes from a dead one, even if the socket
+        # stays open.
+        self._process = process
+        # Seconds this client spent starting the service (0.0 when it found one running) and loading weights.
+        self.startup_s = startup_s
+        self.reload_s = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.paths.name
+
+    @property
+    def policy_version(self) -> str:
+        return self.info["policy_version"]
+
+    def _call(self, op: str, timeout_s: float | None = None, **kwargs) -> Any:
+        try:
+            self._conn.send((op, kwargs))
+            self._await_reply(op, timeout_s)
+            status, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineServiceError(
+                f"engine service pid {self.pid} ({self.paths.socket}) went away during {op!r} ({exc!r}); "
+                f"its log {self.paths.log} ends with:\n{log_tail(self.paths)}"
+            ) from exc
+        if status != "ok":
+            _raise_reply_error(payload, self.pid, self.paths)
+        return payload
+
+    def _await_reply(self, op: str, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._conn.poll(REPLY_POLL_S):
+            if self._process is not None and not is_alive(self._process) and not self._conn.poll(0):
+                raise EngineServiceError(
+                    f"engine service {self.name} pid {self.pid} died during {op!r}; its log {self.paths.log} "
+                    f"ends with:\n{log_tail(self.paths)}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineServiceError(
+                    f"engine service pid {self.pid} ({self.paths.socket}) did not answer {op!r} within "
+                    f"{timeout_s:g} s"
+                )
+
+    def ping(self, timeout_s: float = PING_TIMEOUT_S) -> dict:
+        """{pid, policy_version, uptime_s, policy_dir, engine, layout, model_fingerprint, busy, ...}"""
+        self.info = self._call("ping", timeout_s=timeout_s)
+        return self.info
+
+    def load(self, policy_dir: str | os.PathLike, policy_version: str) -> float:
+        """Serve `policy_version` from `policy_dir` (weights reloaded in place); returns the reload seconds."""
+        reply = self._call("load", policy_dir=str(Path(policy_dir).absolute()), policy_version=policy_version)
+        self.info = reply["info"]
+        self.reload_s = float(reply["reload_s"])
+        return self.reload_s
+
+    def generate(
+        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig, expected_version: str
+    ) -> list[Sample]:
+        """`Generator.generate` in the service; PolicyVersionMismatch unless it serves `expected_version`."""
+        reply = self._call(
+            "generate", prompts=list(prompts), seed=seed, sampling=sampling, expected_version=expected_version
+        )
+        assert reply["policy_version"] == expected_version, "the service checks the version before generating"
+        return reply["samples"]
+
+    def serving(self, policy_version: str, sampling: SamplingConfig | None = None) -> ServedGenerator:
+        """This service behind the Generator interface of stage code, pinned to `policy_version`."""
+        return ServedGenerator(self, policy_version, sampling)
+
+    def shutdown(self, timeout_s: float = PING_TIMEOUT_S) -> None:
+        """Ask the service to stop its engine and exit (does not wait for the exit)."""
+        self._call("shutdown", timeout_s=timeout_s)
+        self.close()
+
+    def close(self) -> None:
+        """Disconnect; the service keeps running."""
+        with contextlib.suppress(OSError):
+            self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclass
+class ServedGenerator:
+    """What the rollout/evaluate stage code calls (`generate(prompts, seed, sampling)`), served by a service.
+
+    Every call carries `policy_version`: samples never silently come from other weights.
+    """
+
+    client: EngineClient | EngineRouter
+    policy_version: str
+    sampling: SamplingConfig | None = None
+
+    @property
+    def startup_s(self) -> float:
+        return self.client.startup_s
+
+    @property
+    def reload_s(self) -> float:
+        return self.client.reload_s
+
+    def generate(
+        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig | None = None
+    ) -> list[Sample]:
+        sampling = sampling or self.sampling
+        if sampling is None:
+            raise ValueError("ServedGenerator.generate: pass sampling= (this generator has no default)")
+        return self.client.generate(prompts, seed, sampling, self.policy_version)
+
+
+def _connect(paths: ServicePaths, timeout_s: float) -> Connection | None:
+    """A connection to the service's socket, or None when nothing answers the key challenge in time.
+
+    `Client` has no timeout and a stopped (not dead) service would hold its handshake forever, so the
+    attempt runs on a daemon thread that is abandoned on timeout.
+    """
+    if not paths.socket.exists():
+        return None
+    try:
+        key = paths.authkey.read_bytes()
+    except OSError:
+        return None
+    outcome: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            outcome["conn"] = Client(str(paths.socket), family="AF_UNIX", authkey=key)
+        except (OSError, EOFError, AuthenticationError) as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=attempt, name="forge-engine-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "error" in outcome:
+        log.debug("engine service %s: %r", paths.socket, outcome["error"])
+    return outcome.get("conn")
+
+
+def healthy_client(paths: ServicePaths, timeout_s: float = PING_TIMEOUT_S) -> EngineClient | None:
+    """A client of the service recorded in `paths` if it is ready and answers a ping, else None."""
+    record = read_record(paths)
+    process = record.process() if record is not None and record.status == READY else None
+    if process is None:
+        return None
+    conn = _connect(paths, timeout_s)
+    if conn is None:
+        return None
+    client = EngineClient(conn, paths, {"pid": record.pid, "policy_version": ""}, process=process)
+    try:
+        client.ping(timeout_s)
+    except EngineServiceError as exc:
+        log.warning("engine service pid %d does not answer: %s", record.pid, exc)
+        client.close()
+        return None
+    return client
+
+
+def layout_record(layout: ReplicaLayout | None) -> dict:
+    """What a service is told (`--layout`) and reports (`info["layout"]`) about its share of the machine."""
+    if layout is None:
+        return {"env": {}, "cpus": None}
+    return {"env": dict(layout.env), "cpus": None if layout.cpus is None else list(layout.cpus)}
+
+
+def _incompatibility(info: dict, options: EngineOptions, layout: dict, fingerprint: str) -> str | None:
+    """Why a running service cannot serve this request (restart needed), or None."""
+    if info.get("engine") != engine_identity(options):
+        return f"engine options {info.get('engine')} -> {engine_identity(options)}"
+    if info.get("layout") != layout:
+        return f"layout {info.get('layout')} -> {layout}"
+    if info.get("model_fingerprint") != fingerprint:
+        return "another model architecture or tokenizer (config.json/tokenizer.json differ)"
+    return None
+
+
+class EngineService:
+    """Starting, finding and stopping engine services (the module docstring has the whole picture)."""
+
+    @staticmethod
+    def ensure(
+        state_dir: str | os.PathLike,
+        rollout: RolloutConfig,
+        policy_dir: str | os.PathLike,
+        policy_version: str,
+        *,
+        name: str = DEFAULT_NAME,
+        seed: int = 0,
+        startup_timeout_s: float = 900.0,
+        layout: ReplicaLayout | None = None,
+    ) -> EngineClient:
+        """A client of a ready service `name` (one engine) serving `policy_version`, starting (or restarting)
+        it if needed. `layout` confines the engine to a share of the machine (one of several engines);
+        `rollout.num_engines` is `ensure_engines`' business.
+
+        A service that does not answer a ping (dead, hung, or left half-started by a killed caller) is ended
+        and its files cleaned; one started with other engine options or for another architecture is
+        stopped and replaced. Start-up fails with EngineServiceError (the log tail inside) when the service
+        dies or is not ready within `startup_timeout_s`, or with ValueError for a user error it reported.
+        """
+        paths = prepare_state_dir(state_dir, name)
+        policy_dir = Path(policy_dir).absolute()
+        options = EngineOptions.from_config(rollout, seed=seed)
+        fingerprint = model_fingerprint(policy_dir)
+        share = layout_record(layout)
+        with _exclusive(paths.lock):
+            client = healthy_client(paths)
+            if client is not None:
+                reason = _incompatibility(client.info, options, share, fingerprint)
+                if reason is not None:
+                    log.warning("engine service pid %d is replaced: %s", client.pid, reason)
+                    _stop_service(paths, client)
+                    client = None
+            if client is None:
+                end_stale_service(paths)
+                client = _start_service(
+                    paths, options, rollout, share, policy_dir, policy_version, startup_timeout_s
+                )
+        client.load(policy_dir, policy_version)
+        return client
+
+    @staticmethod
+    def ensure_engines(
+        state_dir: str | os.PathLike,
+        rollout: RolloutConfig,
+        policy_dir: str | os.PathLike,
+        policy_version: str,
+        *,
+        seed: int = 0,
+        startup_timeout_s: float = 900.0,
+    ) -> EngineRouter:
+        """`rollout.num_engines` ready services serving `policy_version`, behind one EngineRouter.
+
+        One engine is service `rollout`; N > 1 are `engine-0` .. `engine-<N-1>`, each on its own cores (CPU)
+        or GPUs (pool.replica_layouts, as the stage-lifetime pool splits them), started (or restarted: a dead
+        one from an earlier stage) concurrently. Services of the folder with other names (another
+        num_engines before) are stopped: their cores belong to these now.
+        """
+        from forge_core.rollout.pool import replica_layouts
+        from forge_core.rollout.service.router import EngineRouter
+
+        names = engine_names(rollout.num_engines)
+        layouts: list[ReplicaLayout | None] = [None]
+        if len(names) > 1:
+            layouts = replica_layouts(EngineOptions.from_config(rollout, seed=seed), len(names))
+        _stop_services_except(Path(state_dir).expanduser().absolute(), set(names))
+
+        def ensure_one(name: str, layout: ReplicaLayout | None) -> EngineClient:
+            return EngineService.ensure(
+                state_dir,
+                rollout,
+                policy_dir,
+                policy_version,
+                name=name,
+                seed=seed,
+                startup_timeout_s=startup_timeout_s,
+                layout=layout,
+            )
+
+        with ThreadPoolExecutor(len(names), thread_name_prefix="forge-engine-ensure") as pool:
+            futures = [pool.submit(ensure_one, name, layout) for name, layout in zip(names, layouts)]
+            wait(futures)
+        clients = [f.result() for f in futures if f.exception() is None]
+        failure = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failure is not None:
+            for client in clients:
+                client.close()
+            raise failure
+        router = EngineRouter(clients)
+        if router.policy_version != policy_version:  # every engine reports what it loaded
+            router.close()
+            raise PolicyVersionMismatch(
+                f"engines {router.names} loaded {router.policy_version[:16]}, expected {policy_version[:16]}"
+            )
+        return router
+
+
+def engine_names(num_engines: int) -> list[str]:
+    """The service names of a flow's `num_engines` engines (EngineService.ensure_engines)."""
+    if num_engines < 1:
+        raise ValueError(f"rollout.num_engines={num_engines}: must be >= 1")
+    return [DEFAULT_NAME] if num_engines == 1 else [f"engine-{i}" for i in range(num_engines)]
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Serialise start-ups of one service across processes (released if the holder dies)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _owner() -> tuple[int, float]:
+    """The process whose life bounds a service started now (module docstring: process ownership)."""
+    launch_id = os.environ.get(LAUNCH_ID_ENV)
+    if launch_id:
+        owner = registry.launch_owner(launch_id)
+        if owner is not None:
+            return owner
+        log.warning(
+            "%s=%s has no launch registry record; the engine service will end with this process",
+            LAUNCH_ID_ENV,
+            launch_id,
+        )
+    this = psutil.Process()
+    return this.pid, this.create_time()
+
+
+def service_environment(launch_id: str) -> dict[str, str]:
+    """Our environment minus what ties a process to the caller's launch, plus the service's own launch id."""
+    env = {k: v for k, v in os.environ.items() if k not in (ERROR_FILE_ENV, LOG_PREFIX_TEMPLATE_ENV)}
+    env[LAUNCH_ID_ENV] = launch_id
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _start_service(
+    paths: ServicePaths,
+    options: EngineOptions,
+    rollout: RolloutConfig,
+    layout: dict,
+    policy_dir: Path,
+    policy_version: str,
+    startup_timeout_s: float,
+) -> EngineClient:
+    started = time.monotonic()
+    launch_id = f"engine-{uuid.uuid4().hex[:16]}"
+    owner_pid, owner_create_time = _owner()
+    command = [
+        sys.executable,
+        "-m",
+        MODULE,
+        "--state-dir",
+        str(paths.state_dir),
+        "--name",
+        paths.name,
+        "--policy-dir",
+        str(policy_dir),
+        "--policy-version",
+        policy_version,
+        "--engine",
+        json.dumps(options.to_dict()),
+        "--layout",
+        json.dumps(layout),
+        "--sampling",
+        json.dumps(dataclasses.asdict(rollout.sampling)),
+        "--owner",
+        f"{owner_pid}:{owner_create_time!r}",
+    ]
+    log_offset = paths.log.stat().st_size if paths.log.exists() else 0
+    log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(log_fd, "ab") as log_file:
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=service_environment(launch_id),
+            # Its own session: signals to the caller's process group (Ctrl-C, a stage's kill) skip it.
+            start_new_session=True,
+        )
+    _children[proc.pid] = proc
+    log.info("engine service starting: pid %d, launch %s, log %s", proc.pid, launch_id, paths.log)
+    try:
+        client = _wait_ready(paths, proc, log_offset, started + startup_timeout_s, startup_timeout_s)
+    except BaseException:
+        # Our child, unreaped while poll() is None: its pid is not reused. An exited one has only vLLM's
+        # processes left (if any), found by launch id.
+        _end_service_processes(psutil.Process(proc.pid) if proc.poll() is None else None, launch_id)
+        raise
+    client.startup_s = time.monotonic() - started
+    log.info("engine service pid %d ready in %.1f s", proc.pid, client.startup_s)
+    return client
+
+
+def _wait_ready(
+    paths: ServicePaths, proc: subprocess.Popen, log_offset: int, deadline: float, timeout_s: float
+) -> EngineClient:
+    while True:
+        exited = proc.poll() is not None  # before reading the record: an exited service's record is final
+        record = read_record(paths)
+        mine = record is not None and record.pid == proc.pid
+        if mine and record.status == FAILED and record.info.get("kind") == "user":
+            raise ValueError(record.info["message"])
+        if exited:
+            raise EngineServiceError(
+                f"engine service pid {proc.pid} exited with code {proc.returncode} while starting; its log "
+                f"{paths.log} ends with:\n{log_tail(paths, log_offset)}"
+            )
+        if mine and record.status == READY:
+            client = healthy_client(paths)
+            if client is not None:
+                return client
+        if time.monotonic() > deadline:
+            raise EngineServiceError(
+                f"engine service pid {proc.pid} was not ready within {timeout_s:g} s; its log {paths.log} "
+                f"ends with:\n{log_tail(paths, log_offset)}"
+            )
+        time.sleep(0.2)
+
+
+def _reap_if_ours(pid: int) -> None:
+    child = _children.get(pid)
+    if child is not None and child.poll() is not None:
+        _children.pop(pid, None)
+
+
+def _end_service_processes(root: psutil.Process | None, launch_id: str, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM then SIGKILL the service process `root` and every process carrying its launch id (its vLLM
+    processes, which outlive a SIGKILLed service); returns the pids that were still running."""
+    targets = processes_with_launch_id(launch_id)
+    if root is not None and root.pid not in {p.pid for p in targets}:
+        targets.append(root)
+    live = [p for p in targets if is_alive(p)]
+    if live:
+        end_processes(live, grace_s)
+    if root is not None:
+        _reap_if_ours(root.pid)
+    return sorted(p.pid for p in live)
+
+
+def end_stale_service(paths: ServicePaths, grace_s: float = 10.0) -> list[int]:
+    """End whatever the record names (it does not answer: dead, hung or half-started) and clean its files."""
+    record = read_record(paths)
+    ended: list[int] = []
+    if record is not None:
+        proc = record.process()
+        if proc is not None:
+            log.warning("engine service pid %d does not answer; ending it", record.pid)
+        ended = _end_service_processes(proc, record.launch_id, grace_s)
+        with contextlib.suppress(OSError):
+            registry.forget_launch(record.launch_id)
+    paths.record.unlink(missing_ok=True)
+    paths.socket.unlink(missing_ok=True)
+    return ended
+
+
+def _stop_service(paths: ServicePaths, client: EngineClient | None, grace_s: float = 30.0) -> list[int]:
+    """Ask the service to shut down, wait `grace_s` for it to exit, then end what is left."""
+    record = read_record(paths)
+    asked = False
+    if client is not None:
+        with contextlib.suppress(EngineServiceError, OSError):
+            client.shutdown()
+            asked = True
+    proc = record.process() if record is not None else None
+    if proc is not None and asked:
+        with contextlib.suppress(psutil.Error):
+            _wait_exit(proc, grace_s)
+    return sorted({*end_stale_service(paths, grace_s=5.0), *([record.pid] if record else [])})
+
+
+def _wait_exit(proc: psutil.Process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while is_alive(proc) and time.monotonic() < deadline:
+        _reap_if_ours(proc.pid)
+        time.sleep(0.1)
+    _reap_if_ours(proc.pid)
+
+
+def stop_services(state_dir: str | os.PathLike, grace_s: float = 30.0) -> list[int]:
+    """Stop every engine service recorded under `state_dir`; returns the pids that were stopped or ended.
+
+    Each gets a `shutdown` request, `grace_s` to exit, then SIGTERM/SIGKILL (with its vLLM processes);
+    records, sockets and registry records are removed. A missing folder is fine (nothing to stop).
+    """
+    return _stop_services_except(Path(state_dir).expanduser().absolute(), set(), grace_s)
+
+
+def _stop_services_except(folder: Path, keep: set[str], grace_s: float = 30.0) -> list[int]:
+    if not folder.is_dir():
+        return []
+    names = sorted(f.stem for f in folder.glob("*.json") if f.stem not in keep)
+    if not names:
+        return []
+
+    def stop(name: str) -> list[int]:
+        paths = ServicePaths(folder, name)
+        with _exclusive(paths.lock):
+            return _stop_service(paths, healthy_client(paths, timeout_s=5.0), grace_s)
+
+    # Concurrently: a flow with N engines (or a cancelled one) waits for the slowest, not for the sum.
+    with ThreadPoolExecutor(len(names), thread_name_prefix="forge-engine-stop") as pool:
+        stopped = [pid for pids in pool.map(stop, names) for pid in pids]
+    return sorted(set(stopped))

@@ -1,0 +1,323 @@
+"""The engine service process: one vLLM `Generator` behind a Unix socket, until shutdown or its owner's end.
+
+    python -m forge_core.rollout.service --state-dir D --policy-dir P --policy-version V ...
+
+(what `EngineService.ensure` runs; the package docstring has the whole picture.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import AuthenticationError, Connection, Listener
+from pathlib import Path
+
+import psutil
+
+from forge_core.config.schema import SamplingConfig
+from forge_core.launch import registry
+from forge_core.launch.process_tree import is_alive
+from forge_core.launch.spec import LAUNCH_ID_ENV
+from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.generator import model_fingerprint
+from forge_core.rollout.service.state import (
+    CREATE_TIME_TOLERANCE_S,
+    DEFAULT_NAME,
+    FAILED,
+    MODULE,
+    OWNER_POLL_S,
+    READY,
+    STARTING,
+    PolicyVersionMismatch,
+    ServicePaths,
+    ServiceRecord,
+    engine_identity,
+    prepare_state_dir,
+    read_record,
+    write_record,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _EngineState:
+    """The generator and what it serves; `load` and `generate` run on the main thread only."""
+
+    def __init__(
+        self, generator, policy_dir: Path, policy_version: str, options: EngineOptions, layout: dict
+    ):
+        self.generator = generator
+        self.policy_dir = policy_dir
+        self.policy_version = policy_version
+        self.options = options
+        self.layout = layout
+        self.fingerprint = model_fingerprint(policy_dir)
+        self.started = time.monotonic()
+        self.engine_startup_s = float(generator.startup_s)
+        self.requests = 0
+        self.busy: str | None = None  # the engine request in progress (ping answers while one runs)
+
+    def info(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "launch_id": os.environ.get(LAUNCH_ID_ENV, ""),
+            "policy_version": self.policy_version,
+            "policy_dir": str(self.policy_dir),
+            "uptime_s": time.monotonic() - self.started,
+            "engine_startup_s": self.engine_startup_s,
+            "engine": engine_identity(self.options),
+            "layout": self.layout,
+            "model_fingerprint": self.fingerprint,
+            "requests": self.requests,
+            "busy": self.busy,
+        }
+
+    def load(self, policy_dir: str, policy_version: str) -> dict:
+        new_dir = Path(policy_dir)
+        if policy_version == self.policy_version:
+            reload_s = 0.0  # the version is the weights' checksum: these weights are loaded already
+        else:
+            reload_s = self.generator.reload(new_dir)
+            log.info("loaded policy version %s from %s in %.3f s", policy_version[:16], new_dir, reload_s)
+        self.policy_dir, self.policy_version = new_dir, policy_version
+        return {"reload_s": reload_s, "info": self.info()}
+
+    def generate(self, prompts, seed: int, sampling: SamplingConfig, expected_version: str) -> dict:
+        if expected_version != self.policy_version:
+            raise PolicyVersionMismatch(
+                f"engine service pid {os.getpid()} serves policy version {self.policy_version[:16]} (from "
+                f"{self.policy_dir}), but the request expects {expected_version[:16]}: load that version "
+                "first (EngineService.ensure or client.load). If a stage saw this, another client loaded "
+                "other weights in between: two runs sharing one rollout.engine_state_dir?"
+            )
+        samples = self.generator.generate(prompts, seed=seed, sampling=sampling)
+        return {"samples": samples, "policy_version": self.policy_version}
+
+
+@dataclass
+class _Job:
+    op: str
+    kwargs: dict
+    conn: Connection
+    send_lock: threading.Lock
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def reply(self, message: tuple) -> None:
+        try:
+            with self.send_lock:
+                self.conn.send(message)
+        except OSError:
+            pass  # the client went away; its stage will see that itself
+        finally:
+            self.done.set()
+
+
+def _error_reply(kind: str, exc: BaseException) -> tuple:
+    return ("error", {"kind": kind, "message": str(exc), "traceback": traceback.format_exc(limit=20)})
+
+
+def _execute(state: _EngineState, job: _Job) -> bool:
+    """Run one engine request and reply; returns False when the service must exit afterwards."""
+    if job.op == "shutdown":
+        job.reply(("ok", {"pid": os.getpid()}))
+        return False
+    state.busy = job.op
+    try:
+        result = getattr(state, job.op)(**job.kwargs)
+    except PolicyVersionMismatch as exc:
+        job.reply(_error_reply("version", exc))
+        return True
+    except ValueError as exc:  # a bad request (prompt too long, other architecture): the engine is fine
+        job.reply(_error_reply("user", exc))
+        return True
+    except Exception as exc:  # the engine may be broken: reply, then make way for a new one
+        log.exception("engine request %r failed; the service exits", job.op)
+        job.reply(_error_reply("engine", exc))
+        return False
+    finally:
+        state.busy = None
+    state.requests += 1
+    job.reply(("ok", result))
+    return True
+
+
+def _serve_connection(conn: Connection, state: _EngineState, jobs: queue.Queue) -> None:
+    send_lock = threading.Lock()
+    try:
+        while True:
+            op, kwargs = conn.recv()
+            if op == "ping":
+                with send_lock:
+                    conn.send(("ok", state.info()))
+            elif op in ("load", "generate", "shutdown"):
+                job = _Job(op, kwargs, conn, send_lock)
+                jobs.put(job)
+                job.done.wait()
+            else:
+                with send_lock:
+                    conn.send(
+                        ("error", {"kind": "user", "message": f"unknown engine service request {op!r}"})
+                    )
+    except (EOFError, OSError):
+        return  # the client disconnected
+    finally:
+        conn.close()
+
+
+def _accept_connections(listener: Listener, state: _EngineState, jobs: queue.Queue) -> None:
+    while True:
+        try:
+            conn = listener.accept()
+        except AuthenticationError as exc:
+            log.warning("refused a connection that failed the key challenge: %s", exc)
+            continue
+        except OSError:
+            return  # the listener was closed: the service is exiting
+        threading.Thread(
+            target=_serve_connection, args=(conn, state, jobs), name="forge-engine-conn", daemon=True
+        ).start()
+
+
+def _run_jobs(state: _EngineState, jobs: queue.Queue) -> None:
+    while True:
+        try:
+            job = jobs.get(timeout=0.5)  # a timeout keeps SIGTERM's handler responsive
+        except queue.Empty:
+            continue
+        if not _execute(state, job):
+            return
+
+
+def _watch_owner(owner_pid: int, owner_create_time: float) -> None:
+    """End this service (SIGTERM to ourselves: the normal clean-up) once the owning process is gone."""
+    while True:
+        try:
+            owner = psutil.Process(owner_pid)
+            alive = abs(owner.create_time() - owner_create_time) < CREATE_TIME_TOLERANCE_S and is_alive(owner)
+        except psutil.Error:
+            alive = False
+        if not alive:
+            print(f"[forge.engine] owner pid {owner_pid} is gone; stopping", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(OWNER_POLL_S)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean-up; a later SIGKILL ends a stuck one
+    raise SystemExit(128 + signum)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state-dir", required=True, help="folder of the socket, key, record and log")
+    parser.add_argument("--name", default=DEFAULT_NAME, help="service name within the folder")
+    parser.add_argument("--policy-dir", required=True, help="local HF policy folder to serve first")
+    parser.add_argument("--policy-version", required=True, help="its version (policy.weights_version)")
+    parser.add_argument("--engine", default="{}", help="EngineOptions as JSON")
+    parser.add_argument(
+        "--layout",
+        default='{"env": {}, "cpus": null}',
+        help="this engine's share of the machine as JSON: extra environment and CPU list (pool.ReplicaLayout)",
+    )
+    parser.add_argument("--sampling", default="{}", help="default SamplingConfig as JSON")
+    parser.add_argument("--owner", default=None, help="pid:create_time of the owning process (exit with it)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve one engine until `shutdown`, SIGTERM, an engine failure or the owner's death (module docstring).
+
+    Run by `EngineService.ensure`; by hand: `python -m forge_core.rollout.service --state-dir /tmp/eng
+    --policy-dir ./policy --policy-version <sha256>` (then talk to it with `healthy_client(ServicePaths(...))`).
+    """
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.umask(0o077)  # the socket file too: this user only
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    launch_id = os.environ.setdefault(LAUNCH_ID_ENV, f"engine-{uuid.uuid4().hex[:16]}")  # vLLM's children too
+    paths = prepare_state_dir(args.state_dir, args.name)
+    owner = _parse_owner(args.owner)
+    this = psutil.Process()
+    record = ServiceRecord(
+        pid=this.pid,
+        create_time=this.create_time(),
+        launch_id=launch_id,
+        status=STARTING,
+        owner_pid=owner[0] if owner else None,
+        started_at=time.time(),
+    )
+    write_record(paths, record)
+    registry.record_launch(launch_id, this.pid, MODULE, owner)
+    if owner is not None:
+        threading.Thread(target=_watch_owner, args=owner, name="forge-engine-owner", daemon=True).start()
+    listener = None
+    state = None
+    try:
+        state = _start_engine(args, paths, record)
+        listener = Listener(str(paths.socket), family="AF_UNIX", authkey=paths.authkey.read_bytes())
+        write_record(paths, dataclasses.replace(record, status=READY, info=state.info()))
+        log.info("engine service ready on %s (pid %d)", paths.socket, this.pid)
+        jobs: queue.Queue = queue.Queue()
+        threading.Thread(
+            target=_accept_connections, args=(listener, state, jobs), name="forge-engine-accept", daemon=True
+        ).start()
+        _run_jobs(state, jobs)
+        return 0
+    finally:
+        _clean_up(paths, record, listener, state)
+
+
+def _parse_owner(value: str | None) -> tuple[int, float] | None:
+    if not value:
+        return None
+    pid, create_time = value.split(":", 1)
+    return int(pid), float(create_time)
+
+
+def _start_engine(args: argparse.Namespace, paths: ServicePaths, record: ServiceRecord) -> _EngineState:
+    from forge_core.rollout.generator import Generator
+    from forge_core.rollout.pool import ReplicaLayout
+
+    options = EngineOptions(**json.loads(args.engine))
+    sampling = SamplingConfig(**json.loads(args.sampling))
+    policy_dir = Path(args.policy_dir)
+    layout = json.loads(args.layout)
+    cpus = layout.get("cpus")
+    # Before vLLM starts: an engine of several (flow lifetime, num_engines > 1) keeps to its own cores/GPUs.
+    ReplicaLayout(options, layout.get("env") or {}, None if cpus is None else tuple(cpus)).apply()
+    try:
+        generator = Generator(policy_dir, sampling, options)
+    except ValueError as exc:  # a user error: the client re-raises it as one (no retry)
+        write_record(
+            paths, dataclasses.replace(record, status=FAILED, info={"kind": "user", "message": str(exc)})
+        )
+        raise
+    return _EngineState(generator, policy_dir, args.policy_version, options, layout)
+
+
+def _clean_up(paths: ServicePaths, record: ServiceRecord, listener, state: _EngineState | None) -> None:
+    if listener is not None:
+        with contextlib.suppress(OSError):
+            listener.close()  # also removes the socket file
+    if state is not None:
+        state.generator.close()
+    current = read_record(paths)
+    if current is not None and current.pid == record.pid and current.status != FAILED:
+        paths.record.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        registry.forget_launch(record.launch_id)
+    log.info("engine service pid %d stopped", record.pid)

@@ -1,0 +1,179 @@
+"""The engine services' state folder: paths, the service record, the key, shared constants and errors.
+
+Used by both sides of the channel (`client.py`, `server.py`); see the package docstring for the picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from forge_core.launch.errors import RetryableStageError
+from forge_core.launch.process_tree import is_alive
+from forge_core.rollout.engine import EngineOptions
+
+log = logging.getLogger(__name__)
+
+MODULE = "forge_core.rollout.service"
+DEFAULT_NAME = "rollout"
+AUTHKEY_FILE = "authkey"
+UNIX_SOCKET_PATH_MAX = 107  # bytes; sun_path holds 108 with the terminating NUL
+STARTING, READY, FAILED = "starting", "ready", "failed"
+PING_TIMEOUT_S = 30.0
+OWNER_POLL_S = 2.0
+CREATE_TIME_TOLERANCE_S = 0.01
+
+
+class EngineServiceError(RetryableStageError):
+    """The engine service failed, died or did not start; a retry (`ensure` again) starts a new one."""
+
+
+class PolicyVersionMismatch(RetryableStageError):
+    """A generate request expected another policy version than the one the engine serves."""
+
+
+# ---- the state folder ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServicePaths:
+    """The files of service `name` in `state_dir` (see the module docstring)."""
+
+    state_dir: Path
+    name: str = DEFAULT_NAME
+
+    @property
+    def socket(self) -> Path:
+        return self.state_dir / f"{self.name}.sock"
+
+    @property
+    def record(self) -> Path:
+        return self.state_dir / f"{self.name}.json"
+
+    @property
+    def log(self) -> Path:
+        return self.state_dir / f"{self.name}.log"
+
+    @property
+    def lock(self) -> Path:
+        return self.state_dir / f"{self.name}.lock"
+
+    @property
+    def authkey(self) -> Path:
+        return self.state_dir / AUTHKEY_FILE
+
+
+def prepare_state_dir(state_dir: str | os.PathLike, name: str = DEFAULT_NAME) -> ServicePaths:
+    """Create the state folder (mode 0700) or check an existing one is private; its key file exists after.
+
+    ValueError naming rollout.engine_state_dir when the folder is another user's, readable by others, or
+    too long a path for a Unix socket.
+    """
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"engine service name={name!r}: use letters, digits, '-' and '_' only")
+    folder = Path(state_dir).expanduser().absolute()
+    paths = ServicePaths(folder, name)
+    socket_bytes = len(os.fsencode(str(paths.socket)))
+    if socket_bytes > UNIX_SOCKET_PATH_MAX:
+        raise ValueError(
+            f"rollout.engine_state_dir={folder}: the engine socket {paths.socket} is {socket_bytes} bytes, "
+            f"more than a Unix socket allows ({UNIX_SOCKET_PATH_MAX}); choose a shorter folder"
+        )
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_private(folder, "rollout.engine_state_dir")
+    _create_authkey(paths.authkey)
+    check_private(paths.authkey, f"rollout.engine_state_dir={folder}: its {AUTHKEY_FILE}")
+    return paths
+
+
+def check_private(path: Path, what: str) -> None:
+    """ValueError unless `path` belongs to this user and gives group/others no access."""
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise ValueError(
+            f"{what}={path}: owned by uid {info.st_uid}, not by this user ({os.getuid()}); use a folder of your own"
+        )
+    if info.st_mode & 0o077:
+        raise ValueError(
+            f"{what}={path}: mode {oct(info.st_mode & 0o777)} lets other users reach the engine service; "
+            f"run `chmod go-rwx {path}` or choose another folder"
+        )
+
+
+def _create_authkey(path: Path) -> None:
+    if path.exists():
+        return
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(secrets.token_bytes(32))
+        with contextlib.suppress(FileExistsError):  # another process made it first: keep theirs
+            os.link(staging, path)  # appears complete or not at all
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """`<name>.json`: which process is (or was) the service, and what it serves once ready."""
+
+    pid: int
+    create_time: float
+    launch_id: str
+    status: str
+    owner_pid: int | None = None
+    started_at: float = 0.0  # time.time() of the service's start
+    info: dict = dataclasses.field(default_factory=dict)  # the ping payload when ready; the error when failed
+
+    def process(self) -> psutil.Process | None:
+        """The service process if it still runs (same pid AND start time: pids are reused)."""
+        try:
+            proc = psutil.Process(self.pid)
+            same = abs(proc.create_time() - self.create_time) < CREATE_TIME_TOLERANCE_S
+        except psutil.Error:
+            return None
+        return proc if same and is_alive(proc) else None
+
+
+def read_record(paths: ServicePaths) -> ServiceRecord | None:
+    try:
+        raw = json.loads(paths.record.read_text())
+        return ServiceRecord(**raw)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("engine service record %s is unreadable (%s); treating it as stale", paths.record, exc)
+        return None
+
+
+def write_record(paths: ServicePaths, record: ServiceRecord) -> None:
+    staging = paths.record.with_name(f".{paths.record.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps(dataclasses.asdict(record), sort_keys=True))
+    os.replace(staging, paths.record)
+
+
+def log_tail(paths: ServicePaths, offset: int = 0, lines: int = 40) -> str:
+    """The last `lines` lines the service wrote to its log after byte `offset`."""
+    try:
+        with paths.log.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def engine_identity(options: EngineOptions) -> dict:
+    # The engine's own seed does not change samples (every request carries its seed), so a rollout (seeded
+    # with the rollout seed) and an evaluation (the run's seed) can share one engine.
+    return {k: v for k, v in options.to_dict().items() if k != "seed"}

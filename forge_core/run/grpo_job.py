@@ -1,0 +1,107 @@
+"""Worker of the long-lived GRPO trainer job (`grpo.trainer_lifetime: flow`): one torchrun job per flow run
+that trains every GRPO iteration in order, so an iteration no longer pays torchrun, interpreter, import and
+process-group start-up. The flow process starts and stops it (forge_core.run.trainer_job); by hand:
+
+    torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo-job --orders <dir> [--device cpu]
+
+Orders: the files `<dir>/<seq>.json` (seq = 000000, 000001, ...), each `{"spec_uri": <output_uri>/_spec.json}`
+or `{"stop": true}`, written atomically by the flow process. Every rank waits for the next file itself (the
+folder is local to this node, so no collective runs while the job idles between iterations), reads the spec
+and runs `forge_core.run.grpo.train_iteration` on it: the same body as the per-stage worker, which commits
+the iteration's `grpo` artifact and resumes from its newest in-stage checkpoint when an earlier attempt left
+one. The flow process watches for that commit.
+
+Any exception ends the job (no rank is left waiting in a collective): the launcher's error recording then
+tells the waiting task why (a fatal user error, or a retryable crash) and the task's retry starts a new job.
+The job also exits by itself when the folder disappears or its owner process (`--owner pid:create_time`,
+the flow process) is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+from forge_core.engine import destroy_distributed, init_distributed
+from forge_core.run.grpo import train_iteration
+from forge_core.run.spec import read_spec
+from forge_core.run.trainer_job import order_path
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+_CREATE_TIME_TOLERANCE_S = 0.01
+
+
+def _owner_alive(owner: tuple[int, float] | None) -> bool:
+    if owner is None:
+        return True
+    try:
+        proc = psutil.Process(owner[0])
+        same = abs(proc.create_time() - owner[1]) < _CREATE_TIME_TOLERANCE_S
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_for_order(orders: Path, seq: int, owner: tuple[int, float] | None) -> dict | None:
+    """The order `seq` once its file exists; None when the job should end instead (folder gone, owner dead)."""
+    path = order_path(orders, seq)
+    checks = 0
+    while not path.exists():
+        if not orders.is_dir():
+            log.info("order folder %s is gone; stopping", orders)
+            return None
+        checks += 1
+        if checks % 20 == 0 and not _owner_alive(owner):  # about once a second
+            log.warning("owner pid %s is gone; stopping", owner[0] if owner else "?")
+            return None
+        time.sleep(POLL_S)
+    return json.loads(path.read_text())
+
+
+def _parse_owner(value: str | None) -> tuple[int, float] | None:
+    if not value:
+        return None
+    pid, create_time = value.split(":", 1)
+    return int(pid), float(create_time)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_core.run grpo-job", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--orders", required=True, help="folder the flow process writes <seq>.json orders into"
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="training.device")
+    parser.add_argument("--owner", default=None, help="pid:create_time of the flow process (exit with it)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve GRPO orders until a stop order, the folder's removal or the owner's death (module docstring)."""
+    from forge_core.faults import set_current_stage
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parse_args(argv)
+    set_current_stage("grpo")  # FORGE_FAULT entries ending in @grpo fire here too
+    orders, owner = Path(args.orders), _parse_owner(args.owner)
+    dist_ctx = init_distributed(args.device)
+    try:
+        seq = 0
+        while (order := wait_for_order(orders, seq, owner)) is not None and not order.get("stop"):
+            started = time.perf_counter()
+            spec = read_spec(order["spec_uri"])
+            log.info("order %d: GRPO iteration %s -> %s", seq, spec.params.get("iteration"), spec.output_uri)
+            train_iteration(spec, dist_ctx, started)
+            log.info("order %d done in %.2fs", seq, time.perf_counter() - started)
+            seq += 1
+    finally:
+        destroy_distributed()

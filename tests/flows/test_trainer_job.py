@@ -1,0 +1,288 @@
+"""The long-lived GRPO trainer job (`grpo.trainer_lifetime: flow`, forge_core.run.trainer_job) on real flows.
+
+One post-train flow per lifetime, each a real process with its own launch registry, on the tiny config with a
+reward that varies within groups (so GRPO really updates the policy):
+
+- flow lifetime (a real post-train flow process): one job serves both iterations; no engine or trainer
+  process survives the flow;
+- its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), with stage lifetime and
+  with flow lifetime: the same committed policies, bitwise, and the same step metrics;
+- flow lifetime with a rank SIGKILLed mid-iteration: the task's retry starts a new job, which resumes from
+  the in-stage checkpoint, and the policies are again the same, bitwise;
+- a user error inside the job fails the stage FATAL with the worker's message and leaves no job running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect import flow
+
+from flows.post_train import flow_engines
+from forge_core.config import config_from_dict, config_to_json, load_config
+from forge_core.launch import Outcome, live_handles
+from forge_core.launch.process_tree import processes_with_launch_id
+from forge_core.run.plan import plan_stage
+from forge_core.run.spec import write_spec
+from forge_core.run.trainer_job import run_in_flow_trainer, stop_flow_trainers
+from forge_core.storage import ObjectStore
+from tasks import train_grpo
+
+pytestmark = pytest.mark.integration
+
+CONFIG = "configs/tiny_test.yaml"
+FLOW_TIMEOUT_S = 1500.0
+# Partial credit, so rewards vary inside a group and GRPO really updates the tiny SFT policy.
+REWARDS = 'rollout.rewards=[{"name": "per_digit", "weight": 1.0}, {"name": "answer_format", "weight": 0.5}]'
+COMMON = [REWARDS, "grpo.iterations=2", "rollout.engine_lifetime=flow", "eval.num_prompts=4"]
+STAGE_DONE = re.compile(r"stage (grpo-\d+): done in ([0-9.]+)s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmdline(proc: psutil.Process) -> str | None:
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+
+
+def _run_processes(flow_proc: psutil.Process, registry: Path) -> dict[int, str]:
+    """Every process of the flow run now: its descendants, and every process of a launch in its registry
+    (the engine service and its vLLM processes leave the flow's process tree when their stage ends)."""
+    procs = []
+    try:
+        procs += flow_proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        pass
+    for record in registry.glob("*.json"):
+        procs += processes_with_launch_id(record.stem)
+    return {p.pid: cmd for p in procs if (cmd := _cmdline(p)) is not None}
+
+
+class FlowRun:
+    def __init__(self, root: Path, returncode: int, log: str, seen: dict[int, str]):
+        self.root, self.returncode, self.log, self.seen = root, returncode, log, seen
+        self.store = ObjectStore(f"file://{root}/store")
+
+    def grpo_uri(self, iteration: int) -> str:
+        found = [
+            uri
+            for uri in self.store.list_committed("grpo")
+            if self.store.read_manifest(uri).metrics.get("iteration") == iteration
+        ]
+        assert len(found) == 1, (iteration, found)
+        return found[0]
+
+    def grpo_seconds(self) -> dict[str, float]:
+        return {label: float(s) for label, s in STAGE_DONE.findall(self.log)}
+
+
+def _post_train(prefect_api: str, root: Path, overrides: list[str], env: dict | None = None) -> FlowRun:
+    """Run the post-train flow in its own process, recording its processes every half second."""
+    registry = root / "launch-registry"
+    registry.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "FORGE_LAUNCH_REGISTRY": str(registry),  # this run's launches only, not a concurrent demo's
+        **(env or {}),
+    }
+    overrides = [f"storage.root=file://{root}/store", f"logging.dir={root}/runs", *COMMON, *overrides]
+    log_path = root / "flow.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.post_train", CONFIG, *overrides],
+            env=full_env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    seen: dict[int, str] = {}
+    try:
+        flow_proc = psutil.Process(proc.pid)
+        deadline = time.monotonic() + FLOW_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _run_processes(flow_proc, registry)
+            time.sleep(0.5)
+        assert proc.poll() is not None, f"the flow did not end in {FLOW_TIMEOUT_S} s"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return FlowRun(root, proc.returncode, log_path.read_text(), seen)
+
+
+def _copy_store(source: FlowRun, root: Path) -> ObjectStore:
+    """A new store with `source`'s committed data, SFT and rollouts, where its GRPO stages are not committed."""
+    for kind in ("data", "sft", "rollouts"):
+        shutil.copytree(source.root / "store" / kind, root / "store" / kind)
+    return ObjectStore(f"file://{root}/store")
+
+
+def _policy_bytes(store: ObjectStore, grpo_uri: str) -> dict[str, bytes]:
+    policy = Path(store.join(grpo_uri, "policy").removeprefix("file://"))
+    return {p.name: p.read_bytes() for p in sorted(policy.glob("*.safetensors"))}
+
+
+def _step_metrics(store: ObjectStore, grpo_uri: str) -> list[dict]:
+    """The per-step metrics of an iteration that do not depend on timing."""
+    steps = store.reader(grpo_uri).read_json("train_summary.json")["steps"]
+    return [{k: v for k, v in step.items() if not re.search(r"time|_s$|per_s|wall", k)} for step in steps]
+
+
+@flow(name="grpo-chain")
+def grpo_chain(config_json: str, sft_uri: str, rollouts: list[str], retries: int) -> list[tuple[str, float]]:
+    """GRPO iterations on given rollout batches, with the flow's own stop hooks; (policy, task seconds) each."""
+    cfg = config_from_dict(json.loads(config_json))
+    grpo = train_grpo.with_options(retries=retries, retry_delay_seconds=0)
+    policy, out = sft_uri, []
+    with flow_engines(cfg):
+        for iteration, rollouts_uri in enumerate(rollouts):
+            started = time.monotonic()
+            policy = grpo(config_json, policy, rollouts_uri, iteration)
+            out.append((policy, time.monotonic() - started))
+    return out
+
+
+def _chain_on_copy(source: FlowRun, root: Path, lifetime: str, retries: int = 0):
+    """The source run's two GRPO iterations again, on its own SFT policy and rollouts, in a copy of its store."""
+    store = _copy_store(source, root)
+    cfg = load_config(
+        CONFIG,
+        [
+            f"storage.root={store.root}",
+            f"logging.dir={root}/runs",
+            *COMMON,
+            f"grpo.trainer_lifetime={lifetime}",
+        ],
+    )
+    rollouts = [
+        source.store.read_manifest(source.grpo_uri(i))
+        .inputs["rollouts"]
+        .uri.replace(source.store.root, store.root)
+        for i in (0, 1)
+    ]
+    sft_uri = store.list_committed("sft")[0]
+    state = grpo_chain(config_to_json(cfg), sft_uri, rollouts, retries, return_state=True)
+    return store, state
+
+
+def _assert_nothing_survives(run: FlowRun) -> None:
+    alive = {pid: cmd for pid, cmd in run.seen.items() if _alive(pid)}
+    assert alive == {}, f"processes left alive after the flow: {alive}"
+
+
+@pytest.fixture(scope="module")
+def flow_lifetime_run(prefect_api, tmp_path_factory) -> FlowRun:
+    return _post_train(prefect_api, tmp_path_factory.mktemp("trainer-flow"), ["grpo.trainer_lifetime=flow"])
+
+
+def test_one_job_serves_every_iteration_and_nothing_survives(flow_lifetime_run):
+    run = flow_lifetime_run
+    assert run.returncode == 0, run.log[-4000:]
+    job_ranks = [
+        pid for pid, cmd in run.seen.items() if "grpo-job" in cmd and "torch.distributed.run" not in cmd
+    ]
+    assert len(job_ranks) == 2, run.seen  # one job, two ranks, for both iterations
+    assert "forge_core.run grpo --spec" not in "\n".join(run.seen.values())  # no per-stage GRPO worker
+    assert any("forge_core.rollout.service" in cmd for cmd in run.seen.values()), run.seen
+    assert "order 1: GRPO iteration 1" in run.log
+    assert "stopped the run's GRPO trainer job" in run.log
+    _assert_nothing_survives(run)
+
+
+def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, tmp_path):
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    timings = {}
+    for lifetime in ("stage", "flow"):
+        store, state = _chain_on_copy(flow_run, tmp_path / lifetime, lifetime)
+        assert state.is_completed(), state.message
+        results = state.result()
+        timings[lifetime] = [round(seconds, 2) for _, seconds in results]
+        for iteration, (uri, _) in enumerate(results):
+            reference = flow_run.grpo_uri(iteration)
+            assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
+            assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
+        assert live_handles() == []  # the chain's flow_engines stopped its trainer job
+    updates = [
+        m for i in (0, 1) for m in _step_metrics(flow_run.store, flow_run.grpo_uri(i)) if not m.get("skipped")
+    ]
+    assert updates, "no GRPO step updated the policy: the comparison would prove nothing"
+    (tmp_path / "grpo_task_seconds.json").write_text(json.dumps(timings))
+    print(f"GRPO task wall seconds per iteration: {timings}; in the flow run: {flow_run.grpo_seconds()}")
+
+
+def test_killed_rank_restarts_the_job_which_resumes(flow_lifetime_run, prefect_api, tmp_path, monkeypatch):
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    marker = tmp_path / "fault-fired"
+    # Rank 1 SIGKILLs itself after iteration 0's step 2, before that step's checkpoint: the retry's new job
+    # must resume from step 1, commit, and then serve iteration 1 too.
+    monkeypatch.setenv("FORGE_FAULT", "kill_rank:1:2@grpo")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
+    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1)
+    assert state.is_completed(), state.message
+    assert marker.exists()
+    runs = _task_runs(state.state_details.flow_run_id)
+    assert sorted(run.run_count for run in runs) == [1, 2], runs  # iteration 0 was retried once
+    results = state.result()
+    assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
+    for iteration, (uri, _) in enumerate(results):
+        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
+    assert live_handles() == []
+
+
+def _task_runs(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+
+    return asyncio.run(read())
+
+
+def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path):
+    run = flow_lifetime_run
+    assert run.returncode == 0, run.log[-4000:]
+    cfg = load_config(
+        CONFIG,
+        [
+            f"storage.root={run.store.root}",
+            f"logging.dir={tmp_path}/runs",
+            f"rollout.engine_state_dir={tmp_path}/engines",
+            *COMMON,
+            "grpo.trainer_lifetime=flow",
+        ],
+    )
+    sft_uri = run.store.list_committed("sft")[0]
+    data_uri = run.store.list_committed("data")[0]
+    # A data artifact where the rollouts should be: the worker's own input check raises ValueError.
+    plan = plan_stage(cfg, run.store, "grpo", inputs={"policy": sft_uri, "rollouts": data_uri}, params={})
+    write_spec(run.store, plan.spec)
+    lines: list[str] = []
+    result = run_in_flow_trainer(plan, cfg, lines.append)
+    assert result.outcome is Outcome.FATAL, result
+    assert "ValueError" in result.reason and "inputs.rollouts" in result.reason, result.reason
+    assert not run.store.is_committed(plan.output_uri)
+    assert stop_flow_trainers(cfg) == []  # the job ended with the failed order: nothing left to stop
+    assert processes_with_launch_id(result.launch_id) == []
