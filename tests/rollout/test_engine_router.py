@@ -44,15 +44,6 @@ SEED = 5
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory):
-    """A private launch registry (inherited by the services started here)."""
-    with pytest.MonkeyPatch.context() as patch:
-        folder = tmp_path_factory.mktemp("launch-registry")
-        patch.setenv(registry.REGISTRY_ENV, str(folder))
-        yield folder
-
-
-@pytest.fixture(scope="module")
 def flow_cfg(world, tmp_path_factory, registry_dir):
     state_dir = tmp_path_factory.mktemp("engines")
     cfg = config_from_dict(

@@ -50,15 +50,6 @@ GREEDY = dataclasses.replace(SAMPLING, group_size=1, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory):
-    """A private launch registry (inherited by the services and workers started here)."""
-    with pytest.MonkeyPatch.context() as patch:
-        folder = tmp_path_factory.mktemp("launch-registry")
-        patch.setenv(registry.REGISTRY_ENV, str(folder))
-        yield folder
-
-
-@pytest.fixture(scope="module")
 def policies(world, tmp_path_factory):
     """Policy A (conftest's) and policy B (other weights, same architecture), fetched like a stage does."""
     root = tmp_path_factory.mktemp("two-policies")
