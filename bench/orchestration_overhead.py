@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import sys
 import tempfile
@@ -36,9 +35,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench._flow_runs import isolate_prefect, read_task_runs, warm_up_api
 from bench.harness import write_result
 
-# Prefect itself is imported only after _isolate_prefect has pointed it at a private home.
+# Prefect itself is imported only after isolate_prefect has pointed it at a private home.
 BENCH_NAME = "orchestration_overhead"
 TARGET = "<=0.05"
 DEFAULT_CONFIG = "configs/tiny_test.yaml"
@@ -100,16 +100,6 @@ class RunSplit:
         }
 
 
-def _isolate_prefect(home: Path) -> None:
-    """A private ephemeral API: set before Prefect reads its settings (i.e. before importing it)."""
-    for name in [k for k in os.environ if k.startswith("PREFECT_")]:
-        del os.environ[name]
-    os.environ["PREFECT_HOME"] = str(home)
-    os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
-
-
 @dataclass(frozen=True)
 class Launch:
     uri: str
@@ -154,23 +144,19 @@ def read_stage_runs(flow_run_id: str) -> tuple[list, dict]:
     """(the flow run's task runs by start time, {task run id: Launch}), once every task run's launch lines
     have reached the API (logs travel from a background worker: flush it, then poll)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.logging.handlers import APILogHandler
 
-    async def read() -> tuple[list, dict]:
+    async def read_launches() -> dict:
         async with get_client() as client:
-            task_runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-            )
-            return task_runs, launches_from_logs(await _read_all_logs(client, flow_run_id))
+            return launches_from_logs(await _read_all_logs(client, flow_run_id))
 
     APILogHandler().flush()
     deadline = time.monotonic() + LOG_WAIT_S
     while True:
-        task_runs, launches = asyncio.run(read())
+        task_runs, launches = read_task_runs(flow_run_id), asyncio.run(read_launches())
         missing = [run.name for run in task_runs if run.id not in launches]
         if not missing:
-            return sorted(task_runs, key=lambda run: run.start_time), launches
+            return task_runs, launches
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"flow run {flow_run_id}: after {LOG_WAIT_S:.0f}s still no 'launching -> <uri>' and "
@@ -186,24 +172,6 @@ def body_seconds(store, uri: str) -> tuple[float, float]:
     if "wall_s" not in metrics:
         raise RuntimeError(f"{uri}: the manifest metrics have no wall_s; the stage's worker must record it")
     return float(metrics["wall_s"]), float(metrics.get("engine_startup_s", 0.0))
-
-
-def warm_up_api() -> None:
-    """Start the local API and run one flow with one task, so that once-per-process costs (server start,
-    database, client, task engine, importing the flow) stay out of the measured runs."""
-    from prefect import flow, task
-
-    import flows.post_train  # noqa: F401 - imported here, after _isolate_prefect, and outside the clock
-
-    @task(name="bench-warmup-task")
-    def noop() -> int:
-        return 0
-
-    @flow(name="bench-warmup")
-    def warmup() -> int:
-        return noop()
-
-    warmup()
 
 
 def measure_run(config: str, overrides: list[str], store_root: str) -> RunSplit:
@@ -250,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="forge-bench-orch-") as tmp:
         workdir = Path(tmp)
-        _isolate_prefect(workdir / "prefect-home")
+        isolate_prefect(workdir / "prefect-home")
         overrides = [*args.overrides, f"logging.dir={workdir / 'runs'}"]
         warm_up_api()
         for index in range(args.warmup):

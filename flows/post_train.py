@@ -187,6 +187,7 @@ class _RolloutLane:
 
     def __init__(self, clock: _StageClock, task: Task, cfg: RunConfig, config_json: str, data_uri: str):
         self._clock = clock
+        self._cfg = cfg
         self._task = task
         self._config_json = config_json
         self._data_uri = data_uri
@@ -232,6 +233,9 @@ class _RolloutLane:
         while in_flight:
             # Again each round: a rollout waiting on its predecessor may launch right after a cancel.
             terminate_all_live(reason="the flow failed while rollouts were in flight")
+            # Rollouts on the flow's engines run in this process (forge_core.run.in_process): they end when
+            # their engines do.
+            stop_flow_engines(self._cfg)
             for stage in in_flight:
                 stage.future.wait(timeout=1.0)
             in_flight = [stage for stage in in_flight if stage.done_at is None]

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from forge_core.config import RunConfig, config_from_dict
 from forge_core.launch import LaunchFailed, LaunchResult, launch
 from forge_core.metrics.progress import parse_progress_line
+from forge_core.run.in_process import run_in_task_process, runs_in_task_process
 from forge_core.run.plan import StagePlan, launch_spec_for, plan_stage
 from forge_core.run.spec import write_spec
 from forge_core.run.trainer_job import FLOW as TRAINER_FLOW
@@ -133,13 +134,17 @@ def run_stage(
     stage: str,
     inputs: dict[str, str],
     params: dict | None = None,
-    run_worker: Callable[[StagePlan, RunConfig, Callable[[str], None]], LaunchResult] = launch_stage_worker,
+    run_worker: Callable[[StagePlan, RunConfig, Callable[[str], None]], LaunchResult] | None = None,
 ) -> str:
     """Plan, skip-if-committed, launch, verify. Returns the committed output URI.
 
-    `run_worker(plan, cfg, log)` runs the planned stage (spec written) and returns its LaunchResult."""
+    `run_worker(plan, cfg, log)` runs the planned stage (spec written) and returns its LaunchResult; by
+    default its own worker launch, or, for rollout/evaluate with the flow's long-lived engines, this process
+    (forge_core.run.in_process: a thin engine client is not worth a process start per stage)."""
     logger = get_run_logger()
     cfg: RunConfig = config_from_dict(json.loads(config_json))
+    if run_worker is None:
+        run_worker = run_in_task_process if runs_in_task_process(stage, cfg) else launch_stage_worker
     store = ObjectStore.from_config(cfg.storage)
     plan = plan_stage(cfg, store, stage, inputs=inputs, params=params)
     if store.is_committed(plan.output_uri):

@@ -11,8 +11,8 @@ FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
 
 # forgeflow's CPU flavors (see forge_core.models.flavors for their sizes).
 FORGE_FLAVORS: dict[str, tuple[str, ...]] = {
-    "llama3": ("tiny", "small"),
-    "qwen3": ("tiny", "small"),
+    "llama3": ("tiny", "small", "medium"),
+    "qwen3": ("tiny", "small", "medium"),
 }
 
 # torchtitan 0.3.0's dense registry flavors (real sizes, meant for GPU). qwen3's MoE flavors are left out: their

@@ -136,7 +136,9 @@ def _qwen3_forge_flavor(
 
 # forgeflow's CPU flavors. llama3 `tiny` is the demo model of DESIGN.md section 8 (hidden 128, 2 layers,
 # 4 heads: ~0.53M parameters with a 15-symbol vocab); `small` mirrors torchtitan's debugmodel (dim 256,
-# 6 layers, Llama-3 RoPE scaling) with grouped-query attention, ~5M parameters with a small vocab.
+# 6 layers, Llama-3 RoPE scaling) with grouped-query attention, ~5M parameters with a small vocab; `medium`
+# (dim 512, 8 layers, head dim 64, ~27M parameters) is the size where vLLM starts to beat transformers' generate
+# on CPU (bench/rollout_throughput.py) and the model bench/grpo_iteration.py compares against TRL on.
 _FORGE_FLAVORS: dict[str, dict[str, Callable[[], Decoder.Config]]] = {
     "llama3": {
         "tiny": _llama3_forge_flavor(
@@ -145,6 +147,9 @@ _FORGE_FLAVORS: dict[str, dict[str, Callable[[], Decoder.Config]]] = {
         "small": _llama3_forge_flavor(
             dim=256, n_layers=6, n_heads=16, n_kv_heads=8, rope_theta=500000.0, rope_scaling="llama"
         ),
+        "medium": _llama3_forge_flavor(
+            dim=512, n_layers=8, n_heads=8, n_kv_heads=8, rope_theta=500000.0, rope_scaling="none"
+        ),
     },
     "qwen3": {
         "tiny": _qwen3_forge_flavor(
@@ -152,6 +157,9 @@ _FORGE_FLAVORS: dict[str, dict[str, Callable[[], Decoder.Config]]] = {
         ),
         "small": _qwen3_forge_flavor(
             dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768
+        ),
+        "medium": _qwen3_forge_flavor(
+            dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=1536
         ),
     },
 }

@@ -117,8 +117,15 @@ def run_evaluation(plan: EvalPlan, generator) -> EvalOutcome:
 
 
 def main(spec: StageSpec) -> None:
-    """Evaluate the policy on the held-out split and commit the `eval` artifact (module docstring)."""
+    """The worker process's entry: `run(spec)` with its log lines on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(spec)
+
+
+def run(spec: StageSpec) -> None:
+    """Evaluate the policy on the held-out split and commit the `eval` artifact (module docstring).
+
+    Also what a task calls in its own process (forge_core.run.in_process)."""
     plan = plan_evaluation(spec)
     if plan is None:
         log.info("%s is already committed; nothing to do", spec.output_uri)

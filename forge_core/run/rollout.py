@@ -205,8 +205,15 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
 
 
 def main(spec: StageSpec) -> None:
-    """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring)."""
+    """The worker process's entry: `run(spec)` with its log lines on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(spec)
+
+
+def run(spec: StageSpec) -> None:
+    """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring).
+
+    Also what a task calls in its own process (forge_core.run.in_process)."""
     plan = plan_rollout(spec)
     if plan is None:
         log.info("%s is already committed; nothing to do", spec.output_uri)

@@ -247,8 +247,10 @@ class GRPOTrainer(TitanTrainer):
         A mini-batch in which no completion carries loss (all dropped, e.g. zero reward variance) is skipped
         rather than stepped: AdamW's momentum would still move the weights on a zero gradient. It counts as a
         plan step with metrics {"skipped": 1}. With a checkpointer, checkpoints every `checkpoint_every` plan
-        steps and after the last one (the final checkpoint is part of the stage's output); a stage trains one
-        rollout batch, so `self.step` and the plan position coincide there. An in-process loop may call `fit`
+        steps before the last one: after the last one the stage exports and commits its policy at once, so a
+        model + optimizer checkpoint there would be written for nothing (a crash before that commit resumes
+        from the previous checkpoint). A stage trains one rollout batch, so `self.step` and the plan position
+        coincide there. An in-process loop may call `fit`
         on batch after batch with one optimizer (no checkpointer): `self.step` keeps counting plan steps across batches.
         `log_extra` (e.g. the rollout batch's reward statistics) is logged with the plan's first step."""
         plan = self.plan(batch.batch_size, seed)
@@ -266,9 +268,7 @@ class GRPOTrainer(TitanTrainer):
             self.record_metrics({**(log_extra or {}), **metrics} if index == 0 else metrics)
             if self.rank == 0:
                 emit_progress("grpo", index + 1, len(plan))
-            if self.checkpointer is not None and (
-                (index + 1) % self.cfg.checkpoint_every == 0 or index + 1 == len(plan)
-            ):
+            if self.checkpointer is not None and (index + 1) % self.cfg.checkpoint_every == 0 and index + 1 < len(plan):
                 assert self.step == index + 1, "a checkpointed stage trains exactly one rollout batch"
                 self.save_checkpoint(self.step, {"history": history})
         return history

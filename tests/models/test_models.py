@@ -76,6 +76,8 @@ def test_registry_flavor_keeps_real_sizes_on_meta():
         ("llama3", "small", 64, 4.0e6, 7.0e6),
         ("qwen3", "tiny", 15, 0.25e6, 0.6e6),
         ("qwen3", "small", 64, 4.0e6, 7.0e6),
+        ("llama3", "medium", 15, 26.0e6, 28.0e6),
+        ("qwen3", "medium", 15, 24.0e6, 28.0e6),
     ],
 )
 def test_cpu_flavor_sizes(family, flavor, vocab_size, low, high):

@@ -38,6 +38,8 @@ from forge_core.rollout.service import (
     stop_services,
     write_record,
 )
+from forge_core.run.in_process import run_in_task_process
+from forge_core.run.plan import StagePlan
 from forge_core.run.rollout import plan_rollout
 from forge_core.run.spec import StageSpec, write_spec
 from forge_core.storage import ObjectStore
@@ -217,10 +219,10 @@ def run_worker(world, spec: StageSpec, policy_cache) -> dict:
 def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_next_stage(
     world, state_dir, rollout_cfg, policies, prompts, tmp_path, monkeypatch
 ):
-    """Load B in place, SIGKILL the service, then run the rollout and evaluate workers (engine_lifetime=flow)
-    under the real launcher: the rollout worker finds the engine dead and starts a fresh one on B, which
-    samples what the killed one sampled (same seed) and greedily what the reloaded one did; its launcher
-    leaves that service running and the evaluate worker reuses it."""
+    """Load B in place, SIGKILL the service, then run the rollout worker (engine_lifetime=flow) under the real
+    launcher: it finds the engine dead and starts a fresh one on B, which samples what the killed one sampled
+    (same seed) and greedily what the reloaded one did; its launcher leaves that service running and the
+    evaluate stage, run in this process as a flow task runs it, reuses it."""
     policy_a, policy_b = policies
     policy_b_stage = world.store.artifact_uri("sft", "test-policy-b")
     monkeypatch.setenv("FORGE_POLICY_CACHE", str(tmp_path / "policy-cache"))
@@ -259,9 +261,15 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
     for fresh, reloaded in zip(greedy_b_fresh, greedy_b_reloaded):
         assert fresh.response_logprobs == pytest.approx(reloaded.response_logprobs, abs=1e-5)
 
-    eval_metrics = run_worker(
-        world, stage_spec(world, state_dir, "evaluate", policy_b_stage, "flow-engine-eval"), tmp_path / "pc"
-    )
+    # The evaluate stage as a flow task runs it with flow engines: in this process (forge_core.run.in_process).
+    eval_spec = stage_spec(world, state_dir, "evaluate", policy_b_stage, "flow-engine-eval")
+    write_spec(world.store, eval_spec)
+    eval_plan = StagePlan("evaluate", "flow-engine-eval", eval_spec.output_uri, eval_spec, eval_spec.inputs)
+    relayed: list[str] = []
+    result = run_in_task_process(eval_plan, config_from_dict(eval_spec.config), relayed.append)
+    assert result.outcome.name == "SUCCESS", result.reason
+    assert any("committed" in line and eval_spec.output_uri in line for line in relayed), relayed
+    eval_metrics = world.store.read_manifest(eval_spec.output_uri).metrics
     assert eval_metrics["engine_startup_s"] == 0.0 and read_record(ServicePaths(state_dir)).pid == record.pid
     # The service belongs to the process that launched the workers (the flow; here pytest).
     assert registry.launch_owner(record.launch_id) == (os.getpid(), psutil.Process().create_time())

@@ -1,0 +1,87 @@
+"""forge_core.run.in_process: rollout/evaluate stages run in the task's process with the flow's engines.
+
+The success path against a real engine service is in tests/rollout/test_engine_service.py (the evaluate
+stage there runs through `run_in_task_process`); these check the dispatch and the launcher-equivalent
+classification of failures without an engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from forge_core.config import config_to_dict, load_config
+from forge_core.launch import LaunchFailed, Outcome
+from forge_core.rollout.service.state import EngineServiceError
+from forge_core.run.in_process import _failure, run_in_task_process, runs_in_task_process
+from forge_core.run.plan import StagePlan
+from forge_core.run.spec import StageSpec
+from forge_core.storage import ObjectStore
+
+
+def _cfg(tmp_path, lifetime: str):
+    return load_config(None, [f"storage.root=file://{tmp_path}/store", f"rollout.engine_lifetime={lifetime}"])
+
+
+def _plan(cfg, stage: str, inputs: dict[str, str]) -> StagePlan:
+    """A planned stage whose spec names `inputs` as they are (plan_stage would insist they are committed)."""
+    output_uri = ObjectStore.from_config(cfg.storage).artifact_uri("eval", "in-process-test")
+    spec = StageSpec(stage=stage, config=config_to_dict(cfg), inputs=inputs, output_uri=output_uri)
+    return StagePlan(stage=stage, key="in-process-test", output_uri=output_uri, spec=spec, inputs=inputs)
+
+
+@pytest.mark.parametrize(
+    ("stage", "lifetime", "expected"),
+    [
+        ("rollout", "flow", True),
+        ("evaluate", "flow", True),
+        ("rollout", "stage", False),
+        ("evaluate", "stage", False),
+        ("grpo", "flow", False),
+        ("sft", "flow", False),
+    ],
+)
+def test_only_engine_client_stages_with_flow_engines_run_in_the_task_process(tmp_path, stage, lifetime, expected):
+    assert runs_in_task_process(stage, _cfg(tmp_path, lifetime)) is expected
+
+
+def test_a_stage_that_needs_its_own_engine_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, "stage")
+    plan = _plan(cfg, "evaluate", {"policy": "x", "data": "y"})
+    with pytest.raises(ValueError, match=r"engine_lifetime='stage'.*launch it instead"):
+        run_in_task_process(plan, cfg, print)
+
+
+def test_a_user_error_in_the_stage_is_fatal_with_its_message(tmp_path):
+    """The spec has no data input: the stage's own ValueError, classified as a worker's would be."""
+    cfg = _cfg(tmp_path, "flow")
+    store = ObjectStore.from_config(cfg.storage)
+    plan = _plan(cfg, "evaluate", {"policy": store.artifact_uri("sft", "some-policy")})
+    result = run_in_task_process(plan, cfg, print)
+
+    assert result.outcome is Outcome.FATAL
+    assert "inputs has no 'data' entry" in result.reason, result.reason
+    assert result.rank_errors[0].category == "fatal" and result.rank_errors[0].exc_type == "builtins.ValueError"
+    assert any("required_input" in line for line in result.tail), result.tail
+    with pytest.raises(LaunchFailed) as failed:
+        result.raise_for_outcome()
+    assert not failed.value.retryable
+    assert not store.is_committed(plan.output_uri)
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        (EngineServiceError("engine service engine-0 pid 7 died during 'generate'"), Outcome.RETRYABLE),
+        (OSError("connection reset"), Outcome.RETRYABLE),
+        (ValueError("eval.num_prompts=0: must be >= 1"), Outcome.FATAL),
+        (RuntimeError("something unclassified"), Outcome.FATAL),
+    ],
+)
+def test_exceptions_are_classified_like_a_workers(error, outcome):
+    try:
+        raise error
+    except Exception as raised:  # noqa: BLE001 - a real traceback for the tail
+        result = _failure("rollout", raised, 1.5)
+    assert result.outcome is outcome and result.duration_s == 1.5
+    assert str(error) in result.reason and result.reason.startswith("rollout (in the task's process)")
+    assert result.rank_errors[0].message == str(error)
