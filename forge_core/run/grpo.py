@@ -225,10 +225,14 @@ def train_iteration(spec: StageSpec, dist_ctx: DistContext, started: float | Non
                 batch = attach_reference_logprobs(trainer, batch, store, inputs, policy_dir, workdir)
             resume = trainer.load_checkpoint()
             history = resume.data_cursor["history"] if resume is not None else []
+            fit_started = time.perf_counter()
             history = trainer.fit(batch, plan_seed(cfg.seed, iteration), history, log_extra=rollouts.stats)
             metrics = {
                 **rollouts.stats,
                 **summarize_steps(history),
+                # The optimizer steps with their per-step batch slicing, logging and checkpoints (train/time_s
+                # counts the steps alone): what the stage spends training, as against setting up and exporting.
+                "train/fit_s": time.perf_counter() - fit_started,
                 "iteration": iteration,
                 "resumed_from_step": resume.step if resume is not None else 0,
                 "optimizer_init": "fresh",

@@ -126,7 +126,8 @@ def _failure(stage: str, error: BaseException, duration_s: float) -> LaunchResul
 
 class _StageLogRelay(logging.Handler):
     """While installed: the `forge_core` log records of one stage thread (and the threads it starts for the
-    engines) go to `sink` as formatted lines; other threads' records are not touched."""
+    engines) go to `sink` as formatted lines, and only there; other threads' records go on to the parent
+    loggers' handlers exactly as before (same level threshold), as if nothing were installed."""
 
     def __init__(self, sink: Callable[[str], None], thread: threading.Thread):
         super().__init__(logging.INFO)
@@ -134,23 +135,32 @@ class _StageLogRelay(logging.Handler):
         self._thread = thread
         self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         self._logger = logging.getLogger("forge_core")
-        self._previous_level = self._logger.level
+        self._saved = (self._logger.level, self._logger.propagate)
+        self._others_level = self._logger.getEffectiveLevel()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread == self._thread.ident or record.threadName.startswith(_STAGE_THREAD_PREFIXES)
+    def _from_stage(self, record: logging.LogRecord) -> bool:
+        # Thread ids are reused once a thread has ended: only a live stage thread's id counts.
+        own = record.thread == self._thread.ident and self._thread.is_alive()
+        return own or record.threadName.startswith(_STAGE_THREAD_PREFIXES)
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not self._from_stage(record):
+            if record.levelno >= self._others_level and self._logger.parent is not None:
+                self._logger.parent.handle(record)  # what propagation would have done
+            return
         try:
             self._sink(self.format(record))
         except Exception:  # noqa: BLE001 - a failing sink must not fail the stage
             self.handleError(record)
 
     def __enter__(self) -> Self:
+        # INFO on for the stage's records; they stop here instead of reaching the root handlers too.
+        self._logger.setLevel(min(logging.INFO, self._others_level))
+        self._logger.propagate = False
         self._logger.addHandler(self)
-        if self._logger.getEffectiveLevel() > logging.INFO:
-            self._logger.setLevel(logging.INFO)
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._logger.removeHandler(self)
-        self._logger.setLevel(self._previous_level)
+        self._logger.setLevel(self._saved[0])
+        self._logger.propagate = self._saved[1]

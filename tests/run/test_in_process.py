@@ -85,3 +85,36 @@ def test_exceptions_are_classified_like_a_workers(error, outcome):
     assert result.outcome is outcome and result.duration_s == 1.5
     assert str(error) in result.reason and result.reason.startswith("rollout (in the task's process)")
     assert result.rank_errors[0].message == str(error)
+
+
+def test_the_stage_threads_records_reach_the_task_log_only_and_other_threads_are_untouched(caplog):
+    """A stage thread's forge_core INFO records go to the sink (not to the root handlers, which would print
+    them twice); another thread's records are not relayed and its warnings still reach the root handlers."""
+    import logging
+    import threading
+
+    from forge_core.run.in_process import _StageLogRelay
+
+    log = logging.getLogger("forge_core.run.rollout")
+    lines: list[str] = []
+    others_done = threading.Event()
+
+    def stage_body() -> None:
+        log.info("stage record")
+        others_done.wait(30)  # alive while the other thread logs, as a stage is while the flow goes on
+
+    stage = threading.Thread(target=stage_body)
+    other = threading.Thread(target=lambda: (log.info("other info"), log.warning("other warning")))
+    caplog.set_level(logging.WARNING)  # the flow process's root threshold
+    level_before, propagate_before = logging.getLogger("forge_core").level, logging.getLogger("forge_core").propagate
+    with _StageLogRelay(lines.append, stage):
+        stage.start()
+        other.start()
+        other.join()
+        others_done.set()
+        stage.join()
+    assert lines == ["INFO forge_core.run.rollout: stage record"]
+    assert [r.getMessage() for r in caplog.records] == ["other warning"]
+    assert (logging.getLogger("forge_core").level, logging.getLogger("forge_core").propagate) == (
+        level_before, propagate_before
+    )

@@ -45,7 +45,7 @@ STEPS = 4
 REQUIRED_METRICS = (
     "reward/mean", "reward/std", "advantage/mean", "advantage/std", "policy/loss", "policy/kl",
     "policy/clip_low_frac", "policy/clip_high_frac", "policy/ratio_mean", "policy/ratio_max", "policy/entropy",
-    "generator_gap/mean", "generator_gap/max", "grad_norm", "tokens_per_s",
+    "generator_gap/mean", "generator_gap/max", "grad_norm", "tokens_per_s", "train/time_s", "train/fit_s",
 )
 
 
