@@ -250,8 +250,8 @@ class GRPOTrainer(TitanTrainer):
         steps before the last one: after the last one the stage exports and commits its policy at once, so a
         model + optimizer checkpoint there would be written for nothing (a crash before that commit resumes
         from the previous checkpoint). A stage trains one rollout batch, so `self.step` and the plan position
-        coincide there. An in-process loop may call `fit`
-        on batch after batch with one optimizer (no checkpointer): `self.step` keeps counting plan steps across batches.
+        coincide there. An in-process loop may call `fit` on batch after batch with one optimizer (no
+        checkpointer): `self.step` keeps counting plan steps across batches.
         `log_extra` (e.g. the rollout batch's reward statistics) is logged with the plan's first step."""
         plan = self.plan(batch.batch_size, seed)
         carries_loss = self._minibatches_with_loss(batch, seed)
@@ -268,7 +268,8 @@ class GRPOTrainer(TitanTrainer):
             self.record_metrics({**(log_extra or {}), **metrics} if index == 0 else metrics)
             if self.rank == 0:
                 emit_progress("grpo", index + 1, len(plan))
-            if self.checkpointer is not None and (index + 1) % self.cfg.checkpoint_every == 0 and index + 1 < len(plan):
+            is_last = index + 1 == len(plan)
+            if self.checkpointer is not None and (index + 1) % self.cfg.checkpoint_every == 0 and not is_last:
                 assert self.step == index + 1, "a checkpointed stage trains exactly one rollout batch"
                 self.save_checkpoint(self.step, {"history": history})
         return history
