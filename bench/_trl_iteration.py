@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.grpo_step import ensure_trl
+from bench.grpo_step import TRL_MATCHED_ARGS, ensure_trl
 from bench.harness import summarize
 
 
@@ -143,27 +143,13 @@ def time_trl_iterations(
         top_p=1.0,
         top_k=0,
         use_vllm=False,
-        beta=0.0,
-        loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
         learning_rate=lr,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_epsilon=1e-8,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        lr_scheduler_type="constant",
         warmup_steps=0,
-        optim="adamw_torch_fused",
-        use_cpu=True,
-        bf16=False,
         fp16=False,
         max_steps=iterations,
         shuffle_dataset=False,
         seed=seed,
-        report_to="none",
-        save_strategy="no",
+        **TRL_MATCHED_ARGS,
         logging_steps=10_000,
         disable_tqdm=True,
     )

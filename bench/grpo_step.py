@@ -42,6 +42,25 @@ from bench.harness import alternate, median, summarize, write_result
 
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
 TRL_SITE = Path(os.environ.get("FORGE_BENCH_TRL_SITE", Path.home() / ".cache/forgeflow/bench-trl-1.16.0"))
+# GRPOConfig settings that make TRL compute our GRPO loss and optimizer step (DAPO token mean, clip 0.2 / 0.28,
+# no KL, fused AdamW 0.9 / 0.95, clipping at 1.0, constant LR) on CPU in fp32, with nothing saved or reported.
+TRL_MATCHED_ARGS = {
+    "beta": 0.0,
+    "loss_type": "dapo",
+    "epsilon": 0.2,
+    "epsilon_high": 0.28,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "lr_scheduler_type": "constant",
+    "optim": "adamw_torch_fused",
+    "use_cpu": True,
+    "bf16": False,
+    "report_to": "none",
+    "save_strategy": "no",
+}
 PROMPTS, GROUP, MAX_NEW, MICRO = 32, 8, 16, 64
 LR = 5e-4
 
@@ -182,22 +201,8 @@ class TRLBaseline:
             gradient_accumulation_steps=PROMPTS * GROUP // MICRO,
             num_generations=GROUP,
             max_completion_length=MAX_NEW,
-            beta=0.0,
-            loss_type="dapo",
-            epsilon=0.2,
-            epsilon_high=0.28,
             learning_rate=LR,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_epsilon=1e-8,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            lr_scheduler_type="constant",
-            optim="adamw_torch_fused",
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            save_strategy="no",
+            **TRL_MATCHED_ARGS,
             logging_steps=10_000,
         )
         dataset = Dataset.from_dict({"prompt": ["Q: 000+000=? A: "] * PROMPTS})
