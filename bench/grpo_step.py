@@ -105,6 +105,7 @@ def make_workload(workdir: Path):
             f"rollout.sampling.group_size={GROUP}",
             f"rollout.sampling.max_new_tokens={MAX_NEW}",
             f"grpo.mini_batch_size={PROMPTS * GROUP}",
+            "grpo.epochs=1",  # one optimizer step per batch, whatever the demo's default
             f"grpo.micro_batch_size={MICRO}",
             f"grpo.optimizer.lr={LR}",
             # TRL's dapo normaliser counts the tokens of zero-variance groups too.
