@@ -277,7 +277,7 @@ def _trl_prompts(store: Path, summary: dict, iterations: int) -> tuple[list[str]
     from forge_core.run.rollout import PROMPTS_SPLIT, iteration_indices, read_prompt_split
     from forge_core.storage import ObjectStore
 
-    cfg = load_config(CONFIG, MEDIUM_WORKLOAD)
+    cfg = load_config(CONFIG, MEDIUM_WORKLOAD)  # the same prompt draw as the flow's rollout stages
     table = read_prompt_split(ObjectStore.from_config(_storage(store)), summary["data_uri"], PROMPTS_SPLIT)
     prompts, truths = table.column("prompt").to_pylist(), table.column("ground_truth").to_pylist()
     order = [
@@ -302,18 +302,23 @@ def measure_vs_trl(workdir: Path, iterations: int, base_summary: dict) -> dict:
     base = workdir / "medium-base"
     ours = run_variant("forgeflow sync", base, workdir / "medium-sync", [*MEDIUM_WORKLOAD, *LONG_LIVED], iterations)
     prompts, truths = _trl_prompts(base, base_summary, iterations)
+    # TRL gets the workload our flow ran, read from the same resolved config rather than written out twice.
+    from forge_core.config import load_config
+
+    cfg = load_config(CONFIG, MEDIUM_WORKLOAD)
+    sampling = cfg.rollout.sampling
     trl = time_trl_iterations(
         _sft_policy_dir(base, base_summary),
         prompts,
         truths,
-        prompts_per_iteration=16,
-        group_size=8,
-        max_new_tokens=32,
-        temperature=1.0,
-        micro_batch_size=32,
-        lr=1e-5,
+        prompts_per_iteration=cfg.rollout.prompts_per_iteration,
+        group_size=sampling.group_size,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        micro_batch_size=cfg.grpo.micro_batch_size,
+        lr=cfg.grpo.optimizer.lr,
         iterations=iterations,
-        seed=0,
+        seed=cfg.seed,
         workdir=workdir / "trl",
     )
     ours_s = [i.window_s for i in ours.warm()]
