@@ -1,6 +1,6 @@
 """Runs the demo for several seeds and writes what the README shows: the 3-seed learning table and the output.
 
-    .venv/bin/python docs/demo_seeds.py                    # seeds 0 1 2, fresh store per seed (~45 min)
+    .venv/bin/python docs/demo_seeds.py                    # seeds 0 1 2, fresh store per seed (~35 min)
     .venv/bin/python docs/demo_seeds.py --seeds 0 --no-readme   # one seed, only print the measurements
 
 Each seed is one `python -m flows.demo seed=N` process (exactly what `make demo` runs, plus the seed) on a fresh

@@ -3,8 +3,10 @@
 A record is `Q: 123+045=? A: ` -> `<answer>0168</answer>`: both operands have `num_digits` digits, the sum
 has `num_digits + 1`, all zero-padded, so every answer of a difficulty has the same length and a reward can
 check it exactly (`check_answer`) or digit by digit (`per_digit_score`). The answer sits in a tag so a format
-reward (`has_answer_tag`) measures something real. DESIGN.md section 8 measured this task: with 3 digits and
-about 1000 SFT examples a tiny model reaches ~50% and GRPO still has room to improve.
+reward (`has_answer_tag`) measures something real. The demo's budgets (README, "Does it learn?") rest on what
+was measured with this format and the demo's BPE: at 2 digits, SFT of the tiny model on 1000 labels sometimes
+only memorises them (~10% held out) and on 1500 labels jumps to 30-75% after 300-450 steps; at 3 digits, 1000
+labels give 1-2% on every seed tried.
 
 This module is dependency-free (standard library only) so reward functions can import it anywhere:
 
