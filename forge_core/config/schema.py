@@ -458,7 +458,7 @@ class LossConfig:
 @dataclass
 class GRPOConfig:
     # Rollout -> GRPO -> evaluate rounds after SFT.
-    iterations: int = 5
+    iterations: int = 6
     # Optimizer steps per rollout batch = epochs * (samples / mini_batch_size).
     epochs: int = 2
     # Sequences per optimizer step over all data-parallel ranks.
