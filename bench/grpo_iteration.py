@@ -353,7 +353,8 @@ def measure_async(workdir: Path, iterations: int, epochs: int) -> dict:
     try:
         sync = run_variant("split sync", base, workdir / "split-sync", [*common, "grpo.mode=sync"], iterations)
         overlap = run_variant(
-            "split async", base, workdir / "split-async", [*common, "grpo.mode=async", "grpo.max_staleness=1"],
+            "split async", base, workdir / "split-async",
+            [*common, "grpo.mode=async", "grpo.max_staleness=1", "grpo.correction.type=tis"],
             iterations,
         )
     finally:

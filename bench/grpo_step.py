@@ -22,11 +22,21 @@ TRL is not a forgeflow dependency: the benchmark installs trl==1.16.0 and accele
 requirements are already in the project venv) with `pip install --no-deps --target ~/.cache/forgeflow/
 bench-trl-1.16.0` on first use and imports them from there, so both sides run in this one process.
 Target: ours / TRL seconds per step < 1.
+
+The GRPO family (`bench/results/grpo_step.family.json`): on the same engine and batch, one optimizer step of
+every other loss (clipped_seq_mean, clipped_fixed_horizon, gspo, cispo) and of every mismatch correction
+(tis, mis, geo_mask, icepop, each on the token-mean loss) against the token-mean loss without correction,
+plus the corrections' extra no-grad forward (`GRPOTrainer.score_logprobs` over the whole rollout batch), all
+interleaved round by round (bench.harness.interleave). The extra forward runs once per rollout batch, so a
+correction's step time is its step + extra forward / (steps the batch feeds): reported at the default
+grpo.epochs (2 passes over the batch; the value) and at one step per batch (the worst case, in details).
+Value = the slowest variant's seconds per step, baseline = token-mean's; target: every variant <= 1.25x.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import random
@@ -38,7 +48,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from bench.harness import alternate, median, summarize, write_result
+from bench.harness import alternate, interleave, median, summarize, write_result
 
 TRL_PINS = ("trl==1.16.0", "accelerate==1.15.0")
 TRL_SITE = Path(os.environ.get("FORGE_BENCH_TRL_SITE", Path.home() / ".cache/forgeflow/bench-trl-1.16.0"))
@@ -63,6 +73,20 @@ TRL_MATCHED_ARGS = {
 }
 PROMPTS, GROUP, MAX_NEW, MICRO = 32, 8, 16, 64
 LR = 5e-4
+BASELINE_VARIANT = "clipped_token_mean"
+# name -> (grpo.loss.type, grpo.correction.type): the family measured against BASELINE_VARIANT.
+FAMILY = {
+    BASELINE_VARIANT: ("clipped_token_mean", "none"),
+    "clipped_seq_mean": ("clipped_seq_mean", "none"),
+    "clipped_fixed_horizon": ("clipped_fixed_horizon", "none"),
+    "gspo": ("gspo", "none"),
+    "cispo": ("cispo", "none"),
+    "tis": ("clipped_token_mean", "tis"),
+    "mis": ("clipped_token_mean", "mis"),
+    "geo_mask": ("clipped_token_mean", "geo_mask"),
+    "icepop": ("clipped_token_mean", "icepop"),
+}
+FAMILY_TARGET = 1.25
 
 
 def ensure_trl() -> str:
@@ -163,6 +187,60 @@ class Ours:
         history = self.trainer.fit(self.batch, seed=0)
         assert len(history) == 1, "one optimizer step per rollout batch"
         self.losses.append(history[0]["loss"])
+
+    def family_step(self, cfg, loss_type: str, correction: str):
+        """One optimizer step with another loss or correction on this trainer and batch (a correction's batch
+        carries old logprobs, scored once up front: its extra forward is timed on its own)."""
+        from forge_core.config.schema import CorrectionConfig
+        from forge_core.losses.grpo import build_policy_loss
+
+        loss = build_policy_loss(
+            dataclasses.replace(cfg.grpo.loss, type=loss_type), MAX_NEW, CorrectionConfig(type=correction)
+        )
+        batch = self.batch
+        if correction != "none":
+            batch = dataclasses.replace(batch, old_logprobs_BL=self.trainer.score_logprobs(batch))
+
+        def step() -> None:
+            self.trainer.loss = loss
+            history = self.trainer.fit(batch, seed=0)
+            assert len(history) == 1 and "skipped" not in history[0], "one optimizer step per rollout batch"
+
+        return step
+
+    def extra_forward(self) -> None:
+        """The corrections' extra no-grad forward: the batch scored under the current weights (in sync mode,
+        the sampler's)."""
+        self.trainer.score_logprobs(self.batch)
+
+
+EXTRA_FORWARD = "extra_forward"
+
+
+def measure_family(ours: Ours, cfg, repeats: int) -> dict:
+    """Seconds per step of every FAMILY variant and of the extra forward, interleaved on one engine and
+    batch; each variant's ratio to token-mean at the default epochs and at one step per rollout batch."""
+    saved = ours.trainer.loss
+    try:
+        sides = {name: ours.family_step(cfg, *spec) for name, spec in FAMILY.items()}
+        times = interleave({**sides, EXTRA_FORWARD: ours.extra_forward}, warmup=2, repeats=repeats)
+    finally:
+        ours.trainer.loss = saved
+    from forge_core.config.schema import GRPOConfig as ForgeGRPOConfig
+
+    base, forward = median(times[BASELINE_VARIANT]), median(times[EXTRA_FORWARD])
+    epochs = ForgeGRPOConfig().epochs  # the default passes over a rollout batch
+    family = {}
+    for name, (_, correction) in FAMILY.items():
+        extra = forward if correction != "none" else 0.0
+        step = median(times[name])
+        family[name] = {
+            "per_step_s": step + extra / epochs,
+            "ratio": (step + extra / epochs) / base,
+            "ratio_one_step_per_batch": (step + extra) / base,
+            "step_s": summarize(times[name]),
+        }
+    return {"variants": family, "extra_forward_s": summarize(times[EXTRA_FORWARD]), "epochs": epochs}
 
 
 # ---- TRL ----------------------------------------------------------------------------------------------------
@@ -267,6 +345,7 @@ def main() -> None:
 
     from forge_core.engine import destroy_distributed
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="forge-bench-grpo-") as tmp:
         workdir = Path(tmp)
         cfg, hf_dir, vocab, table = make_workload(workdir)
@@ -274,8 +353,10 @@ def main() -> None:
         baseline = TRLBaseline(hf_dir, table, ours.advantages_B, workdir)
         try:
             ours_s, trl_s = alternate(ours.step, baseline.step, warmup=2, repeats=5 if args.quick else 15)
+            family = measure_family(ours, cfg, repeats=5 if args.quick else 30)
         finally:
             destroy_distributed()
+    load = {"before": list(load_before), "after": list(os.getloadavg()), "cpus": os.cpu_count()}
     first_ours, first_trl = ours.losses[0], baseline.losses[0]
     if abs(first_ours - first_trl) > 1e-4 * max(1.0, abs(first_trl)):
         raise SystemExit(
@@ -295,9 +376,34 @@ def main() -> None:
             "first_step_loss": {"ours": first_ours, "trl": first_trl},
             "trl_version": trl.__version__,
             "trl_source": trl_source,
+            "load_avg": load,
         },
     )
-
+    variants = family["variants"]
+    slowest = max(variants, key=lambda name: variants[name]["ratio"])
+    write_result(
+        "grpo_step.family",
+        variants[slowest]["per_step_s"],
+        variants[BASELINE_VARIANT]["per_step_s"],
+        target=f"<={FAMILY_TARGET}",
+        unit="s/step",
+        details={
+            "slowest": slowest,
+            "ratios": {name: round(v["ratio"], 4) for name, v in variants.items()},
+            "ratios_one_step_per_batch": {
+                name: round(v["ratio_one_step_per_batch"], 4) for name, v in variants.items()
+            },
+            "epochs": family["epochs"],
+            "workload": (
+                f"llama3 tiny, {PROMPTS}x{GROUP} rollouts of 1..{MAX_NEW} tokens, 4 micro-batches of {MICRO}; a "
+                f"correction's extra forward over the batch spread over grpo.epochs={family['epochs']} steps"
+            ),
+            "extra_forward_s": family["extra_forward_s"],
+            "step_s": {name: v["step_s"] for name, v in variants.items()},
+            "threads": torch.get_num_threads(),
+            "load_avg": load,
+        },
+    )
 
 if __name__ == "__main__":
     main()

@@ -44,27 +44,35 @@ def alternate(
     Both sides first run `warmup` untimed rounds (imports, caches, allocator). The order flips every round
     (a b, b a, a b, ...) so slow drift of the machine (thermal, other processes) hits both sides alike.
     """
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"alternate(warmup={warmup}, repeats={repeats}): need warmup >= 0 and repeats >= 1")
+    times = interleave({"a": a_fn, "b": b_fn}, warmup=warmup, repeats=repeats)
+    return times["a"], times["b"]
+
+
+def interleave(fns: dict[str, Callable[[], Any]], warmup: int = 1, repeats: int = 5) -> dict[str, list[float]]:
+    """`alternate` for any number of sides: {name: seconds per repeat}. Every round runs each side once, the
+    order rotated by one each round (with two sides: a b, b a, ...), after `warmup` untimed rounds."""
+    if warmup < 0 or repeats < 1 or not fns:
+        raise ValueError(
+            f"interleave(warmup={warmup}, repeats={repeats}, {len(fns)} sides): need warmup >= 0, repeats >= 1 "
+            "and at least one side"
+        )
+    names = list(fns)
     for _ in range(warmup):
-        a_fn()
-        b_fn()
-    a_times: list[float] = []
-    b_times: list[float] = []
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
     # Objects alive now (models, engines, imported libraries) outlive the benchmark: freezing them keeps
-    # the per-call gc.collect() in _timed cheap, so it only sweeps what the two sides allocate.
+    # the per-call gc.collect() in _timed cheap, so it only sweeps what the sides allocate.
     gc.collect()
     gc.freeze()
     try:
         for round_index in range(repeats):
-            pairs = [(a_fn, a_times), (b_fn, b_times)]
-            if round_index % 2:
-                pairs.reverse()
-            for fn, times in pairs:
-                times.append(_timed(fn))
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(_timed(fns[name]))
     finally:
         gc.unfreeze()
-    return a_times, b_times
+    return times
 
 
 def _timed(fn: Callable[[], Any]) -> float:

@@ -69,8 +69,10 @@ class TreeMemorySampler:
         return total
 
 
-def run_seed(seed: int, work_dir: Path, extra: list[str]) -> dict:
-    """One demo run on a fresh store; its accuracies, wall time, peak memory and cleaned output."""
+def run_seed(seed: int, work_dir: Path, extra: list[str], label: str = "") -> dict:
+    """One demo run on the seed's store under `work_dir` (fresh for a new work dir; runs of one seed that share
+    prepare and SFT settings reuse those stages from it); its accuracies, wall time, peak memory and cleaned
+    output. `label` names the run's log file, seed-N[-label].log."""
     store, runs = work_dir / f"seed-{seed}" / "store", work_dir / f"seed-{seed}" / "runs"
     args = [f"seed={seed}", f"storage.root=file://{store}", f"logging.dir={runs}", *extra]
     started = time.perf_counter()
@@ -85,15 +87,15 @@ def run_seed(seed: int, work_dir: Path, extra: list[str]) -> dict:
     with TreeMemorySampler(process.pid) as memory:
         output, _ = process.communicate()
     wall_s = time.perf_counter() - started
-    (work_dir / f"seed-{seed}.log").write_text(output)
+    log_file = work_dir / f"seed-{seed}{'-' + label if label else ''}.log"
+    log_file.write_text(output)
     if process.returncode != 0:
-        raise SystemExit(
-            f"seed {seed}: the demo failed (exit {process.returncode}); see {work_dir}/seed-{seed}.log"
-        )
-    summary = json.loads(Path(_summary_path(output)).read_text())
-    accuracies = [point["accuracy"] for point in summary["evals"]]
+        raise SystemExit(f"seed {seed}: the demo failed (exit {process.returncode}); see {log_file}")
+    summary_path = _summary_path(output)
+    accuracies = [point["accuracy"] for point in json.loads(Path(summary_path).read_text())["evals"]]
     return {
         "seed": seed,
+        "summary_path": summary_path,
         "accuracy": accuracies,
         "gain_points": 100 * (accuracies[-1] - accuracies[0]),
         "wall_s": wall_s,
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_readme:
         return 0
     RESULTS.write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "output"} for r in results], indent=2) + "\n"
+        json.dumps([{k: v for k, v in r.items() if k not in ("output", "summary_path")} for r in results], indent=2)
+        + "\n"
     )
     text = replace_between(README.read_text(), "demo-seeds", table)
     text = replace_between(text, "demo-output", f"```\n{results[0]['output']}\n```")

@@ -13,12 +13,14 @@ import asyncio
 import sys
 
 from forge_core.config import ConfigError, load_config
+from forge_core.credentials import hide_credentials_in_overrides
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.post_train import post_train
 
-    summary = post_train(args.config, args.overrides)
+    # Prefect records the flow's parameters: a tokenised URL in an override goes in redacted.
+    summary = post_train(args.config, hide_credentials_in_overrides(args.overrides))
     for point in summary["evals"]:
         print(
             f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}"

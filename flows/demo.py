@@ -93,6 +93,7 @@ def run_demo(overrides: list[str], verbose: bool = False) -> dict:
     _prepare_environment()
     from flows.post_train import post_train
     from forge_core.config import load_config
+    from forge_core.credentials import hide_credentials_in_overrides
 
     cfg = load_config(DEMO_CONFIG, overrides)  # fails here, before Prefect starts, on a bad override
     if not verbose:
@@ -106,7 +107,7 @@ def run_demo(overrides: list[str], verbose: bool = False) -> dict:
         flush=True,
     )
     started = time.time()
-    summary = post_train(DEMO_CONFIG, overrides)
+    summary = post_train(DEMO_CONFIG, hide_credentials_in_overrides(overrides))  # Prefect records parameters
     summary["summary_path"] = str(write_summary(summary, cfg))
     print_demo_report(summary, cfg, started)
     return summary

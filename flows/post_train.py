@@ -28,8 +28,9 @@ from prefect.runtime import flow_run
 
 from flows.report import StageRecord, format_table, plot_curves, stage_table
 from forge_core.config import RunConfig, config_to_json, load_config
+from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches, terminate_all_live
-from forge_core.rollout.lifetime import stop_flow_engines
+from forge_core.rollout.lifetime import stop_flow_engines, with_run_id
 from forge_core.run.trainer_job import stop_flow_trainers
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
@@ -84,19 +85,41 @@ class StageTasks:
     evaluate: Task
 
 
+# The cancel/crash path must end inside Prefect's grace: a process worker SIGKILLs a cancelled flow run 30 s
+# after its SIGTERM (prefect 3.7: runner/_cancellation_manager.py, grace_seconds = 30.0). The SIGTERM handler's
+# terminate_all_live takes at most max(launch.*.kill_grace_s) + 10 s (20 s by default), the engines below at
+# most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s, the trainer job is a launch ended with the others: ~25 s in all.
+# Whatever a SIGKILL still catches ends itself within ~2 s (forge_core.launch.owner).
+ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
+
+
+def flow_config(config: str, overrides: list[str] | None, run_id: str | None) -> RunConfig:
+    """The flow's resolved config, tagged with its flow run id (`launch.run_id`: its own engines and trainer
+    job, never another run's; forge_core.rollout.lifetime)."""
+    return with_run_id(load_config(config, list(overrides or [])), run_id)
+
+
+def stop_run_processes(cfg: RunConfig, failing: bool) -> tuple[list[int], list[int]]:
+    """Stop the run's GRPO trainer job and rollout engine services (only this run's); returns their pids.
+    A failing run (cancel, crash, error) does not wait for the job's current order and gives the engines
+    ENGINE_STOP_GRACE_ON_FAILURE_S to shut down."""
+    if failing:
+        return stop_flow_trainers(cfg, timeout_s=0.0), stop_flow_engines(cfg, ENGINE_STOP_GRACE_ON_FAILURE_S)
+    return stop_flow_trainers(cfg), stop_flow_engines(cfg)
+
+
 def kill_launches(flow, flow_run, state) -> None:
     """Cancellation/crash hook: take down every process tree this flow run launched (its trainer job too), and
-    its rollout engines."""
+    its rollout engines (bounded: see ENGINE_STOP_GRACE_ON_FAILURE_S)."""
     terminate_all_live()
     parameters = flow_run.parameters or {}
     try:
-        cfg = load_config(
-            parameters.get("config", "configs/demo_cpu.yaml"), list(parameters.get("overrides") or [])
+        cfg = flow_config(
+            parameters.get("config", "configs/demo_cpu.yaml"), parameters.get("overrides"), str(flow_run.id)
         )
     except ValueError:
         return  # the flow failed on its config before it could start anything
-    stop_flow_trainers(cfg)
-    stop_flow_engines(cfg)
+    stop_run_processes(cfg, failing=True)
 
 
 @contextmanager
@@ -104,15 +127,16 @@ def flow_engines(cfg: RunConfig) -> Iterator[None]:
     """The flow run's long-lived rollout engines (`rollout.engine_lifetime: flow`) and GRPO trainer job
     (`grpo.trainer_lifetime: flow`) end with it, also when it fails: the first rollout/evaluate or GRPO stage
     starts them, nothing else would stop them."""
+    failing = True
     try:
         yield
+        failing = False
     finally:
-        trainers = stop_flow_trainers(cfg)
+        trainers, engines = stop_run_processes(cfg, failing)
         if trainers:
             get_run_logger().info("stopped the run's GRPO trainer job: pids %s", trainers)
-        stopped = stop_flow_engines(cfg)
-        if stopped:
-            get_run_logger().info("stopped the run's rollout engine services: pids %s", stopped)
+        if engines:
+            get_run_logger().info("stopped the run's rollout engine services: pids %s", engines)
 
 
 def end_orphaned_launches() -> list[int]:
@@ -235,7 +259,7 @@ class _RolloutLane:
             terminate_all_live(reason="the flow failed while rollouts were in flight")
             # Rollouts on the flow's engines run in this process (forge_core.run.in_process): they end when
             # their engines do.
-            stop_flow_engines(self._cfg)
+            stop_flow_engines(self._cfg, ENGINE_STOP_GRACE_ON_FAILURE_S)
             for stage in in_flight:
                 stage.future.wait(timeout=1.0)
             in_flight = [stage for stage in in_flight if stage.done_at is None]
@@ -321,7 +345,7 @@ def print_report(summary: dict) -> None:
 @flow(name="post-train", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """Post-train a model per the YAML `config` with `key=value` `overrides` applied; returns the summary."""
-    cfg = load_config(config, list(overrides or []))
+    cfg = flow_config(config, overrides, flow_run.get_id())
     # A SIGTERM to the flow process (worker cancel) must take the launched process trees down with it.
     install_sigterm_handler()
     end_orphaned_launches()
@@ -330,4 +354,6 @@ def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | Non
 
 
 if __name__ == "__main__":
-    print_report(post_train(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", sys.argv[2:]))
+    # Prefect records the flow's parameters: a tokenised URL in an override goes in redacted.
+    overrides = hide_credentials_in_overrides(sys.argv[2:])
+    print_report(post_train(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", overrides))

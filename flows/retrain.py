@@ -3,8 +3,19 @@
     python -m flows.retrain configs/demo_cpu.yaml data.demo.num_rl=40000
     prefect deployment run 'retrain/nightly-demo'        # the cron schedule in prefect.yaml (inactive by default)
 
-The promoted policy is a pointer object on the store (`_pointers/promoted-<run name>.json`), replaced in one
-atomic put. With no promoted policy yet, the flow runs SFT first and promotes the result of the whole run.
+The promoted policy is a compare-and-swap pointer on the store (`_pointers/promoted-<run name>-<identity>/`,
+one generation object per promotion: store.pointer_state / pointer_write), keyed by the run name and the
+config identity (`promotion_pointer`: a hash of the model, data and eval sections, so a run with another
+architecture, task, tokenizer or eval protocol never competes with this one). With no promoted policy yet, the
+flow runs SFT first and promotes the result of the whole run.
+
+Promotion is safe against overlapping runs (the cron run and a manual one; the nightly deployment also has a
+concurrency limit of 1 in prefect.yaml): the pointer is swapped only from the version whose target the
+candidate was compared with; when another run moved it meanwhile, the candidate is compared with the new
+incumbent (evaluated on this run's data if needed) before trying again, so a worse policy never replaces a
+better one. The incumbent must use the tokenizer of the freshly prepared data: a different one is a clear
+error (its held-out accuracy on token ids it was not trained on would mean nothing) rather than a silent
+comparison; start a new line of runs (another run name) when the tokenizer changes.
 """
 
 from __future__ import annotations
@@ -13,9 +24,12 @@ import sys
 from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
-from flows.post_train import end_orphaned_launches, flow_engines, kill_launches, stage_tasks
-from forge_core.config import config_to_json, load_config
+from flows.post_train import end_orphaned_launches, flow_config, flow_engines, kill_launches, stage_tasks
+from flows.promotion import check_same_tokenizer, promote_if_better, promotion_pointer
+from forge_core.config import config_to_json
+from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
 
@@ -29,10 +43,6 @@ class RetrainOutcome:
     promoted: bool
 
 
-def promotion_pointer(run_name: str) -> str:
-    return f"promoted-{run_name}"
-
-
 def _accuracy(store: ObjectStore, eval_uri: str) -> float:
     return float(store.read_manifest(eval_uri).metrics["accuracy"])
 
@@ -40,7 +50,7 @@ def _accuracy(store: ObjectStore, eval_uri: str) -> float:
 @flow(name="retrain", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """GRPO from the promoted policy on freshly prepared data; promote if held-out accuracy improves."""
-    cfg = load_config(config, list(overrides or []))
+    cfg = flow_config(config, overrides, flow_run.get_id())
     install_sigterm_handler()
     end_orphaned_launches()
     with flow_engines(cfg):
@@ -51,31 +61,50 @@ def _retrain(cfg) -> dict:
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
     config_json = config_to_json(cfg)
-    pointer = promotion_pointer(cfg.name)
+    pointer = promotion_pointer(cfg)
     t = stage_tasks(cfg)
 
     data_uri = t.prepare(config_json)
-    incumbent = store.pointer_read(pointer)
-    start_policy = incumbent or t.sft(config_json, data_uri)
-    # Both policies are scored on the same, current held-out split.
-    incumbent_accuracy = _accuracy(store, t.evaluate(config_json, incumbent, data_uri)) if incumbent else None
 
-    policy_uri = start_policy
+    def accuracy_of(policy_uri: str) -> float:
+        """An incumbent's held-out accuracy on this run's data (same tokenizer required)."""
+        check_same_tokenizer(store, policy_uri, data_uri)
+        return _accuracy(store, t.evaluate(config_json, policy_uri, data_uri))
+
+    incumbent = store.pointer_state(pointer)
+    # Both policies are scored on the same, current held-out split.
+    incumbent_accuracy = accuracy_of(incumbent.uri) if incumbent.uri else None
+    policy_uri = incumbent.uri or t.sft(config_json, data_uri)
     for iteration in range(cfg.grpo.iterations):
         rollouts_uri = t.rollout(config_json, policy_uri, data_uri, iteration)
         policy_uri = t.grpo(config_json, policy_uri, rollouts_uri, iteration)
     candidate_accuracy = _accuracy(store, t.evaluate(config_json, policy_uri, data_uri))
 
-    promoted = incumbent_accuracy is None or candidate_accuracy > incumbent_accuracy
-    if promoted:
-        store.pointer_write(pointer, policy_uri)
-        logger.info("promoted %s (accuracy %.3f, was %s)", policy_uri, candidate_accuracy, incumbent_accuracy)
+    decision = promote_if_better(
+        store, pointer, policy_uri, candidate_accuracy, incumbent, incumbent_accuracy, accuracy_of
+    )
+    if decision.promoted:
+        logger.info(
+            "promoted %s (accuracy %.3f, was %s) as %s version %d",
+            policy_uri,
+            candidate_accuracy,
+            decision.incumbent_accuracy,
+            pointer,
+            decision.pointer.version,
+        )
     else:
         logger.info(
-            "kept %s: candidate %.3f <= incumbent %.3f", incumbent, candidate_accuracy, incumbent_accuracy
+            "kept %s: candidate %.3f <= incumbent %.3f",
+            decision.incumbent_uri,
+            candidate_accuracy,
+            decision.incumbent_accuracy,
         )
-    return RetrainOutcome(policy_uri, candidate_accuracy, incumbent, incumbent_accuracy, promoted).__dict__
+    return RetrainOutcome(
+        policy_uri, candidate_accuracy, decision.incumbent_uri, decision.incumbent_accuracy, decision.promoted
+    ).__dict__
 
 
 if __name__ == "__main__":
-    retrain(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", sys.argv[2:])
+    # Prefect records the flow's parameters: a tokenised URL in an override goes in redacted.
+    overrides = hide_credentials_in_overrides(sys.argv[2:])
+    retrain(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", overrides)

@@ -31,18 +31,20 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
+from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 from tqdm import tqdm
 
 from forge_core.config import RunConfig, config_from_dict
-from forge_core.launch import LaunchFailed, LaunchResult, launch
+from forge_core.launch import LaunchResult, Outcome, launch, live_handles
+from forge_core.launch.errors import Category, classify_exception
 from forge_core.metrics.progress import parse_progress_line
 from forge_core.run.in_process import run_in_task_process, runs_in_task_process
 from forge_core.run.plan import StagePlan, launch_spec_for, plan_stage
 from forge_core.run.spec import write_spec
 from forge_core.run.trainer_job import FLOW as TRAINER_FLOW
 from forge_core.run.trainer_job import run_in_flow_trainer
-from forge_core.storage import ObjectStore
+from forge_core.storage import ObjectStore, new_attempt_id
 
 STAGE_RETRIES = 2
 
@@ -52,13 +54,15 @@ class StageOutputMissing(RuntimeError):
 
 
 def is_retryable(task, task_run, state) -> bool:
-    """Prefect retry condition: retry only failures the launcher classified as retryable."""
+    """Prefect retry condition: the one classification (forge_core.launch.errors.classify_exception) of what
+    the task raised. A failed launch is retryable as the launcher classified it (`LaunchFailed.retryable`); an
+    exception of the task body itself (planning, the skip check, the spec, publishing, the trainer-job wait)
+    is classified the same way: a storage outage that outlasted storage.retry_horizon_s is retried, a config
+    error or access denied is not, and anything unclassified is not either."""
     try:
         state.result()
-    except LaunchFailed as failure:
-        return failure.retryable
-    except Exception:  # noqa: BLE001 - anything else raised in the task body (e.g. a config error) is fatal
-        return False
+    except Exception as failure:  # noqa: BLE001 - classified, never swallowed: Prefect keeps the failed state
+        return classify_exception(failure).category is Category.RETRYABLE
     return False
 
 
@@ -136,11 +140,18 @@ def run_stage(
     params: dict | None = None,
     run_worker: Callable[[StagePlan, RunConfig, Callable[[str], None]], LaunchResult] | None = None,
 ) -> str:
-    """Plan, skip-if-committed, launch, verify. Returns the committed output URI.
+    """Plan, skip-if-committed, take the output key's lease, launch, verify. Returns the committed output URI.
 
     `run_worker(plan, cfg, log)` runs the planned stage (spec written) and returns its LaunchResult; by
     default its own worker launch, or, for rollout/evaluate with the flow's long-lived engines, this process
-    (forge_core.run.in_process: a thin engine client is not worth a process start per stage)."""
+    (forge_core.run.in_process: a thin engine client is not worth a process start per stage).
+
+    Two runs of one config at the same stage (two deployment runs, a retry next to a zombie): the first takes
+    the lease on the output key (forge_core.storage.lease) and computes; the other waits without holding pool
+    capacity until the output is committed (then returns it) or the lease goes stale (then computes). Each
+    attempt writes its own spec (`<output_uri>/_specs/<attempt>.json`). Whoever commits first owns the
+    artifact; an attempt that lost the commit race, or whose worker failed while another attempt committed,
+    returns the committed URI (artifacts are content-addressed: it is the same computation)."""
     logger = get_run_logger()
     cfg: RunConfig = config_from_dict(json.loads(config_json))
     if run_worker is None:
@@ -151,31 +162,79 @@ def run_stage(
         logger.info("%s: output already committed at %s; skipping", stage, plan.output_uri)
         return plan.output_uri
 
+    plan = plan.for_attempt(new_attempt_id())
+
+    def committed() -> bool:
+        return store.is_committed(plan.output_uri)
+
+    def waiting(record: dict) -> None:
+        logger.info(
+            "%s: %s is being computed by attempt %s on %s; waiting for its commit (or for its lease to go "
+            "stale: storage.lease_ttl_s=%g)",
+            stage,
+            plan.output_uri,
+            record.get("holder"),
+            record.get("host"),
+            store.lease_ttl_s,
+        )
+
+    # The owner is this task run: a retry may take over the lease of its own earlier attempt at once.
+    owner = str(current_task_run.id) if current_task_run.id else None
+    lease = store.acquire_lease(
+        plan.output_uri, holder=plan.spec.attempt, is_done=committed, on_wait=waiting, owner=owner
+    )
+    if lease is None or committed():
+        if lease is not None:
+            lease.release()
+        logger.info("%s: output already committed at %s by another run; skipping", stage, plan.output_uri)
+        return plan.output_uri
+    with lease.kept_alive(on_lost=lambda lost: _cancel_launches_of(plan, str(lost))):
+        result = _run_planned(plan, cfg, store, run_worker, logger)
+    logger.info("%s: %s in %.1fs", stage, result.outcome.name, result.duration_s)
+
+    if not committed():
+        lease.check()  # LeaseLost (retryable): another run took the stage over; a retry finds its commit
+        result.raise_for_outcome()
+        raise StageOutputMissing(
+            f"{stage}: the worker exited cleanly but {plan.output_uri} has no committed manifest"
+        )
+    if result.outcome is not Outcome.SUCCESS:
+        logger.info(
+            "%s: this attempt ended %s (%s), but %s is committed by another attempt of the stage; using it",
+            stage,
+            result.outcome.name,
+            result.reason,
+            plan.output_uri,
+        )
+    # Consumers verify every file's hash as they read it; here a readable manifest is the check.
+    _publish_stage_artifacts(plan, store)
+    return plan.output_uri
+
+
+def _run_planned(plan: StagePlan, cfg: RunConfig, store: ObjectStore, run_worker, logger) -> LaunchResult:
+    """Write the attempt's spec, take the pool's capacity and run the worker with a progress reporter."""
     write_spec(store, plan.spec)
-    resources = getattr(cfg.launch, stage)
+    resources = getattr(cfg.launch, plan.stage)
     gpus = resources.gpus_per_node * resources.nnodes
-    logger.info("%s: launching -> %s", stage, plan.output_uri)
+    logger.info("%s: launching -> %s (attempt %s)", plan.stage, plan.output_uri, plan.spec.attempt)
     reporter = _ProgressReporter(plan, logger)
     try:
         if gpus > 0:
             # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a
             # missing limit is an error instead of an unbounded oversubscription of the GPUs.
             with concurrency(resources.pool, occupy=gpus, strict=True):
-                result = run_worker(plan, cfg, reporter)
-        else:
-            result = run_worker(plan, cfg, reporter)
+                return run_worker(plan, cfg, reporter)
+        return run_worker(plan, cfg, reporter)
     finally:
         reporter.close()
-    logger.info("%s: %s in %.1fs", stage, result.outcome.name, result.duration_s)
-    result.raise_for_outcome()
 
-    if not store.is_committed(plan.output_uri):
-        raise StageOutputMissing(
-            f"{stage}: the worker exited cleanly but {plan.output_uri} has no committed manifest"
-        )
-    # Consumers verify every file's hash as they read it; here a readable manifest is the check.
-    _publish_stage_artifacts(plan, store)
-    return plan.output_uri
+
+def _cancel_launches_of(plan: StagePlan, reason: str) -> None:
+    """The stage's lease was taken over: end this attempt's own launch (its args name the attempt's spec).
+    A stage running in this process or in the flow's trainer job finishes; the lease check then fails it."""
+    for handle in live_handles():
+        if plan.spec_uri in handle.spec.args:
+            handle.cancel(reason)
 
 
 _stage_task = task(

@@ -45,6 +45,7 @@ from forge_core.config.introspect import (
 )
 from forge_core.config.schema import RunConfig
 from forge_core.config.yaml_io import parse_yaml
+from forge_core.credentials import scrub_text
 
 
 class ConfigError(ValueError):
@@ -73,7 +74,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     overrides = list(overrides)
     source = str(path) if path is not None else "the default config"
     if overrides:
-        source += " with overrides " + " ".join(overrides)
+        # The source names the overrides in error messages: never with a URL's credentials in them.
+        source += " with overrides " + " ".join(scrub_text(o) for o in overrides)
     raw = _read_yaml_mapping(Path(path)) if path is not None else {}
     errors: list[str] = []
     merged = _merge_onto_defaults(raw, errors)

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from forge_core.credentials import has_credentials, hide_credentials, redact_url
+
 STAGES = ("prepare", "sft", "rollout", "grpo", "evaluate")
 
 
@@ -28,8 +30,21 @@ class StorageConfig:
     # variables or the instance role, never from this file, so they cannot leak into manifests.
     endpoint_url: str | None = None
     region: str | None = None
+    # A transient storage failure (connection refused/reset, timeout, throttling, 5xx) is retried with backoff
+    # retry_backoff_s * 2**n (at most 30 s apart), in the flow process and in workers alike, until at least
+    # `retries` retries were made and retry_horizon_s has passed; then the stage fails, retryably.
     retries: int = 5
     retry_backoff_s: float = 0.5
+    # Seconds a storage call keeps retrying since it first failed: rides out an S3 brown-out or a restarting
+    # MinIO without failing the stage. 0 = only the `retries` quick retries.
+    retry_horizon_s: float = 300.0
+    # In-stage checkpoints (model + optimizer) kept per SFT/GRPO output: after each new one commits, older ones
+    # beyond this many are deleted. The stage's final export (policy/) is the artifact itself and always stays.
+    keep_checkpoints: int = 2
+    # A run computing a stage holds a lease on its output key, renewed every lease_renew_s; another run of the
+    # same config waits for its commit and takes over only a lease not renewed for lease_ttl_s seconds.
+    lease_ttl_s: float = 300.0
+    lease_renew_s: float = 30.0
 
     def check(self) -> list[str]:
         errors = []
@@ -42,13 +57,47 @@ class StorageConfig:
             )
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
             errors.append(
-                f"storage.endpoint_url={self.endpoint_url!r}: must be an http(s):// URL, e.g. http://127.0.0.1:9000"
+                f"storage.endpoint_url={redact_url(self.endpoint_url)!r}: must be an http(s):// URL, e.g. "
+                "http://127.0.0.1:9000"
             )
+        for name in ("root", "endpoint_url"):
+            errors += _credentials_errors(f"storage.{name}", getattr(self, name), _STORE_CREDENTIALS_FIX)
         if self.retries < 0:
             errors.append(f"storage.retries={self.retries}: must be >= 0")
         if self.retry_backoff_s < 0:
             errors.append(f"storage.retry_backoff_s={self.retry_backoff_s}: must be >= 0")
+        if self.retry_horizon_s < 0:
+            errors.append(
+                f"storage.retry_horizon_s={self.retry_horizon_s}: must be >= 0 (seconds to keep retrying a storage "
+                "call through an outage; 0 = only storage.retries quick retries)"
+            )
+        if self.keep_checkpoints < 1:
+            errors.append(
+                f"storage.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (a retry resumes from the newest)"
+            )
+        if not 0 < self.lease_renew_s <= self.lease_ttl_s / 2:
+            errors.append(
+                f"storage.lease_renew_s={self.lease_renew_s}, storage.lease_ttl_s={self.lease_ttl_s}: need "
+                "0 < lease_renew_s <= lease_ttl_s / 2 so that a live holder renews well before its lease goes stale"
+            )
         return errors
+
+
+_STORE_CREDENTIALS_FIX = (
+    "S3 takes its credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile or instance role), "
+    "never from a URL, so that they cannot be copied into specs, manifests or logs"
+)
+_FOLDER_CREDENTIALS_FIX = (
+    "give a local folder or a storage URI (s3:// reads with the store's AWS credentials from the environment)"
+)
+
+
+def _credentials_errors(key: str, url: str | None, fix: str) -> list[str]:
+    """A URL with credentials where none can be used: the message shows it redacted."""
+    if not isinstance(url, str) or not has_credentials(url):
+        return []
+    message = f"{key}={redact_url(url)!r}: holds credentials (user:password@ or a secret query value); remove them"
+    return [f"{message}. {fix}"]
 
 
 @dataclass
@@ -68,6 +117,7 @@ class ModelConfig:
         errors = flavor_errors(self.family, self.flavor)
         if self.max_seq_len < 1:
             errors.append(f"model.max_seq_len={self.max_seq_len}: must be >= 1")
+        errors += _credentials_errors("model.hf_path", self.hf_path, _FOLDER_CREDENTIALS_FIX)
         return errors
 
 
@@ -91,6 +141,7 @@ class TokenizerConfig:
             errors.append(f"data.tokenizer.vocab_size={self.vocab_size}: must be >= 8")
         if self.path is not None and not self.path.strip():
             errors.append("data.tokenizer.path='': give a tokenizer folder or leave it unset (null) to train one")
+        errors += _credentials_errors("data.tokenizer.path", self.path, _FOLDER_CREDENTIALS_FIX)
         return errors
 
 
@@ -128,8 +179,9 @@ class DemoTaskConfig:
 
 @dataclass
 class DataConfig:
-    # "demo" generates the built-in task; otherwise a file or folder URI (file://, s3://, a local path) read
-    # with `format` ("auto" = by file extension; a folder with state.json = datasets.save_to_disk).
+    # "demo" generates the built-in task; otherwise a file or folder URI (file://, s3://, https://, a local path)
+    # read with `format` ("auto" = by file extension; a folder with state.json = datasets.save_to_disk). A token
+    # in the URL (user:token@, ?token=, a presigned signature) is redacted in every spec, manifest and log.
     source: str = "demo"
     # How to read data.source; auto = by file extension (.jsonl/.json/.ndjson, .parquet, .csv) or hf_disk for a
     # folder with state.json.
@@ -160,6 +212,11 @@ class DataConfig:
     batch_rows: int = 8192
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     demo: DemoTaskConfig = field(default_factory=DemoTaskConfig)
+
+    def __post_init__(self) -> None:
+        # A tokenised URL is kept redacted in the config, so no spec, manifest, log or wandb config built from
+        # it holds the token; its reader asks forge_core.credentials.reveal_url for the real one.
+        self.source = hide_credentials(self.source)
 
     def check(self) -> list[str]:
         errors = []
@@ -297,11 +354,39 @@ class SamplingConfig:
 
 @dataclass
 class RewardComponentConfig:
-    # A registered name (`exact_answer`, `numeric_answer`, `answer_format`, `per_digit`, `math_verify`)
-    # or a user function by import path `package.module:function`.
+    # A registered name (`exact_answer`, `numeric_answer`, `answer_format`, `per_digit`, `math_verify`,
+    # `overlong`: DAPO's length penalty, kwargs window / penalty) or a user function by import path
+    # `package.module:function`.
     name: str = "exact_answer"
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (forge_core.rollout.dynamic): a rollout stage that got fewer informative groups
+    (reward variance > 0) than `target_groups` generates another round of prompts_per_iteration fresh prompts,
+    up to `max_extra_rounds` times. Every generated row stays in rollouts.parquet; its `kept` flag marks the
+    prompts_per_iteration groups GRPO trains on (informative ones first, in generation order)."""
+
+    # Off = one round of prompts_per_iteration prompts per iteration (every row kept), as before.
+    enabled: bool = False
+    # Informative groups wanted per iteration; null = rollout.prompts_per_iteration (every group).
+    target_groups: int | None = None
+    # Extra generation rounds allowed after the first; each iteration owns (1 + max_extra_rounds) *
+    # prompts_per_iteration positions of the prompt stream, so a round's prompts never depend on another's.
+    max_extra_rounds: int = 2
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.max_extra_rounds < 0:
+            errors.append(f"rollout.dynamic_sampling.max_extra_rounds={self.max_extra_rounds}: must be >= 0")
+        if self.target_groups is not None and self.target_groups < 1:
+            errors.append(
+                f"rollout.dynamic_sampling.target_groups={self.target_groups}: must be >= 1, or null for "
+                "rollout.prompts_per_iteration"
+            )
+        return errors
 
 
 @dataclass
@@ -310,6 +395,7 @@ class RolloutConfig:
     prompts_per_iteration: int = 512
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rewards: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     # vLLM engine options. Data parallel: num_engines engines, each in its own process with its own cores
     # (CPU) or tensor_parallel_size GPUs; tensor parallel is vLLM's own.
     num_engines: int = 1
@@ -337,10 +423,19 @@ class RolloutConfig:
     # place (milliseconds instead of an engine start-up); the flow stops them at its end.
     # Samples do not depend on it (per-prompt seeds), so it is not part of the rollout artifacts' key.
     engine_lifetime: Literal["stage", "flow"] = "stage"
-    # Folder of the flow's engine service (Unix socket, key, log; made mode 0700). null = a folder under the
-    # temp dir keyed by run name, storage root and working directory (forge_core.rollout.lifetime). Not
-    # part of the artifacts' key either. Its socket path must fit a Unix socket (107 bytes).
+    # Folder of the flow's engine services (Unix socket, key, log; made mode 0700); each flow run gets its own
+    # run-<hash> folder inside it. null = a folder under the temp dir keyed by run name, storage root, working
+    # directory and flow run (forge_core.rollout.lifetime). Not part of the artifacts' key either. Its socket
+    # path must fit a Unix socket (107 bytes).
     engine_state_dir: str | None = None
+    # Seconds one call of a reward function may take. Rewards are scored in reward_workers worker processes
+    # (forge_core.rewards.isolation): a call past this, or one that crashes its worker (segfault, os._exit),
+    # is tried once more in a fresh worker, then the sample gets reward 0 and the stage's metrics count it
+    # (reward/timeouts, reward/crashes, reward/zeroed). Not part of the artifacts' key.
+    reward_timeout_s: float = 30.0
+    # Reward worker processes per rollout/evaluate stage (they score disjoint slices of the samples).
+    # Not part of the artifacts' key.
+    reward_workers: int = 1
 
     def check(self) -> list[str]:
         errors = []
@@ -353,11 +448,20 @@ class RolloutConfig:
             )
         if self.prompts_per_iteration < 1:
             errors.append(f"rollout.prompts_per_iteration={self.prompts_per_iteration}: must be >= 1")
+        target = self.dynamic_sampling.target_groups
+        if target is not None and target > self.prompts_per_iteration:
+            errors.append(
+                f"rollout.dynamic_sampling.target_groups={target}: exceeds rollout.prompts_per_iteration="
+                f"{self.prompts_per_iteration}, the groups one GRPO iteration trains on; lower it"
+            )
         if not self.rewards:
             errors.append("rollout.rewards=[]: name at least one reward component, e.g. exact_answer")
-        for name in ("num_engines", "tensor_parallel_size", "kv_cache_gib", "max_num_seqs"):
+        positive = ("num_engines", "tensor_parallel_size", "kv_cache_gib", "max_num_seqs", "reward_workers")
+        for name in positive:
             if getattr(self, name) < 1:
                 errors.append(f"rollout.{name}={getattr(self, name)}: must be >= 1")
+        if not self.reward_timeout_s > 0:
+            errors.append(f"rollout.reward_timeout_s={self.reward_timeout_s}: must be > 0 (seconds per reward call)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             errors.append(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1 or null")
         if self.cpu_threads not in ("all", "auto") and not re.fullmatch(r"[0-9,\-|]+", self.cpu_threads):
@@ -372,10 +476,14 @@ class RolloutConfig:
 _UNIX_SOCKET_PATH_MAX = 107
 
 
+# The flow run's own folder inside a configured engine_state_dir (forge_core.rollout.lifetime.engine_state_dir).
+_RUN_FOLDER_NAME = "/run-0123456789"
+
+
 def _longest_engine_socket_name(num_engines: int) -> str:
-    """The longest socket file name of the flow's engine services (forge_core.rollout.service.engine_names:
-    `rollout` for one engine, `engine-0..N-1` for several)."""
-    return "/rollout.sock" if num_engines <= 1 else f"/engine-{num_engines - 1}.sock"
+    """The longest socket path under a configured engine_state_dir (the run's folder, then the service names
+    of forge_core.rollout.service.engine_names: `rollout` for one engine, `engine-0..N-1` for several)."""
+    return _RUN_FOLDER_NAME + ("/rollout.sock" if num_engines <= 1 else f"/engine-{num_engines - 1}.sock")
 
 
 def _engine_state_dir_errors(state_dir: str, num_engines: int) -> list[str]:
@@ -416,13 +524,19 @@ class AdvantageConfig:
 
 @dataclass
 class LossConfig:
-    """The policy loss (forge_core.losses.grpo.build_policy_loss). All three types share the per-token
-    clipped surrogate against the generator's logprobs and differ only in how tokens are averaged:
+    """The policy loss (forge_core.losses.grpo.build_policy_loss). The three clipped types share PPO's per-token
+    clipped surrogate and differ only in how tokens are averaged:
     clipped_token_mean = sum over all response tokens / their count in the global mini-batch (DAPO);
     clipped_seq_mean = mean over each sequence's tokens, then mean over sequences (original GRPO);
-    clipped_fixed_horizon = sum over tokens / (sequences * horizon) (Dr.GRPO)."""
+    clipped_fixed_horizon = sum over tokens / (sequences * horizon) (Dr.GRPO).
+    gspo = one ratio per sequence, the geometric mean of its token ratios, clipped per sequence, sequence mean
+    (GSPO, arXiv 2507.18071; its paper clips at 3e-4 / 4e-4, far tighter than the token-level default);
+    cispo = the clipped ratio as a detached weight on each token's log-probability, token mean (CISPO,
+    MiniMax-M1, arXiv 2506.13585): no token's gradient is ever zeroed by the clip."""
 
-    type: Literal["clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon"] = "clipped_token_mean"
+    type: Literal["clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon", "gspo", "cispo"] = (
+        "clipped_token_mean"
+    )
     # The ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's clip-higher.
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -432,8 +546,9 @@ class LossConfig:
     horizon: int | None = None
     # Weight of the per-token KL to the frozen reference policy; 0 = no reference model at all.
     kl_coef: float = 0.0
-    # k1 = logp - ref_logp; k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased, always >= 0).
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    # k1 = logp - ref_logp; k2 = (logp - ref_logp)^2 / 2 (low variance, always >= 0, biased);
+    # k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (unbiased, always >= 0).
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
 
     def check(self) -> list[str]:
         errors = []
@@ -452,6 +567,55 @@ class LossConfig:
             )
         if self.horizon is not None and self.horizon < 1:
             errors.append(f"grpo.loss.horizon={self.horizon}: must be >= 1 (or null for max_new_tokens)")
+        return errors
+
+
+CORRECTION_TYPES = ("none", "tis", "mis", "geo_mask", "icepop")
+
+
+@dataclass
+class CorrectionConfig:
+    """Train-inference mismatch correction (forge_core.losses.correction). With a type other than none the
+    loss takes the decoupled form: the PPO ratio is taken against the trainer's own logprobs of the sampling
+    policy (one extra no-grad forward per rollout batch, with the weights that sampled it), and each token's
+    policy loss is weighted by w = trainer / sampler probability of the sampled token, corrected by the type:
+    tis = token-level truncated IS, min(w, tis_cap); mis = sequence-level masked IS, the product of the
+    sequence's w, 0 above mis_threshold; geo_mask = a sequence is kept (weight 1) only when the geometric mean
+    of its w lies in [geo_low, geo_high], else masked; icepop = token-level, w inside [icepop_low,
+    icepop_high], 0 outside. none = the ratio against the sampler's logprobs, no weight. Masked tokens keep
+    their place in the loss's normaliser."""
+
+    # none | tis | mis | geo_mask | icepop (above). The mismatch metrics are logged whatever the type.
+    type: Literal["none", "tis", "mis", "geo_mask", "icepop"] = "none"
+    # tis: the cap on each token's weight (verl, SkyRL: ~2).
+    tis_cap: float = 2.0
+    # mis: a sequence whose weight (the product of its tokens' w) exceeds this is masked (TRL's default 3.0).
+    mis_threshold: float = 3.0
+    # geo_mask: the lower bound on a sequence's geometric-mean weight.
+    geo_low: float = 0.99
+    # geo_mask: the upper bound on a sequence's geometric-mean weight.
+    geo_high: float = 1.01
+    # icepop: the lower bound on each token's weight (IcePop uses [0.5, 2] to [0.5, 5]).
+    icepop_low: float = 0.5
+    # icepop: the upper bound on each token's weight.
+    icepop_high: float = 2.0
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.tis_cap <= 0:
+            errors.append(f"grpo.correction.tis_cap={self.tis_cap}: must be > 0 (e.g. 2.0)")
+        if self.mis_threshold <= 0:
+            errors.append(f"grpo.correction.mis_threshold={self.mis_threshold}: must be > 0 (e.g. 3.0)")
+        for name, low, high, example in (
+            ("geo", self.geo_low, self.geo_high, "0.99 and 1.01"),
+            ("icepop", self.icepop_low, self.icepop_high, "0.5 and 2.0"),
+        ):
+            if not 0 <= low <= 1 <= high:
+                errors.append(
+                    f"grpo.correction.{name}_low={low}, grpo.correction.{name}_high={high}: need "
+                    f"0 <= {name}_low <= 1 <= {name}_high, so that agreeing logprobs (weight 1) are kept "
+                    f"(e.g. {example})"
+                )
         return errors
 
 
@@ -477,15 +641,19 @@ class GRPOConfig:
     # iteration k trains policy k on rollouts sampled by policy k - s (s = staleness, recorded per row).
     # "sync": s = 0; each iteration's rollouts come from the policy it trains (rollout, GRPO, eval in turn).
     # "async": iteration k's rollouts are sampled by policy max(0, k - max_staleness) and generated while
-    # the iterations before k train; the clipped ratio against the generator's logprobs corrects for it.
-    # async with max_staleness 0 is sync (same stages, same artifacts). Not part of the artifacts' key.
+    # the iterations before k train; the clipped ratio against the sampling policy's logprobs (grpo.correction)
+    # corrects for it. async with max_staleness 0 is sync (same stages, same artifacts). Not part of the artifacts' key.
     mode: Literal["sync", "async"] = "sync"
     # Most policy updates a rollout row may lag the policy it trains (async); the GRPO stage fails on a row
     # above it. Sync means 0 by definition: there this must stay at its default (1) or be 0, any other value
     # is a config error since it could not take effect. Not part of the artifacts' key.
     max_staleness: int = 1
+    # Async with max_staleness > 0 needs a grpo.correction other than none (as NeMo-RL requires); true
+    # accepts the uncorrected ratio against the sampler's logprobs anyway. Not part of the artifacts' key.
+    allow_uncorrected_async: bool = False
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
 
     def check(self) -> list[str]:
@@ -511,6 +679,15 @@ class GRPOConfig:
     def _check_staleness(self) -> list[str]:
         if self.max_staleness < 0:
             return [f"grpo.max_staleness={self.max_staleness}: must be >= 0 (policy updates a rollout may lag)"]
+        uncorrected = self.correction.type == "none" and not self.allow_uncorrected_async
+        if self.mode == "async" and self.max_staleness > 0 and uncorrected:
+            refused = (
+                f"grpo.correction.type='none' with grpo.mode=async, grpo.max_staleness={self.max_staleness}: "
+                "stale rollouts need a train-inference mismatch correction; set grpo.correction.type to one "
+                f"of {[t for t in CORRECTION_TYPES if t != 'none']} (e.g. tis), or grpo.allow_uncorrected_async="
+                "true to train on the uncorrected ratio anyway"
+            )
+            return [refused]
         if self.mode == "sync" and self.max_staleness not in (0, GRPOConfig.max_staleness):
             ignored = (
                 f"grpo.max_staleness={self.max_staleness} with grpo.mode=sync: sync rollouts always have "
@@ -574,6 +751,10 @@ class LaunchConfig:
     rollout: ResourceConfig = field(default_factory=ResourceConfig)
     grpo: ResourceConfig = field(default_factory=lambda: ResourceConfig(nproc_per_node=2))
     evaluate: ResourceConfig = field(default_factory=ResourceConfig)
+    # The flow run these stages belong to; the flows set it (the Prefect flow run id), leave it null. It keys
+    # the run's engine and trainer state folders, so concurrent runs of one config never share an engine or a
+    # trainer job (forge_core.rollout.lifetime); null = a fresh id per process. Not part of any key.
+    run_id: str | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ class RejectReason(str, Enum):
     INVALID_UTF8 = "invalid_utf8"  # the bytes of the row are not valid UTF-8
     INVALID_JSON = "invalid_json"  # a JSONL line that does not parse to an object
     MALFORMED_ROW = "malformed_row"  # a CSV row with the wrong number of columns
+    FIELD_TOO_LARGE = "field_too_large"  # a CSV field over 1 MiB (forge_core.data.sources.CSV_MAX_FIELD_BYTES)
     INVALID_MESSAGES = "invalid_messages"  # a chat record that is not user/.../assistant messages
     UNPARSABLE_GROUND_TRUTH = "unparsable_ground_truth"  # e.g. a GSM8K answer without "#### <number>"
     TOO_LONG = "too_long"  # prompt + completion + EOS exceed data.max_seq_len tokens
@@ -31,7 +32,7 @@ class RejectThresholdExceeded(ValueError):
 @dataclass(frozen=True)
 class Reject:
     source: str  # the file (URI) or generator the row came from
-    source_row: int  # 0-based row (JSONL: line) number inside that source
+    source_row: int  # 0-based row (JSONL: line) number inside that source; CSV: the 1-based line number
     reason: RejectReason
     detail: str
     raw: str  # the row as read, for inspection with any Parquet tool

@@ -16,7 +16,7 @@ does not need the `datasets` package.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import posixpath
 from collections.abc import Iterator
@@ -24,11 +24,15 @@ from dataclasses import dataclass, field
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from forge_core.credentials import reveal_url, scrub_text
 from forge_core.data.rejects import Reject, RejectReason, raw_text
+from forge_core.storage.fingerprints import files_fingerprint
+from forge_core.storage.uris import normalize_rel
 
 FORMAT_EXTENSIONS = {
     "jsonl": (".jsonl", ".ndjson", ".json"),
@@ -38,7 +42,9 @@ FORMAT_EXTENSIONS = {
 HF_STATE_FILE = "state.json"
 HF_DICT_FILE = "dataset_dict.json"
 _READ_CHUNK_BYTES = 4 << 20
-_CSV_BLOCK_BYTES = 1 << 20
+# A CSV field longer than this is rejected as field_too_large (Arrow's own streaming limit was 1 MiB per row).
+CSV_MAX_FIELD_BYTES = 1 << 20
+_RAW_PREVIEW_CHARS = 1024  # what a reject keeps of an oversized row
 
 
 class DataSourceError(ValueError):
@@ -80,15 +86,21 @@ def read_source(
     """
     fs, files = resolve_source(uri, fmt, storage_options)
     readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv, "hf_disk": _read_hf_disk}
-    for source_file in files:
-        yield from readers[source_file.format](fs, source_file, fields, batch_rows)
+    with _credentials_scrubbed():
+        for source_file in files:
+            yield from readers[source_file.format](fs, source_file, fields, batch_rows)
 
 
 def resolve_source(
     uri: str, fmt: str, storage_options: dict | None = None
 ) -> tuple[fsspec.AbstractFileSystem, list[SourceFile]]:
     """The filesystem and the files (with their formats) that make up the source `uri`."""
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs, path = _open_source(uri, storage_options)
+    with _credentials_scrubbed():
+        return _resolve_files(uri, fmt, fs, path)
+
+
+def _resolve_files(uri: str, fmt: str, fs: fsspec.AbstractFileSystem, path: str):
     if not fs.exists(path):
         raise DataSourceError(
             f"data.source={uri!r}: no such file or folder; check the path (and storage.endpoint_url for s3)"
@@ -124,27 +136,53 @@ def resolve_source(
 
 
 def source_fingerprint(uri: str, fmt: str, storage_options: dict | None = None) -> str:
-    """sha256 over the names (relative to `uri`) and bytes of every file the source reads.
+    """Content fingerprint (forge_core.storage.fingerprints) of every file the source reads, named relative
+    to `uri`.
 
     For content keys: a source rewritten in place gets a new key, a byte-identical copy elsewhere the same.
     """
     fs, files = resolve_source(uri, fmt, storage_options)
-    root = fsspec.core.url_to_fs(uri, **(storage_options or {}))[1]
+    root = _open_source(uri, storage_options)[1]
     paths = []
     for source_file in files:
         if source_file.format == "hf_disk":
-            paths += [p for p in fs.find(source_file.path) if posixpath.basename(p) != HF_STATE_FILE]
-            paths.append(f"{source_file.path.rstrip('/')}/{HF_STATE_FILE}")
+            paths += fs.find(source_file.path)
         else:
             paths.append(source_file.path)
-    digest = hashlib.sha256()
-    for path in sorted(paths):
-        digest.update(posixpath.relpath(path, root).encode("utf-8") + b"\x00")
-        with fs.open(path, "rb") as f:
-            while chunk := f.read(_READ_CHUNK_BYTES):
-                digest.update(chunk)
-        digest.update(b"\x00")
-    return digest.hexdigest()
+    with _credentials_scrubbed():
+        return files_fingerprint(fs, {posixpath.relpath(path, root): path for path in paths})
+
+
+def _open_source(uri: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of `uri`, with the credentials the config keeps redacted put back in."""
+    with _credentials_scrubbed():
+        return fsspec.core.url_to_fs(reveal_url(uri, what="data.source"), **(storage_options or {}))
+
+
+@contextlib.contextmanager
+def _credentials_scrubbed() -> Iterator[None]:
+    """Errors raised while a real (credentialed) URL is open name the URL redacted (and drop their chain, which
+    may hold it too). A ValueError (bad data, a parse error) stays a fatal DataSourceError; anything else comes
+    from the transport (an HTTP 5xx, a reset connection) and becomes a retryable OSError."""
+    try:
+        yield
+    except Exception as exc:
+        message = str(exc)
+        clean = scrub_text(message)
+        if clean == message and not _chain_leaks(exc):
+            raise
+        if isinstance(exc, ValueError):
+            raise DataSourceError(f"{type(exc).__name__}: {clean}") from None
+        raise OSError(f"{type(exc).__name__}: {clean}") from None
+
+
+def _chain_leaks(exc: BaseException) -> bool:
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None:
+        if scrub_text(str(cause)) != str(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _format_of(name: str, formats: list[str]) -> str | None:
@@ -160,7 +198,8 @@ def _file_format(uri: str, fmt: str) -> str:
         raise DataSourceError(f"data.source={uri!r}: data.format=hf_disk needs a folder, not a file")
     if fmt != "auto":
         return fmt
-    detected = _format_of(uri, list(FORMAT_EXTENSIONS))
+    # A URL's query string (a presigned https source) is not part of its file name.
+    detected = _format_of(uri.split("?", 1)[0] if "://" in uri else uri, list(FORMAT_EXTENSIONS))
     if detected is None:
         raise DataSourceError(
             f"data.source={uri!r}: cannot tell the format from the file name; set data.format to one of "
@@ -186,15 +225,25 @@ def _check_columns(source: str, present: list[str], fields: dict[str, pa.DataTyp
 # --- JSONL ----------------------------------------------------------------------------------------------
 
 
-def _iter_lines(f) -> Iterator[bytes]:
-    """Lines without their newline, read in large chunks (fsspec's readline on object stores is slow)."""
-    tail = b""
-    while chunk := f.read(_READ_CHUNK_BYTES):
-        lines = (tail + chunk).split(b"\n")
+def _iter_lines(f, chunk_bytes: int = _READ_CHUNK_BYTES) -> Iterator[bytes]:
+    """Lines without their newline, read in large chunks (fsspec's readline on object stores is slow).
+
+    Linear however long a line is: the pieces of a line that spans chunks are kept in a list and joined once,
+    when its end arrives (concatenating each chunk onto the tail would copy a tens-of-MB line over and over).
+    """
+    pending: list[bytes] = []
+    while chunk := f.read(chunk_bytes):
+        if b"\n" not in chunk:
+            pending.append(chunk)
+            continue
+        lines = chunk.split(b"\n")
+        if pending:
+            lines[0] = b"".join([*pending, lines[0]])
         tail = lines.pop()
+        pending = [tail] if tail else []
         yield from lines
-    if tail:
-        yield tail
+    if pending:
+        yield b"".join(pending)
 
 
 def _read_jsonl(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int):
@@ -299,8 +348,12 @@ def _rebatch(batches, batch_rows: int) -> Iterator[pa.RecordBatch]:
         yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
 
 
-def _arrow_batch(source: str, batch: pa.RecordBatch, first_row: int, names: list[str]) -> RawBatch:
-    """Python columns of an Arrow batch; rows holding invalid UTF-8 become rejects one by one."""
+def _arrow_batch(
+    source: str, batch: pa.RecordBatch, first_row: int, names: list[str], reject_rows: list[int] | None = None
+) -> RawBatch:
+    """Python columns of an Arrow batch; rows holding invalid UTF-8 become rejects one by one.
+
+    A reject's `source_row` is `reject_rows[i]` when given (CSV: the line number), else `first_row + i`."""
     batch = batch.select(names)
     try:
         batch.validate(full=True)
@@ -314,7 +367,8 @@ def _arrow_batch(source: str, batch: pa.RecordBatch, first_row: int, names: list
             row.validate(full=True)
         except pa.ArrowInvalid as exc:
             detail = f"invalid UTF-8: {exc}"
-            result.rejects.append(Reject(source, first_row + i, RejectReason.INVALID_UTF8, detail, _raw_bytes(row)))
+            where = reject_rows[i] if reject_rows is not None else first_row + i
+            result.rejects.append(Reject(source, where, RejectReason.INVALID_UTF8, detail, _raw_bytes(row)))
             continue
         result.rows.append(first_row + i)
         for name, values in row.to_pydict().items():
@@ -344,45 +398,119 @@ def _read_parquet(fs, source_file: SourceFile, fields: dict[str, pa.DataType], b
 
 
 def _read_csv(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int):
+    """CSV in blocks of `batch_rows` lines, each parsed by Arrow with the header line in front.
+
+    A record is one physical line (Arrow's CSV parser does not take newlines inside quoted values), so the
+    reader knows every row's 1-based line number: every CSV reject carries it as its `source_row`. Splitting
+    lines first also lifts Arrow's streaming block limit, which failed the whole file on a row over 1 MiB; a
+    field over `CSV_MAX_FIELD_BYTES` is rejected instead (no such text fits any data.max_seq_len).
+    """
     names = list(fields)
     with fs.open(source_file.path, "rb") as f:
-        header = pacsv.open_csv(
-            f,
-            read_options=pacsv.ReadOptions(block_size=_CSV_BLOCK_BYTES),
-            parse_options=pacsv.ParseOptions(invalid_row_handler=lambda row: "skip"),  # counted below
-        ).schema.names
-    _check_columns(source_file.uri, header, fields)
+        lines = _csv_lines(f)
+        header = next(lines, None)
+        present = _csv_header(header[1]) if header else []
+        _check_columns(source_file.uri, present, fields)
+        first_row = 0
+        for block in _line_blocks(lines, batch_rows):
+            raw = _parse_csv_block(source_file.uri, header[1], block, names, first_row)
+            first_row += len(raw.rows) + sum(r.reason != RejectReason.MALFORMED_ROW for r in raw.rejects)
+            yield raw
+
+
+def _csv_lines(f) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) of every non-empty line; Arrow skips empty lines the same way."""
+    for index, line in enumerate(_iter_lines(f)):
+        if line not in (b"", b"\r"):
+            yield index + 1, line
+
+
+def _line_blocks(lines: Iterator[tuple[int, bytes]], size: int) -> Iterator[list[tuple[int, bytes]]]:
+    block: list[tuple[int, bytes]] = []
+    for numbered in lines:
+        block.append(numbered)
+        if len(block) == size:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def _csv_header(line: bytes) -> list[str]:
+    return pacsv.read_csv(pa.BufferReader(line + b"\n"), read_options=pacsv.ReadOptions(use_threads=False)).schema.names
+
+
+def _parse_csv_block(
+    source: str, header: bytes, block: list[tuple[int, bytes]], names: list[str], first_row: int
+) -> RawBatch:
+    numbers = [number for number, _ in block]
+    text = b"\n".join([header, *(line for _, line in block)]) + b"\n"
     malformed: list[Reject] = []
+    malformed_at: set[int] = set()
 
     def skip_malformed(row) -> str:
-        line = row.number if row.number is not None else -1
+        index = (row.number or 0) - 2  # the header is line 1 of the block
+        line = numbers[index] if 0 <= index < len(numbers) else -1
         detail = f"CSV line {line}: expected {row.expected_columns} columns, got {row.actual_columns}"
-        malformed.append(Reject(source_file.uri, line, RejectReason.MALFORMED_ROW, detail, row.text))
+        malformed.append(Reject(source, line, RejectReason.MALFORMED_ROW, detail, row.text[:_RAW_PREVIEW_CHARS]))
+        malformed_at.add(index)
         return "skip"
 
-    convert = pacsv.ConvertOptions(
-        include_columns=names,
-        column_types={name: pa.string() for name in names},
-        check_utf8=False,  # checked per row below, so one bad row does not stop the file
-        strings_can_be_null=False,
-        quoted_strings_can_be_null=False,
+    table = pacsv.read_csv(
+        pa.BufferReader(text),
+        read_options=pacsv.ReadOptions(block_size=len(text) + 1, use_threads=False),
+        parse_options=pacsv.ParseOptions(invalid_row_handler=skip_malformed),
+        convert_options=pacsv.ConvertOptions(
+            include_columns=names,
+            column_types={name: pa.string() for name in names},
+            check_utf8=False,  # checked per row by _arrow_batch, so one bad row does not stop the file
+            strings_can_be_null=False,
+            quoted_strings_can_be_null=False,
+        ),
     )
-    with fs.open(source_file.path, "rb") as f:
-        reader = pacsv.open_csv(
-            f,
-            read_options=pacsv.ReadOptions(block_size=_CSV_BLOCK_BYTES, use_threads=False),
-            parse_options=pacsv.ParseOptions(invalid_row_handler=skip_malformed),
-            convert_options=convert,
-        )
-        first_row = 0
-        for batch in _rebatch(reader, batch_rows):
-            raw = _arrow_batch(source_file.uri, batch, first_row, names)
-            raw.rejects.extend(malformed)
-            malformed.clear()
-            first_row += batch.num_rows
-            yield raw
-    if malformed:
-        yield RawBatch(source_file.uri, [], {name: [] for name in names}, list(malformed))
+    lines = [number for index, number in enumerate(numbers) if index not in malformed_at]
+    if len(lines) != table.num_rows:  # a file with bare \r line ends: records and lines do not pair up
+        lines = [-1] * table.num_rows
+    batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
+    if batch is None:
+        return RawBatch(source, [], {name: [] for name in names}, malformed)
+    raw = _without_large_fields(source, batch, first_row, names, lines)
+    raw.rejects.extend(malformed)
+    return raw
+
+
+def _without_large_fields(
+    source: str, batch: pa.RecordBatch, first_row: int, names: list[str], lines: list[int]
+) -> RawBatch:
+    """Rows with a field over CSV_MAX_FIELD_BYTES become field_too_large rejects; the rest go on as usual."""
+    sizes = [pc.binary_length(batch.column(name)) for name in names]
+    largest = sizes[0] if len(sizes) == 1 else pc.max_element_wise(*sizes)
+    too_large = pc.greater(largest, CSV_MAX_FIELD_BYTES).to_pylist()
+    if not any(too_large):
+        return _arrow_batch(source, batch, first_row, names, reject_rows=lines)
+    result = RawBatch(source, [], {name: [] for name in names})
+    for i, large in enumerate(too_large):
+        if large:
+            field_sizes = {name: size[i].as_py() for name, size in zip(names, sizes)}
+            name = max(field_sizes, key=field_sizes.get)
+            detail = (
+                f"CSV line {lines[i]}: field {name!r} is {field_sizes[name]} bytes, over the "
+                f"{CSV_MAX_FIELD_BYTES}-byte limit"
+            )
+            preview = {n: _text_preview(batch.column(n).slice(i, 1)) for n in names}
+            result.rejects.append(Reject(source, lines[i], RejectReason.FIELD_TOO_LARGE, detail, raw_text(preview)))
+            continue
+        row = _arrow_batch(source, batch.slice(i, 1), first_row + i, names, reject_rows=[lines[i]])
+        result.rows += row.rows
+        result.rejects += row.rejects
+        for name in names:
+            result.columns[name] += row.columns[name]
+    return result
+
+
+def _text_preview(value: pa.Array) -> str:
+    """The start of a one-value string array, readable even when it holds invalid UTF-8."""
+    return value.cast(pa.binary()).to_pylist()[0][:_RAW_PREVIEW_CHARS].decode("utf-8", errors="replace")
 
 
 def _read_hf_disk(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int):
@@ -390,7 +518,7 @@ def _read_hf_disk(fs, source_file: SourceFile, fields: dict[str, pa.DataType], b
     root = source_file.path.rstrip("/")
     with fs.open(f"{root}/{HF_STATE_FILE}", "rb") as f:
         state = json.load(f)
-    data_files = [entry["filename"] for entry in state.get("_data_files", [])]
+    data_files = [_hf_data_file(source_file.uri, entry) for entry in state.get("_data_files", [])]
     if not data_files:
         raise DataSourceError(f"{source_file.uri}: {HF_STATE_FILE} lists no _data_files; re-save the dataset")
     first_row = 0
@@ -401,3 +529,17 @@ def _read_hf_disk(fs, source_file: SourceFile, fields: dict[str, pa.DataType], b
             for batch in _rebatch(reader, batch_rows):
                 yield _arrow_batch(source_file.uri, batch, first_row, names)
                 first_row += batch.num_rows
+
+
+def _hf_data_file(uri: str, entry) -> str:
+    """A `_data_files` name from state.json: a plain file name inside the folder, never a way out of it."""
+    filename = entry.get("filename") if isinstance(entry, dict) else None
+    if not isinstance(filename, str) or not filename:
+        raise DataSourceError(f"{uri}/{HF_STATE_FILE}: _data_files entry {entry!r} has no filename; re-save the dataset")
+    try:
+        return normalize_rel(filename)
+    except (ValueError, TypeError) as exc:
+        raise DataSourceError(
+            f"{uri}/{HF_STATE_FILE}: _data_files names {filename!r}, which is not a file inside the dataset "
+            f"folder ({exc}); re-save the dataset with datasets.save_to_disk, or fix the name in {HF_STATE_FILE}"
+        ) from exc

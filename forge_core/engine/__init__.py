@@ -15,6 +15,7 @@ from forge_core.engine.checkpoint import (
     checkpoint_uri,
     committed_checkpoints,
     latest_committed_checkpoint,
+    prune_checkpoints,
     verify_checkpoint,
 )
 from forge_core.engine.distributed import (
@@ -50,6 +51,7 @@ __all__ = [
     "init_distributed",
     "latest_committed_checkpoint",
     "parallelize_model",
+    "prune_checkpoints",
     "resolve_param_dtype",
     "verify_checkpoint",
 ]

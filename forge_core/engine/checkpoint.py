@@ -1,10 +1,15 @@
 """In-stage checkpoints: DCP (model + optimizer + LR schedule + step + data cursor + per-rank RNG) written
 through fsspec straight into the object store, each committed as its own artifact by a manifest.
 
-Layout: `<output_uri>/_checkpoints/step-<N>/` holds DCP's files (`.metadata`, `__<rank>_0.distcp`) and
-`_MANIFEST.json` (kind "checkpoint"), written by rank 0 after every rank has finished writing. A checkpoint
-without a manifest does not exist; one whose files do not match their manifest is refused, and resume falls
-back to the previous committed one (with a warning naming the corrupt file).
+Layout: `<output_uri>/_checkpoints/step-<N>/` holds `_MANIFEST.json` (kind "checkpoint") and, under
+`_attempts/<attempt>/`, DCP's files (`.metadata`, `__<rank>_0.distcp`). Rank 0 opens the checkpoint's writer
+(one attempt: its own prefix, so a zombie or concurrent writer of the same step never mixes shards with this
+one), every rank writes its shards there, and rank 0 creates the manifest exclusively once all have finished.
+A checkpoint without a manifest does not exist; one whose files do not match their manifest is refused, and
+resume falls back to the previous committed one (with a warning naming the corrupt file).
+
+Retention: after each commit rank 0 deletes the committed checkpoints beyond the newest
+`storage.keep_checkpoints` (manifest first, then files), never the newest one.
 
     ckpt = Checkpointer(store, output_uri, dist_ctx, stage="sft", config=cfg_dict, inputs={"data": data_uri})
     ckpt.save(step, {"model": ModelState(model), "optimizer": opt, "lr_scheduler": sched}, data_cursor)
@@ -31,7 +36,15 @@ from forge_core.engine.distributed import DistContext, barrier, broadcast_object
 from forge_core.engine.rng import capture_rng_state, restore_rng_state
 from forge_core.engine.safe_dcp import SafeFsspecReader, SafeLoadPlanner
 from forge_core.launch.errors import RetryableStageError
-from forge_core.storage import CHECKPOINTS_DIR, ArtifactCorrupted, ObjectStore, StorageUnavailable
+from forge_core.storage import (
+    CHECKPOINTS_DIR,
+    ArtifactAlreadyCommitted,
+    ArtifactCorrupted,
+    ArtifactWriter,
+    ObjectStore,
+    StorageError,
+    StorageUnavailable,
+)
 from forge_core.storage.retry import is_transient
 
 log = logging.getLogger(__name__)
@@ -84,6 +97,17 @@ def latest_committed_checkpoint(store: ObjectStore, output_uri: str) -> Checkpoi
     """The newest committed checkpoint of the run at `output_uri` (not verified), or None."""
     refs = committed_checkpoints(store, output_uri)
     return refs[0] if refs else None
+
+
+def prune_checkpoints(store: ObjectStore, output_uri: str, keep: int) -> list[CheckpointRef]:
+    """Delete the committed checkpoints of `output_uri` beyond the newest `keep` (>= 1); returns those deleted.
+
+    Each is un-committed first (manifest, then files), so nothing half-deleted ever looks committed."""
+    assert keep >= 1, f"keep={keep}: the newest checkpoint always stays"
+    doomed = committed_checkpoints(store, output_uri)[keep:]
+    for ref in doomed:
+        store.delete_artifact(ref.uri)
+    return doomed
 
 
 def verify_checkpoint(store: ObjectStore, ref: CheckpointRef) -> None:
@@ -161,6 +185,7 @@ class Checkpointer:
         self.stage = stage
         self.config = config
         self.inputs = inputs
+        self._writer: ArtifactWriter | None = None  # rank 0: the attempt of the save in progress
 
     # ---- save ---------------------------------------------------------------------------------------------
 
@@ -172,7 +197,11 @@ class Checkpointer:
         if broadcast_object(self.store.is_committed(ref.uri) if self.dist.is_rank0 else None):
             return ref
         state = self._state(components, _TrainState(step, data_cursor))
-        writer = FsspecWriter(self.store.fsspec_path(ref.uri), **self.store.storage_options)
+        # Rank 0's writer is this save's attempt; every rank writes its shards under the attempt's prefix.
+        if self.dist.is_rank0:
+            self._writer = ArtifactWriter(self.store, ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
+        files_uri = broadcast_object(self._writer.files_uri if self.dist.is_rank0 else None)
+        writer = FsspecWriter(self.store.fsspec_path(files_uri), **self.store.storage_options)
         try:
             dcp.save(state, storage_writer=writer)
         except CheckpointException as exc:
@@ -186,18 +215,47 @@ class Checkpointer:
             raise (RetryableStageError if retryable else RuntimeError)(
                 f"checkpoint {ref.uri}: commit failed on rank 0: {message}"
             )
+        if self.dist.is_rank0:
+            self._prune()
         barrier()
         return ref
 
     def _commit(self, ref: CheckpointRef) -> tuple[str, bool] | None:
         """Rank 0: None, or (what failed, whether a retry may succeed)."""
+        writer = self._writer
         try:
-            writer = self.store.writer(ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
             writer.adopt_existing()
             writer.commit(config=self.config, inputs=self.inputs, metrics={"step": ref.step})
+        except ArtifactAlreadyCommitted as exc:
+            # Another attempt (a zombie or concurrent run) committed this step first: its checkpoint is as good.
+            log.warning("checkpoint %s: %s; using that one", ref.uri, exc)
+            self._abort_quietly(writer)
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which then all raise
             return f"{type(exc).__name__}: {exc}", _storage_may_recover(exc)
         return None
+
+    @staticmethod
+    def _abort_quietly(writer: ArtifactWriter) -> None:
+        try:
+            writer.abort()
+        except StorageError as exc:
+            log.warning("checkpoint %s: could not delete this attempt's shards (%s)", writer.files_uri, exc)
+
+    def _prune(self) -> None:
+        """Rank 0: retention after a commit. Best effort: a failure leaves extra checkpoints for the next save."""
+        try:
+            for ref in prune_checkpoints(self.store, self.output_uri, self.store.keep_checkpoints):
+                log.info(
+                    "checkpoint %s deleted (storage.keep_checkpoints=%d)",
+                    ref.uri,
+                    self.store.keep_checkpoints,
+                )
+        except StorageError as exc:
+            log.warning(
+                "checkpoint retention under %s failed (%s); will try again after the next save",
+                self.output_uri,
+                exc,
+            )
 
     def _state(self, components: dict[str, Stateful], train_state: _TrainState) -> dict[str, Stateful]:
         reserved = {"train_state", "rng"} & set(components)
@@ -226,7 +284,8 @@ class Checkpointer:
         train_state = _TrainState()
         state = self._state(components, train_state)
         # Storage is not trusted with code: no plain unpickling of what it returns (safe_dcp.py).
-        reader = SafeFsspecReader(self.store.fsspec_path(ref.uri), **self.store.storage_options)
+        files_uri = self.store.reader(ref.uri).files_uri  # the committed attempt's shards
+        reader = SafeFsspecReader(self.store.fsspec_path(files_uri), **self.store.storage_options)
         rng_prefix = f"rng.{state['rng'].key}."
         if not any(key.startswith(rng_prefix) for key in reader.read_metadata().state_dict_metadata):
             raise ValueError(

@@ -19,6 +19,8 @@ from typing import Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from forge_core.launch.spec import DEADLINE_ENV
+
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 T = TypeVar("T")
 
@@ -67,14 +69,38 @@ def _backend_for(device_type: str) -> str:
 
 # Whether the default process group was created by init_distributed (and so is destroy_distributed's to end).
 _group_created_here = False
+# Collectives' timeout outside a forge_core launch (no deadline to stay above), and the margin above one.
+DEFAULT_PROCESS_GROUP_TIMEOUT_S = 600.0
+PROCESS_GROUP_TIMEOUT_MARGIN_S = 60.0
 
 
-def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) -> DistContext:
+def process_group_timeout_s() -> float:
+    """How long a collective waits for a missing peer before it fails: longer than the launch's deadline
+    (FORGE_LAUNCH_DEADLINE_S, set by forge_core.launch) by PROCESS_GROUP_TIMEOUT_MARGIN_S.
+
+    Every collective starts after the launch did, so with this timeout the launcher's deadline always comes
+    first for a hung rank: the stage ends RETRYABLE with the hung rank named from the heartbeats
+    (forge_core.launch.heartbeat) instead of a gloo "Timed out waiting" on its peers. A timeout that still
+    surfaces (an explicit `timeout_s`) is classified retryable too (forge_core.launch.errors)."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    if not deadline:
+        return DEFAULT_PROCESS_GROUP_TIMEOUT_S
+    try:
+        return float(deadline) + PROCESS_GROUP_TIMEOUT_MARGIN_S
+    except ValueError:
+        raise ValueError(
+            f"{DEADLINE_ENV}={deadline!r}: not a number of seconds; it is set by forge_core.launch from "
+            "launch.<stage>.deadline_s, unset it when starting a worker by hand"
+        ) from None
+
+
+def init_distributed(device: DeviceChoice = "auto", timeout_s: float | None = None) -> DistContext:
     """Initialise the default process group once per process and return this rank's `DistContext`.
 
     Under torchrun the env:// rendezvous is used. A plain process without the torchrun variables becomes a
     world of size 1 over an in-memory store (no port, no network), so the same trainer code runs in tests and
-    notebooks. Calling it again returns the context of the existing group.
+    notebooks. Calling it again returns the context of the existing group. `timeout_s` (collectives' timeout)
+    defaults to `process_group_timeout_s()`, above the launch's deadline.
     """
     device_type = resolve_device_type(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -87,7 +113,7 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float = 600.0) ->
     global _group_created_here
     if not dist.is_initialized():
         _group_created_here = True
-        timeout = timedelta(seconds=timeout_s)
+        timeout = timedelta(seconds=process_group_timeout_s() if timeout_s is None else timeout_s)
         if _launched_by_torchrun():
             dist.init_process_group(backend=_backend_for(device_type), timeout=timeout)
         else:

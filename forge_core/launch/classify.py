@@ -17,20 +17,27 @@ import math
 import os
 import re
 import signal
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from forge_core.launch.errors import (
+    CATEGORY_KEY,
+    FIX_KEY,
     MRO_KEY,
     RANK_KEY,
     Category,
+    Classification,
     category_of_exit_code,
-    category_of_mro,
-    category_of_name,
+    classification_of_mro,
+    classification_of_name,
+    classify_exception,
+    qualified_name,
 )
-from forge_core.launch.result import Outcome, RankError
+from forge_core.launch.result import LaunchResult, Outcome, RankError
 
 TRACEBACK_LINES = 15
+EXCEPTION_TAIL_LINES = 20
 _RANK_FIELD = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXITCODE_FIELD = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ERROR_FILE_FIELD = re.compile(r"^\s*error_file\s*:\s*(\S+)")
@@ -54,6 +61,7 @@ class RecordedError:
     category: Category
     rank: int | None
     timestamp: float | None
+    fix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,17 +98,28 @@ def read_error_file(path: str) -> RecordedError | None:
     else:
         return None
     exc_type, _, exc_message = text.partition(": ")
-    mro = extra.get(MRO_KEY)
-    category = category_of_mro(mro) if mro else category_of_name(exc_type)
+    found = _recorded_classification(extra, exc_type)
     rank = extra.get(RANK_KEY)
     return RecordedError(
         exc_type=exc_type,
         message=exc_message,
         traceback=_last_lines(str(extra.get("py_callstack", "")), TRACEBACK_LINES),
-        category=category,
+        category=found.category,
         rank=int(rank) if rank not in (None, "") else None,
         timestamp=_as_float(extra.get("timestamp")),
+        fix=found.fix,
     )
+
+
+def _recorded_classification(extra: dict, exc_type: str) -> Classification:
+    """What the rank itself decided (record_errors classifies the instance), else by the recorded class
+    hierarchy, else by the bare class name (plain torch `record`)."""
+    recorded = extra.get(CATEGORY_KEY)
+    if recorded in {c.value for c in Category}:
+        fix = extra.get(FIX_KEY)
+        return Classification(Category(recorded), fix if isinstance(fix, str) and fix else None)
+    mro = extra.get(MRO_KEY)
+    return classification_of_mro(mro) if mro else classification_of_name(exc_type)
 
 
 def torchrun_rank_errors(
@@ -178,6 +197,36 @@ def decide_failure(rank_errors: dict[int, RankError], fallback: str) -> Decision
     return Decision(Outcome.RETRYABLE, _first(unexplained).summary if unexplained else fallback)
 
 
+def exception_result(
+    where: str, error: BaseException, duration_s: float, launch_id: str = ""
+) -> LaunchResult:
+    """The LaunchResult of a stage that raised `error` in this process rather than in a launched worker (the
+    in-process runner, the trainer job's wait loop): classified by `classify_exception` exactly as a lone
+    rank's error file would be (unclassified is FATAL), with its message, fix and traceback tail."""
+    found = classify_exception(error)
+    retryable = found.category is Category.RETRYABLE
+    summary = found.explain(f"{type(error).__name__}: {error}")
+    tail = tuple("".join(traceback.format_exception(error)).splitlines()[-EXCEPTION_TAIL_LINES:])
+    return LaunchResult(
+        outcome=Outcome.RETRYABLE if retryable else Outcome.FATAL,
+        returncode=None,
+        reason=f"{where}: {summary}",
+        tail=tail,
+        rank_errors={
+            0: RankError(
+                rank=0,
+                category=(Category.RETRYABLE if retryable else Category.FATAL).value,
+                summary=summary,
+                exc_type=qualified_name(type(error)),
+                message=str(error),
+                traceback="\n".join(tail),
+            )
+        },
+        duration_s=duration_s,
+        launch_id=launch_id,
+    )
+
+
 def _terminated_peer(error: RankError) -> bool:
     return error.exitcode == -signal.SIGTERM and not error.exc_type
 
@@ -186,7 +235,7 @@ def _from_recorded(rank: int, rec: RecordedError, exitcode: int | None, local_ra
     return RankError(
         rank=rank,
         category=rec.category.value,
-        summary=f"rank {rank}: {rec.exc_type}: {rec.message}",
+        summary=Classification(rec.category, rec.fix).explain(f"rank {rank}: {rec.exc_type}: {rec.message}"),
         exitcode=exitcode,
         exc_type=rec.exc_type,
         message=rec.message,
@@ -210,10 +259,13 @@ def _from_exit(
     by_code = category_of_exit_code(exitcode) if exitcode is not None else Category.UNCLASSIFIED
     if printed is not None and by_code is Category.UNCLASSIFIED:
         exc_type, message = printed
+        found = classification_of_name(exc_type)
         return RankError(
             rank=rank,
-            category=category_of_name(exc_type).value,
-            summary=f"rank {rank}: {exc_type}: {message} (exit {exitcode}; from its output, no error file)",
+            category=found.category.value,
+            summary=found.explain(
+                f"rank {rank}: {exc_type}: {message} (exit {exitcode}; from its output, no error file)"
+            ),
             exitcode=exitcode,
             exc_type=exc_type,
             message=message,

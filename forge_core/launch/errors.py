@@ -1,18 +1,42 @@
-"""Exception types workers raise, how an exception type maps to fatal/retryable, and `record_errors`.
+"""The one classification of a failure, exception types workers raise, and `record_errors`.
 
-The mapping is decided from the exception's class hierarchy (MRO), most specific class first:
-the first class found in `FATAL_TYPES` or `RETRYABLE_TYPES` wins. Exceptions in neither set are
-"unclassified": a Python error in a rank, fatal unless another rank died from a signal (then they are
-treated as the collateral damage of that death; see `classify.decide_outcome`).
+`classify_exception(exc)` is the only place that decides whether a failure is worth a retry. Everyone asks
+it: a worker rank when it records its exception (`record_errors`, so facts of the instance such as an
+`errno` count, not just its class), the launcher for error files that carry no recorded category
+(forge_core.launch.classify), the in-process stage runner (forge_core.run.in_process), the trainer job's
+wait loop (forge_core.run.trainer_job) and the stage tasks' retry condition (tasks/stages.py). It returns a
+`Classification`: a `Category` and, for a fatal failure a retry cannot fix, the `fix` the user has to make.
+
+Rules, first match wins (an exception that matches none is classified by its `__cause__`, if any):
+
+1. the exception says so itself: a bool `retryable` attribute (`StorageUnavailable`, `LeaseLost`,
+   `LaunchFailed` of a retryable or fatal launch);
+2. fatal with a fix: access denied or a missing bucket (`StorageAccessError`, `PermissionError`, EACCES,
+   EPERM), a committed artifact that fails verification or is missing (`ArtifactCorrupted`,
+   `ArtifactNotCommitted`: a stage's input; a corrupt in-stage checkpoint never gets here, the checkpointer
+   falls back to an older one), a full disk or quota (ENOSPC, EDQUOT), a read-only file system (EROFS), and
+   out of memory (`torch.OutOfMemoryError`, `MemoryError`: the same settings run out of memory again);
+3. retryable: a collective that timed out (gloo's and NCCL's plain RuntimeErrors: a peer rank hung or
+   died) and transient storage/network errors (forge_core.storage.retry.is_transient);
+4. the class hierarchy (MRO), most specific class first, against `FATAL_TYPES` and `RETRYABLE_TYPES`;
+5. an exception that aggregates others (DCP's `CheckpointException.failures`) takes theirs (fatal first);
+6. else unclassified: a Python error in a rank is fatal unless another rank died from a signal (then it is
+   the collateral damage of that death; see `classify.decide_failure`); raised in the task body, not
+   retried.
+
+A rank killed by a signal (the OOM killer, a preemption) is retryable: `category_of_exit_code`.
 """
 
 from __future__ import annotations
 
 import builtins
 import enum
+import errno
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 # sysexits.h codes, for workers that exit without raising (or are not Python at all).
@@ -34,6 +58,19 @@ class Category(enum.Enum):
     UNCLASSIFIED = "unclassified"
 
 
+@dataclass(frozen=True)
+class Classification:
+    """What `classify_exception` decided: the category, and for a fatal failure the fix the user must make
+    (None when the message already says it, or when nothing better than the message is known)."""
+
+    category: Category
+    fix: str | None = None
+
+    def explain(self, text: str) -> str:
+        """`text` followed by the fix, when there is one."""
+        return f"{text}. Fix: {self.fix}" if self.fix else text
+
+
 # Qualified class names (module.qualname). A subclass inherits its base's category.
 FATAL_TYPES = frozenset(
     {
@@ -48,15 +85,15 @@ FATAL_TYPES = frozenset(
         "builtins.AssertionError",
         "builtins.NotImplementedError",
         "builtins.ArithmeticError",
+        "builtins.MemoryError",
+        "torch.OutOfMemoryError",
     }
 )
 RETRYABLE_TYPES = frozenset(
     {
         f"{__name__}.RetryableStageError",
         "builtins.OSError",
-        "builtins.MemoryError",
         "builtins.KeyboardInterrupt",
-        "torch.OutOfMemoryError",
         "torch.distributed.DistError",
         "torch.distributed.elastic.rendezvous.api.RendezvousError",
         "torch.distributed.elastic.multiprocessing.api.SignalException",
@@ -69,7 +106,6 @@ RETRYABLE_TYPES = frozenset(
 _RETRYABLE_BARE_NAMES = frozenset(
     {
         "RetryableStageError",
-        "OutOfMemoryError",
         "DistError",
         "DistBackendError",
         "DistNetworkError",
@@ -82,13 +118,34 @@ _RETRYABLE_BARE_NAMES = frozenset(
         "RendezvousTimeoutError",
         "RendezvousGracefulExitError",
         "EngineDeadError",
+        "StorageUnavailable",
     }
 )
-_FATAL_BARE_NAMES = frozenset({"FatalStageError", "ConfigError"})
+_FATAL_BARE_NAMES = frozenset({"FatalStageError", "ConfigError", "StorageAccessError", "ArtifactCorrupted"})
+_OUT_OF_MEMORY_NAMES = frozenset({"builtins.MemoryError", "torch.OutOfMemoryError", "OutOfMemoryError"})
 
-# Key added next to torch's own fields in the error file's "extraInfo".
+# The settings that bound memory, named by every out-of-memory fix.
+OUT_OF_MEMORY_FIX = (
+    "the same settings would run out of memory again; lower sft.micro_batch_size / grpo.micro_batch_size, "
+    "model.max_seq_len (with data.max_seq_len), or set training.activation_checkpoint=true; for rollouts "
+    "lower rollout.kv_cache_gib or rollout.max_num_seqs"
+)
+_STORAGE = "forge_core.storage.errors"
+# gloo: "Timed out waiting 3000ms for recv operation", then "Application timeout caused pair closure";
+# NCCL's watchdog: "Watchdog caught collective operation timeout"; monitored_barrier: "failed to pass".
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ ?ms|Application timeout caused pair closure|collective operation timeout|"
+    r"failed to pass monitoredBarrier|timed out in (?:the )?(?:store|barrier|collective)",
+    re.IGNORECASE,
+)
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+
+# Keys added next to torch's own fields in the error file's "extraInfo".
 MRO_KEY = "forge_exception_mro"
 RANK_KEY = "forge_rank"
+CATEGORY_KEY = "forge_category"
+FIX_KEY = "forge_fix"
 
 
 def qualified_name(cls: type) -> str:
@@ -99,26 +156,134 @@ def exception_mro(exc: BaseException) -> list[str]:
     return [qualified_name(c) for c in type(exc).__mro__]
 
 
-def category_of_mro(mro: Sequence[str]) -> Category:
+def classify_exception(exc: BaseException) -> Classification:
+    """The one classification of a failure (see the module docstring for the rules).
+
+    The first exception of the `__cause__` chain that is not unclassified decides; a fatal one without a
+    fix of its own takes the first fix further down (a stage's `ValueError("inputs.data=...: cannot read")`
+    raised from `ArtifactCorrupted` gets the corrupted artifact's fix)."""
+    chain = _cause_chain(exc)
+    for index, current in enumerate(chain):
+        found = _classify_one(current)
+        if found.category is Category.FATAL and found.fix is None:
+            fixes = (_classify_one(cause) for cause in chain[index + 1 :])
+            return next((c for c in fixes if c.category is Category.FATAL and c.fix), found)
+        if found.category is not Category.UNCLASSIFIED:
+            return found
+    return Classification(Category.UNCLASSIFIED)
+
+
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+def _classify_one(exc: BaseException) -> Classification:
+    says = getattr(exc, "retryable", None)
+    if isinstance(says, bool):
+        return Classification(Category.RETRYABLE if says else Category.FATAL)
+    mro = exception_mro(exc)
+    for rule in (_fatal_with_fix, _transient):
+        found = rule(exc, mro)
+        if found is not None:
+            return found
+    by_class = classification_of_mro(mro)
+    if by_class.category is Category.UNCLASSIFIED:
+        return _of_aggregated(exc)
+    return by_class
+
+
+def _fatal_with_fix(exc: BaseException, mro: list[str]) -> Classification | None:
+    if f"{_STORAGE}.StorageAccessError" in mro or f"{_STORAGE}.ArtifactNotCommitted" in mro:
+        return Classification(Category.FATAL)  # their messages name the bucket/URI and the fix
+    if f"{_STORAGE}.ArtifactCorrupted" in mro:
+        uri = getattr(exc, "uri", "the artifact")
+        return Classification(
+            Category.FATAL,
+            f"the committed artifact {uri} no longer matches its manifest and a retry reads the same bytes; "
+            f"delete the prefix {uri} so that the stage producing it runs again",
+        )
+    if isinstance(exc, OSError):
+        path = str(exc.filename) if exc.filename else "the file named in the traceback"
+        if exc.errno in _DISK_FULL_ERRNOS:
+            return Classification(
+                Category.FATAL,
+                f"the disk or quota holding {path} is full: free space there (or give the job a larger volume), "
+                "or keep less: lower storage.keep_checkpoints and clear the policy cache ($FORGE_POLICY_CACHE, "
+                "default ~/.cache/forgeflow/policies)",
+            )
+        if exc.errno in _ACCESS_ERRNOS or isinstance(exc, PermissionError):
+            return Classification(
+                Category.FATAL,
+                f"this process may not access {path}: fix its owner or permissions, or point the setting that "
+                "names it at a folder this user can write",
+            )
+        if exc.errno == errno.EROFS:
+            return Classification(
+                Category.FATAL, f"{path} is on a read-only file system: point the setting at a writable one"
+            )
+    return None
+
+
+def _transient(exc: BaseException, mro: list[str]) -> Classification | None:
+    if isinstance(exc, RuntimeError) and _COLLECTIVE_TIMEOUT.search(str(exc)):
+        return Classification(Category.RETRYABLE)  # a peer rank hung or died: the retry starts a new group
+    # Imported here: the launcher process should not load the storage package (fsspec, botocore) to start.
+    from forge_core.storage.retry import is_transient
+
+    if is_transient(exc, causes=False):  # the causes get their own turn (classify_exception)
+        return Classification(Category.RETRYABLE)
+    return None
+
+
+def _of_aggregated(exc: BaseException) -> Classification:
+    """DCP's CheckpointException carries each rank's exception in `failures` ({rank: (exc, traceback)})."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return Classification(Category.UNCLASSIFIED)
+    inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    found = [classify_exception(e) for e in inner if isinstance(e, BaseException)]
+    for category in (Category.FATAL, Category.RETRYABLE):
+        if matching := [c for c in found if c.category is category]:
+            return matching[0]
+    return Classification(Category.UNCLASSIFIED)
+
+
+def classification_of_mro(mro: Sequence[str]) -> Classification:
+    """By class hierarchy alone (rule 4), for error files that recorded the MRO but no category."""
     for name in mro:
         if name in FATAL_TYPES:
-            return Category.FATAL
+            return Classification(Category.FATAL, OUT_OF_MEMORY_FIX if name in _OUT_OF_MEMORY_NAMES else None)
         if name in RETRYABLE_TYPES:
-            return Category.RETRYABLE
-    return Category.UNCLASSIFIED
+            return Classification(Category.RETRYABLE)
+    return Classification(Category.UNCLASSIFIED)
 
 
-def category_of_name(type_name: str) -> Category:
+def classification_of_name(type_name: str) -> Classification:
     """Best effort for a bare class name (no MRO recorded): builtins by hierarchy, then known names."""
     bare = type_name.rsplit(".", 1)[-1]
     builtin = getattr(builtins, bare, None)
     if isinstance(builtin, type) and issubclass(builtin, BaseException):
-        return category_of_mro([qualified_name(c) for c in builtin.__mro__])
+        return classification_of_mro([qualified_name(c) for c in builtin.__mro__])
+    if bare in _OUT_OF_MEMORY_NAMES:
+        return Classification(Category.FATAL, OUT_OF_MEMORY_FIX)
     if bare in _FATAL_BARE_NAMES:
-        return Category.FATAL
+        return Classification(Category.FATAL)
     if bare in _RETRYABLE_BARE_NAMES:
-        return Category.RETRYABLE
-    return Category.UNCLASSIFIED
+        return Classification(Category.RETRYABLE)
+    return Classification(Category.UNCLASSIFIED)
+
+
+def category_of_mro(mro: Sequence[str]) -> Category:
+    return classification_of_mro(mro).category
+
+
+def category_of_name(type_name: str) -> Category:
+    return classification_of_name(type_name).category
 
 
 def category_of_exit_code(returncode: int) -> Category:
@@ -138,26 +303,35 @@ def record_errors(fn: _F) -> _F:
     """Decorate a worker's `main` so an exception lands in the rank's error file.
 
     This is torch's `torch.distributed.elastic.multiprocessing.errors.record` (same file format, same
-    behaviour) with a handler that also stores the exception's class hierarchy and the rank, which the
-    launcher needs to classify subclasses (e.g. a `ConfigError(ValueError)` is fatal).
+    behaviour) with a handler that also stores the rank, the exception's class hierarchy and its
+    classification (category and fix, computed here from the instance), which the launcher reads.
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(fn, error_handler=_hierarchy_recording_handler())
+    return record(fn, error_handler=_classification_recording_handler())
 
 
-def _hierarchy_recording_handler():
+def _classification_recording_handler():
     # torch is imported here, not at module level, so the launcher process never pays for it.
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    class HierarchyRecordingErrorHandler(ErrorHandler):
+    class ClassificationRecordingErrorHandler(ErrorHandler):
         def record_exception(self, e: BaseException) -> None:
             super().record_exception(e)
             path = self._get_error_file_path()
             if path and os.path.isfile(path):
-                _add_extra_info(path, {MRO_KEY: exception_mro(e), RANK_KEY: os.environ.get("RANK")})
+                found = classify_exception(e)
+                _add_extra_info(
+                    path,
+                    {
+                        MRO_KEY: exception_mro(e),
+                        RANK_KEY: os.environ.get("RANK"),
+                        CATEGORY_KEY: found.category.value,
+                        FIX_KEY: found.fix,
+                    },
+                )
 
-    return HierarchyRecordingErrorHandler()
+    return ClassificationRecordingErrorHandler()
 
 
 def _add_extra_info(path: str, extra: dict[str, Any]) -> None:

@@ -13,10 +13,11 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forge_core.launch import classify, registry
 from forge_core.launch.errors import Category
+from forge_core.launch.heartbeat import read_heartbeats, stall_note
 from forge_core.launch.output import LogSink, OutputPump
 from forge_core.launch.process_tree import ExitStatus, ProcessTree, peek_exit_status
 from forge_core.launch.result import LaunchResult, Outcome, RankError
@@ -34,6 +35,7 @@ class _Stop:
 
     outcome: Outcome
     reason: str
+    at: float = field(default_factory=time.time)  # wall clock, comparable with the ranks' heartbeats
 
 
 class LaunchHandle:
@@ -54,11 +56,13 @@ class LaunchHandle:
         self._workdir = tempfile.mkdtemp(prefix=f"forge-launch-{self.launch_id}-")
         self._log_dir = os.path.join(self._workdir, "torchrun-logs")
         self._root_error_file = os.path.join(self._workdir, "root_error.json")
+        self._heartbeat_dir = os.path.join(self._workdir, "heartbeats")
+        os.mkdir(self._heartbeat_dir)
         self._started = time.monotonic()
         try:
             self._proc = subprocess.Popen(
                 build_command(spec, self._log_dir),
-                env=build_env(spec, self.launch_id, self._root_error_file),
+                env=build_env(spec, self.launch_id, self._root_error_file, self._heartbeat_dir),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -99,6 +103,12 @@ class LaunchHandle:
     def cancel(self, reason: str = "cancelled") -> None:
         self._cancel_reason = reason
         self._cancel.set()
+
+    def kill_now(self) -> list[int]:
+        """SIGKILL the whole tree at once (the supervisor still reaps and classifies it); returns the pids."""
+        if not self._cancel.is_set():
+            self.cancel("killed at once")
+        return self._tree.kill_now()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -214,15 +224,32 @@ class LaunchHandle:
             outcome, reason = Outcome.SUCCESS, "exited with code 0"
         else:
             outcome, reason = self._decide_failure(status, rank_errors)
+        stall = self._stall(outcome, stop, rank_errors)
         return LaunchResult(
             outcome=outcome,
             returncode=status.returncode,
-            reason=reason,
+            reason=f"{reason}; {stall}" if stall else reason,
             tail=tail,
             rank_errors=rank_errors,
             duration_s=time.monotonic() - self._started,
             launch_id=self.launch_id,
+            stall=stall,
         )
+
+    def _stall(self, outcome: Outcome, stop: _Stop | None, rank_errors: dict[int, RankError]) -> str:
+        """Which rank stopped making progress (heartbeat.py), for a launch the launcher stopped, or one that
+        failed retryably, without a rank killed by a signal, with some rank behind the others (a collective
+        timed out waiting for it)."""
+        first = self.spec.node_rank * self.spec.nproc_per_node if self.spec.torchrun else 0
+        ranks = range(first, first + (self.spec.nproc_per_node if self.spec.torchrun else 1))
+        beats = read_heartbeats(self._heartbeat_dir)
+        if stop is not None:
+            event = "the deadline" if stop.outcome is Outcome.RETRYABLE else "the launch was stopped"
+            return stall_note(beats, ranks, stop.at, event)
+        if outcome is not Outcome.RETRYABLE or any(map(_killed, rank_errors.values())):
+            return ""  # a rank's death explains the failure by itself
+        stamps = [e.timestamp for e in rank_errors.values() if e.timestamp is not None]
+        return stall_note(beats, ranks, min(stamps, default=time.time()), "the failure", when_level=False)
 
     def _rank_errors(
         self, status: ExitStatus, summary_lines: list[str], last_exception: dict[int, tuple[str, str]]
@@ -248,10 +275,20 @@ class LaunchHandle:
         return decision.outcome, decision.reason
 
 
+def _killed(error: RankError) -> bool:
+    """Killed by a signal other than torchrun's SIGTERM to the survivors of a failed rank."""
+    return error.exitcode is not None and error.exitcode < 0 and error.exitcode != -signal.SIGTERM
+
+
 _live: dict[str, LaunchHandle] = {}
 _live_lock = threading.Lock()
 _hooks_installed = False
 _previous_sigterm = None
+_sigterms = 0
+# terminate_all_live's bound: the largest kill grace plus this (output drain, supervisor bookkeeping), then
+# SIGKILL and at most KILL_WAIT_S more.
+SHUTDOWN_MARGIN_S = 5.0
+KILL_WAIT_S = 5.0
 
 
 def start(
@@ -289,23 +326,41 @@ def live_handles() -> list[LaunchHandle]:
 def terminate_all_live(
     reason: str = "terminated by terminate_all_live", timeout_s: float | None = None
 ) -> list[LaunchResult]:
-    """Cancel every live launch of this process and wait for their trees to be gone.
+    """Cancel every live launch of this process and wait for their trees to be gone, all at once.
 
-    Called by the flow on cancellation or crash; also runs at interpreter exit and on SIGTERM.
-    `timeout_s` bounds the wait per launch (default: its kill grace + 10 s).
+    Called by the flow on cancellation or crash; also runs at interpreter exit and on SIGTERM. Every
+    supervisor ends its tree in parallel (SIGTERM, the launch's `kill_grace_s`, SIGKILL). `timeout_s` bounds
+    the whole wait (default: the largest kill grace + SHUTDOWN_MARGIN_S); a tree still there then is
+    SIGKILLed at once and given KILL_WAIT_S more. So this returns within max(kill_grace_s) + 10 s (20 s
+    with the default 10 s grace), inside Prefect's 30 s between a cancel's SIGTERM and its SIGKILL.
     """
     handles = live_handles()
     for handle in handles:
         handle.cancel(reason)
+    if timeout_s is None:
+        timeout_s = max((h.spec.kill_grace_s for h in handles), default=0.0) + SHUTDOWN_MARGIN_S
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        try:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pids = handle.kill_now()
+            _logger.error(
+                "launch %s did not end within %.0f s after cancel: SIGKILLed pids %s",
+                handle.launch_id, timeout_s, pids,
+            )  # fmt: skip
     results = []
     for handle in handles:
         try:
-            results.append(
-                handle.wait(timeout_s if timeout_s is not None else handle.spec.kill_grace_s + 10.0)
-            )
+            results.append(handle.wait(KILL_WAIT_S))
         except TimeoutError:
-            _logger.error("launch %s did not end within the timeout after cancel", handle.launch_id)
+            _logger.error("launch %s did not end even after SIGKILL", handle.launch_id)
     return results
+
+
+def kill_all_live() -> list[int]:
+    """SIGKILL the trees of every live launch of this process at once (no grace); returns their pids."""
+    return sorted({pid for handle in live_handles() for pid in handle.kill_now()})
 
 
 def install_sigterm_handler() -> bool:
@@ -326,7 +381,14 @@ def install_sigterm_handler() -> bool:
 
 
 def _on_sigterm(signum: int, frame) -> None:
-    terminate_all_live(reason="launching process received SIGTERM")
+    """First SIGTERM: end every launch (bounded: terminate_all_live). A second one while that runs (an
+    impatient operator, a supervisor's repeated signal): SIGKILL every tree at once."""
+    global _sigterms
+    _sigterms += 1
+    if _sigterms == 1:
+        terminate_all_live(reason="launching process received SIGTERM")
+    else:
+        _logger.warning("SIGTERM again: SIGKILL of every launch's process tree, pids %s", kill_all_live())
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)

@@ -73,9 +73,10 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def processes_with_launch_id(launch_id: str) -> list[psutil.Process]:
-    """Every process whose environment carries FORGE_LAUNCH_ID=<launch_id> (ours are excluded)."""
-    own = {os.getpid(), *(p.pid for p in _ancestors())}
+def processes_with_launch_id(launch_id: str, include_ancestors: bool = False) -> list[psutil.Process]:
+    """Every process whose environment carries FORGE_LAUNCH_ID=<launch_id>, this one excluded, and its
+    ancestors too unless `include_ancestors` (a rank ending its own launch includes torchrun's agent)."""
+    own = {os.getpid(), *(() if include_ancestors else (p.pid for p in _ancestors()))}
     found = []
     for proc in psutil.process_iter():
         if proc.pid in own:
@@ -139,6 +140,13 @@ class ProcessTree:
         _send(survivors, signal.SIGKILL)
         _wait_gone(survivors, timeout_s=5.0)
         return sorted({p.pid for p in survivors})
+
+    def kill_now(self) -> list[int]:
+        """SIGKILL the root and every known or findable process of the launch at once (the escalation of a
+        terminate that takes too long); returns their pids. Never reaps the root."""
+        targets = [p for p in [self.root, *self.snapshot(include_launch_id_scan=True)] if is_alive(p)]
+        _send(targets, signal.SIGKILL)
+        return sorted({p.pid for p in targets})
 
     def kill_leftovers(self, grace_s: float) -> list[int]:
         """After the root exited: end whatever of the launch is still running; returns their pids."""

@@ -6,10 +6,14 @@ Every launch therefore writes `<registry>/<launch_id>.json` (naming the launchin
 start time) when it starts and removes it when it ends. `reap_orphaned_launches()`, called at the start of
 every flow run, ends each process carrying the FORGE_LAUNCH_ID of a record whose launching process is gone
 (SIGTERM, a grace period, then SIGKILL) and removes the record. A record whose launcher is alive is never
-touched, so concurrent flows on one machine are safe.
+touched, so concurrent flows on one machine are safe. Stage workers also end themselves within seconds of
+their launcher's death (forge_core.launch.owner); the registry ends what has no such watchdog.
 
 Registry folder: $FORGE_LAUNCH_REGISTRY, else `<tempdir>/forgeflow-launches-<uid>` (per machine and user:
-processes can only be ended where they run).
+processes can only be ended where they run). It is created mode 0700 and must belong to this user with no write
+access for anyone else (`check_private`): whoever can plant a record there chooses which of our processes the
+next flow ends, and a folder pre-created in /tmp by another user would be theirs. Otherwise the launcher refuses,
+naming the fix.
 
     from forge_core.launch import reap_orphaned_launches
     ended_pids = reap_orphaned_launches()
@@ -24,12 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
+from forge_core.launch.owner import Owner
 from forge_core.launch.process_tree import end_processes, processes_with_launch_id
 
 REGISTRY_ENV = "FORGE_LAUNCH_REGISTRY"
-_CREATE_TIME_TOLERANCE_S = 0.01
 
 _logger = logging.getLogger(__name__)
 
@@ -45,17 +47,40 @@ def _record_path(directory: Path, launch_id: str) -> Path:
     return directory / f"{launch_id}.json"
 
 
+def check_private(path: Path, what: str, writable_only: bool = False) -> None:
+    """ValueError unless `path` belongs to this user and gives group/others no access (`writable_only`: no
+    write access, for folders whose contents are harmless to read). Shared by every machine-local state folder
+    (launch registry, engine services, trainer jobs)."""
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise ValueError(
+            f"{what}={path}: owned by uid {info.st_uid}, not by this user ({os.getuid()}); use a folder of your own"
+        )
+    forbidden, fix = (0o022, "go-w") if writable_only else (0o077, "go-rwx")
+    if info.st_mode & forbidden:
+        raise ValueError(
+            f"{what}={path}: mode {oct(info.st_mode & 0o777)} lets other users reach what it holds; "
+            f"run `chmod {fix} {path}` or choose another folder"
+        )
+
+
+def _private_registry(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    where = f"launch registry ({REGISTRY_ENV})" if os.environ.get(REGISTRY_ENV) else "launch registry"
+    check_private(directory, where, writable_only=True)
+    return directory
+
+
 def record_launch(launch_id: str, root_pid: int, module: str, owner: tuple[int, float] | None = None) -> None:
     """Note a started launch (written atomically: a reader never sees half a record).
 
     `owner` (pid, create time) is the process whose death makes the launch an orphan; default: this one.
     A service that outlives the worker that started it names the worker's own launcher (`launch_owner`).
     """
-    directory = registry_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = _private_registry(registry_dir())
     if owner is None:
-        this = psutil.Process()
-        owner = (this.pid, this.create_time())
+        this = Owner.this_process()
+        owner = (this.pid, this.create_time)
     record = {
         "launch_id": launch_id,
         "owner_pid": owner[0],
@@ -84,11 +109,10 @@ def forget_launch(launch_id: str) -> None:
 
 def _owner_alive(record: dict) -> bool:
     try:
-        owner = psutil.Process(int(record["owner_pid"]))
-        same = abs(owner.create_time() - float(record["owner_create_time"])) < _CREATE_TIME_TOLERANCE_S
-        return same and owner.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
+        owner = Owner(int(record["owner_pid"]), float(record["owner_create_time"]))
+    except (KeyError, TypeError, ValueError):
         return False
+    return owner.alive()
 
 
 def stale_launches(directory: Path | None = None) -> list[dict]:
@@ -96,6 +120,7 @@ def stale_launches(directory: Path | None = None) -> list[dict]:
     directory = directory or registry_dir()
     if not directory.is_dir():
         return []
+    _private_registry(directory)  # records planted by someone else must not choose what gets ended
     stale = []
     for path in sorted(directory.glob("*.json")):
         try:

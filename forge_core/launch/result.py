@@ -38,6 +38,8 @@ class LaunchResult:
     rank_errors: dict[int, RankError] = field(default_factory=dict)
     duration_s: float = 0.0
     launch_id: str = ""
+    # Which rank stopped making progress, from the ranks' heartbeats (also at the end of `reason`); "" if none.
+    stall: str = ""
 
     @property
     def ok(self) -> bool:

@@ -6,13 +6,21 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV
+from forge_core.launch.owner import OWNER_ENV, Owner
+
 # Set by the launcher in every child; a user value would break leftover-process search or error capture.
 LAUNCH_ID_ENV = "FORGE_LAUNCH_ID"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # torchrun substitutes ${rank} per worker; every worker line then starts with "[rank<global rank>]:".
 LOG_PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 RANK_LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
-_RESERVED_ENV = (LAUNCH_ID_ENV, ERROR_FILE_ENV, LOG_PREFIX_TEMPLATE_ENV)
+# The launch's deadline in seconds: a worker sets its collectives' timeout above it
+# (forge_core.engine.distributed.process_group_timeout_s), so the launcher's deadline ends a hung rank first.
+DEADLINE_ENV = "FORGE_LAUNCH_DEADLINE_S"
+_RESERVED_ENV = (
+    LAUNCH_ID_ENV, OWNER_ENV, ERROR_FILE_ENV, LOG_PREFIX_TEMPLATE_ENV, DEADLINE_ENV, HEARTBEAT_DIR_ENV
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,11 +147,19 @@ def _rendezvous_args(spec: LaunchSpec) -> list[str]:
     return args
 
 
-def build_env(spec: LaunchSpec, launch_id: str, error_file: str) -> dict[str, str]:
+def build_env(
+    spec: LaunchSpec, launch_id: str, error_file: str, heartbeat_dir: str | None = None
+) -> dict[str, str]:
     """os.environ, then the spec's env, then the launcher's own keys (validated not to clash)."""
     env = dict(os.environ)
     env.update(spec.env)
     env[LAUNCH_ID_ENV] = launch_id
+    env[DEADLINE_ENV] = f"{spec.deadline_s:g}"
+    if heartbeat_dir is not None:
+        env[HEARTBEAT_DIR_ENV] = heartbeat_dir  # where ranks write their progress (heartbeat.py)
+    else:
+        env.pop(HEARTBEAT_DIR_ENV, None)  # never the launching process's own launch's folder
+    env[OWNER_ENV] = str(Owner.this_process())  # the launch ends itself once this process is gone
     # For torchrun this is the agent's own file (it copies the root-cause rank's record into it);
     # torchrun points each rank at its own file under --log-dir. For plain python it is the worker's file.
     env[ERROR_FILE_ENV] = error_file

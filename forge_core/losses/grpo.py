@@ -1,20 +1,25 @@
-"""GRPO-family policy losses: a per-token clipped surrogate against the generator's logprobs, an optional KL
-penalty to a frozen reference policy, and three ways to average tokens (one small class each).
+"""GRPO-family policy losses: a policy surrogate (PPO's per-token clip, GSPO's sequence ratio or CISPO's clipped
+IS weight), an optional train-inference mismatch correction (forge_core.losses.correction), an optional KL
+penalty to a frozen reference policy, and an aggregation of tokens (one small class each).
 
-The ratio is `exp(logp_trainer - logp_generator)` with the generator's logprobs *stored in the batch*, never
-`logp - logp.detach()` (that ratio is always 1, so clipping never acts after the first optimizer step).
+The ratio is `exp(logp_trainer - logp_base)` with the base logprobs *stored in the batch*: the generator's
+(sampler's) logprobs without a correction, the trainer's own logprobs of the sampling policy with one
+(`correction.ratio_base`). Never `logp - logp.detach()` (that ratio is always 1, so clipping never acts after
+the first optimizer step).
 
 Normalisation. Every loss divides a *sum* over this micro-batch by `global_normalizer`, the sum of
 `loss.normalizer(mb)` over every micro-batch of the mini-batch on every data-parallel rank
 (`TitanTrainer.global_normalizer`). Summing the micro-batch gradients over micro-batches and ranks then gives
 exactly the gradient of the mini-batch loss, however the mini-batch was split (forge_core.trainers.rl_batch).
+Surrogates, corrections and aggregations only ever combine tokens of one row, so this holds for all of them.
 
 Usage (the trainer runs the forward, the normalizer, backward and the metric reduction):
 
-    loss_fn = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens)
+    loss_fn = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
     metrics = trainer.train_step(micro_batches, loss_fn)     # RLBatch micro-batches of one mini-batch
     # metrics: loss, policy/loss, policy/clip_low_frac, policy/clip_high_frac, policy/ratio_mean,
-    #          policy/ratio_max, policy/entropy, policy/kl (KL on), policy/logprob_gap_mean, ..._max
+    #          policy/ratio_max, policy/entropy, policy/kl (KL on), policy/logprob_gap_mean, ..._max,
+    #          mismatch/* and correction/* (when the batch has old logprobs)
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from forge_core.config.schema import LossConfig
+from forge_core.config.schema import CorrectionConfig, LossConfig
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs
+from forge_core.losses.correction import (
+    MISMATCH_MAX_KEYS,
+    Correction,
+    NoCorrection,
+    build_correction,
+    mismatch_sums,
+    summarize_mismatch,
+)
 
 if TYPE_CHECKING:
     # Type-only: the trainer package imports the losses, so a runtime import here would be circular.
@@ -44,34 +57,28 @@ class ClipRange:
 
 @dataclass(frozen=True)
 class SurrogateTerms:
-    loss_BL: torch.Tensor  # -min(ratio * A, clip(ratio) * A); 0 outside the response mask
+    loss_BL: torch.Tensor  # the per-token policy loss to minimise; 0 outside the response mask
     ratio_BL: torch.Tensor  # detached
-    clipped_low_BL: torch.Tensor  # bool: the lower clip bound is active (ratio < 1 - low, A < 0)
-    clipped_high_BL: torch.Tensor  # bool: the upper clip bound is active (ratio > 1 + high, A > 0)
+    clipped_low_BL: torch.Tensor  # bool: the lower clip bound is active
+    clipped_high_BL: torch.Tensor  # bool: the upper clip bound is active
 
 
-def clipped_surrogate(
-    logprobs_BL: torch.Tensor,
-    generator_logprobs_BL: torch.Tensor,
-    advantages_B: torch.Tensor,
-    mask_BL: torch.Tensor,
-    clip: ClipRange,
-    max_log_ratio: float,
-) -> SurrogateTerms:
-    """PPO's per-token clipped surrogate with separate low/high clip, as a loss to minimise.
-
-    Where a clip bound is active the token's gradient is zero. Masked positions get loss 0 and ratio 1, and
-    whatever the generator logprobs hold there (padding, NaN) cannot leak into the gradient.
-    """
+def _base_where_masked(logprobs_BL: torch.Tensor, base_logprobs_BL: torch.Tensor, mask_BL: torch.Tensor):
+    """(fp32 logprobs, fp32 base logprobs with the trainer's own detached values outside the mask): whatever
+    the base holds at padding (zeros, NaN) cannot leak into a ratio or a gradient."""
     logprobs = logprobs_BL.float()
-    generator = torch.where(mask_BL, generator_logprobs_BL.float(), logprobs.detach())
-    log_ratio = (logprobs - generator).clamp(-max_log_ratio, max_log_ratio)
-    ratio = torch.exp(log_ratio)
+    return logprobs, torch.where(mask_BL, base_logprobs_BL.float(), logprobs.detach())
+
+
+def _ppo_clip(
+    ratio_BL: torch.Tensor, advantages_B: torch.Tensor, mask_BL: torch.Tensor, clip: ClipRange
+) -> SurrogateTerms:
+    """-min(ratio * A, clip(ratio) * A) per token: where a clip bound is active the token's gradient is 0."""
     adv = advantages_B.float()[:, None]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip.low, 1.0 + clip.high) * adv
+    unclipped = ratio_BL * adv
+    clipped = ratio_BL.clamp(1.0 - clip.low, 1.0 + clip.high) * adv
     loss = torch.where(mask_BL, -torch.minimum(unclipped, clipped), 0.0)
-    ratio_d = ratio.detach()
+    ratio_d = ratio_BL.detach()
     return SurrogateTerms(
         loss_BL=loss,
         ratio_BL=ratio_d,
@@ -80,10 +87,75 @@ def clipped_surrogate(
     )
 
 
+def clipped_surrogate(
+    logprobs_BL: torch.Tensor,
+    base_logprobs_BL: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BL: torch.Tensor,
+    clip: ClipRange,
+    max_log_ratio: float,
+) -> SurrogateTerms:
+    """PPO's per-token clipped surrogate with separate low/high clip, as a loss to minimise; the ratio is
+    exp(logp - base) per token. Masked positions get loss 0 and ratio 1."""
+    logprobs, base = _base_where_masked(logprobs_BL, base_logprobs_BL, mask_BL)
+    ratio = torch.exp((logprobs - base).clamp(-max_log_ratio, max_log_ratio))
+    return _ppo_clip(ratio, advantages_B, mask_BL, clip)
+
+
+def gspo_surrogate(
+    logprobs_BL: torch.Tensor,
+    base_logprobs_BL: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BL: torch.Tensor,
+    clip: ClipRange,
+    max_log_ratio: float,
+) -> SurrogateTerms:
+    """GSPO-token: every token of sequence i carries the sequence ratio s_i = exp(mean_t log(pi / pi_base)),
+    written sg[s_i] * pi_t / sg[pi_t] so that its value is s_i and its gradient is s_i * grad log pi_t; then
+    PPO's clip. Averaged over each sequence's tokens (`SequenceMeanLoss`), this is GSPO's sequence objective
+    -min(s_i A_i, clip(s_i) A_i) with gradient s_i A_i / |y_i| * sum_t grad log pi_t while unclipped."""
+    logprobs, base = _base_where_masked(logprobs_BL, base_logprobs_BL, mask_BL)
+    tokens_B = mask_BL.sum(dim=1).clamp(min=1)
+    seq_log_ratio_B = (logprobs.detach() - base).sum(dim=1) / tokens_B
+    log_ratio = seq_log_ratio_B[:, None] + (logprobs - logprobs.detach())
+    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    return _ppo_clip(ratio, advantages_B, mask_BL, clip)
+
+
+def cispo_surrogate(
+    logprobs_BL: torch.Tensor,
+    base_logprobs_BL: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BL: torch.Tensor,
+    clip: ClipRange,
+    max_log_ratio: float,
+) -> SurrogateTerms:
+    """CISPO: -sg(clip(ratio, 1 - low, 1 + high)) * A * log pi per token. The clip bounds the detached
+    importance weight instead of cutting the token out, so every token keeps a gradient (REINFORCE with a
+    clipped IS weight); a bound is reported active whenever it clipped the weight, whatever A's sign."""
+    logprobs, base = _base_where_masked(logprobs_BL, base_logprobs_BL, mask_BL)
+    ratio = torch.exp((logprobs.detach() - base).clamp(-max_log_ratio, max_log_ratio))
+    weight = ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
+    adv = advantages_B.float()[:, None]
+    loss = torch.where(mask_BL, -(weight * adv) * logprobs, 0.0)
+    return SurrogateTerms(
+        loss_BL=loss,
+        ratio_BL=ratio,
+        clipped_low_BL=mask_BL & (ratio < 1.0 - clip.low),
+        clipped_high_BL=mask_BL & (ratio > 1.0 + clip.high),
+    )
+
+
 def k1_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
     """k1 from log_ratio = logp - ref_logp: the log ratio itself (unbiased for KL(pi || ref) under samples
     of pi, but can be negative)."""
     return log_ratio_BL
+
+
+def k2_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
+    """k2 from log_ratio = logp - ref_logp: (logp - ref_logp)^2 / 2 (never negative, low variance, biased; its
+    gradient is that of the reverse KL's f-divergence approximation)."""
+    return 0.5 * log_ratio_BL.square()
 
 
 def k3_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
@@ -94,6 +166,7 @@ def k3_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": k1_estimate,
+    "k2": k2_estimate,
     "k3": k3_estimate,
 }
 
@@ -128,18 +201,26 @@ class KLPenalty:
 
 
 class ClippedPolicyLoss(Loss):
-    """Shared body of the three GRPO losses: per-token surrogate (+ KL), metrics, and the division by the
-    global normalizer. Subclasses only say how per-token losses are summed and what one micro-batch adds to
-    the denominator."""
+    """Shared body of the GRPO-family losses: surrogate (+ correction weight, + KL), metrics, and the division by
+    the global normalizer. Subclasses say how per-token losses are summed and what one micro-batch adds to the
+    denominator (the aggregation), and may replace the surrogate (GSPO, CISPO)."""
 
     # Entropy is only logged (it is computed without grad), but the issue's metrics require it.
     needs_entropy = True
-    max_reduced_metrics = frozenset({"ratio_max", "logprob_gap_max"})
+    max_reduced_metrics = frozenset({"ratio_max", "logprob_gap_max"}) | MISMATCH_MAX_KEYS
+    surrogate = staticmethod(clipped_surrogate)
 
-    def __init__(self, clip: ClipRange, max_log_ratio: float, kl: KLPenalty | None = None) -> None:
+    def __init__(
+        self,
+        clip: ClipRange,
+        max_log_ratio: float,
+        kl: KLPenalty | None = None,
+        correction: Correction | None = None,
+    ) -> None:
         self.clip = clip
         self.max_log_ratio = max_log_ratio
         self.kl = kl
+        self.correction = correction if correction is not None else NoCorrection()
 
     @abstractmethod
     def normalizer(self, batch: RLBatch) -> float:
@@ -156,25 +237,30 @@ class ClippedPolicyLoss(Loss):
                 "completion carries loss (e.g. every group was dropped for zero reward variance)"
             )
         mask = batch.response_mask_BL
-        terms = clipped_surrogate(
+        terms = self.surrogate(
             out.target_logprobs_BL,
-            batch.generator_logprobs_BL,
+            self.correction.ratio_base(batch),
             batch.advantages_B,
             mask,
             self.clip,
             self.max_log_ratio,
         )
-        per_token_BL = terms.loss_BL
+        # The weight is 1 without a correction: multiplying by it changes no bit of the loss or its gradient.
+        weights = self.correction.weights(batch)
+        per_token_BL = terms.loss_BL * weights.weight_BL
         kl_BL = None
         if self.kl is not None:
             kl_BL = self.kl.per_token(out.target_logprobs_BL, batch)
             per_token_BL = per_token_BL + self.kl.coef * kl_BL
         loss = self.aggregate(per_token_BL, mask) / global_normalizer
-        metrics = policy_metrics(out, batch, terms, kl_BL)
+        metrics = {**policy_metrics(out, batch, terms, kl_BL), **mismatch_sums(batch, weights)}
         return LossOutput(loss=loss, metrics=metrics)
 
     def summarize(self, reduced: dict[str, float]) -> dict[str, float]:
-        return summarize_policy_metrics(reduced)
+        return {
+            **summarize_policy_metrics(reduced),
+            **summarize_mismatch(reduced, float(reduced["tokens"]), float(reduced["sequences"])),
+        }
 
 
 class TokenMeanLoss(ClippedPolicyLoss):
@@ -204,8 +290,15 @@ class FixedHorizonLoss(ClippedPolicyLoss):
     """Sum over tokens / (completions * horizon) (Dr.GRPO): a constant per-token weight, so neither length
     nor the number of tokens in the batch biases the gradient."""
 
-    def __init__(self, clip: ClipRange, max_log_ratio: float, horizon: int, kl: KLPenalty | None = None):
-        super().__init__(clip, max_log_ratio, kl)
+    def __init__(
+        self,
+        clip: ClipRange,
+        max_log_ratio: float,
+        horizon: int,
+        kl: KLPenalty | None = None,
+        correction: Correction | None = None,
+    ):
+        super().__init__(clip, max_log_ratio, kl, correction)
         if horizon < 1:
             raise ValueError(f"grpo.loss.horizon={horizon}: must be >= 1")
         self.horizon = horizon
@@ -215,6 +308,21 @@ class FixedHorizonLoss(ClippedPolicyLoss):
 
     def aggregate(self, loss_BL: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
         return loss_BL.sum()
+
+
+class GSPOLoss(SequenceMeanLoss):
+    """GSPO (Zheng et al. 2025): one clipped ratio per sequence, the geometric mean of its token ratios,
+    averaged over sequences. Clip bounds act on that mean, so they are far tighter than per-token ones
+    (3e-4 / 4e-4 in the paper)."""
+
+    surrogate = staticmethod(gspo_surrogate)
+
+
+class CISPOLoss(TokenMeanLoss):
+    """CISPO (MiniMax-M1): the clipped importance weight, detached, times each token's log-probability,
+    averaged over the mini-batch's tokens; clipping bounds the weight and never drops a token's gradient."""
+
+    surrogate = staticmethod(cispo_surrogate)
 
 
 def active_sequences(mask_BL: torch.Tensor) -> torch.Tensor:
@@ -269,20 +377,31 @@ def summarize_policy_metrics(sums: dict[str, float]) -> dict[str, float]:
     return summary
 
 
-LOSS_TYPES = ("clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon")
+# Each loss type's class; its constructor takes (clip, max_log_ratio, kl=..., correction=...), plus the
+# horizon for the fixed-horizon aggregation (`build_policy_loss`).
+LOSS_CLASSES: dict[str, type[ClippedPolicyLoss]] = {
+    "clipped_token_mean": TokenMeanLoss,
+    "clipped_seq_mean": SequenceMeanLoss,
+    "clipped_fixed_horizon": FixedHorizonLoss,
+    "gspo": GSPOLoss,
+    "cispo": CISPOLoss,
+}
+LOSS_TYPES = tuple(LOSS_CLASSES)
 
 
-def build_policy_loss(cfg: LossConfig, max_new_tokens: int) -> ClippedPolicyLoss:
-    """The loss named by `cfg.type`; `max_new_tokens` is the fixed horizon when `cfg.horizon` is None."""
+def build_policy_loss(
+    cfg: LossConfig, max_new_tokens: int, correction: CorrectionConfig | None = None
+) -> ClippedPolicyLoss:
+    """The loss named by `cfg.type` with the mismatch correction `correction` (None = none);
+    `max_new_tokens` is the fixed horizon when `cfg.horizon` is None."""
+    if cfg.type not in LOSS_CLASSES:
+        raise ValueError(f"grpo.loss.type={cfg.type!r}: unknown; choose one of {list(LOSS_TYPES)}")
     clip = ClipRange(low=cfg.clip_low, high=cfg.clip_high)
     kl = None
     if cfg.kl_coef > 0:
         kl = KLPenalty(coef=cfg.kl_coef, estimator=cfg.kl_estimator, max_log_ratio=cfg.max_log_ratio)
-    if cfg.type == "clipped_token_mean":
-        return TokenMeanLoss(clip, cfg.max_log_ratio, kl)
-    if cfg.type == "clipped_seq_mean":
-        return SequenceMeanLoss(clip, cfg.max_log_ratio, kl)
-    if cfg.type == "clipped_fixed_horizon":
-        horizon = cfg.horizon if cfg.horizon is not None else max_new_tokens
-        return FixedHorizonLoss(clip, cfg.max_log_ratio, horizon, kl)
-    raise ValueError(f"grpo.loss.type={cfg.type!r}: unknown; choose one of {list(LOSS_TYPES)}")
+    parts = {"kl": kl, "correction": build_correction(correction) if correction is not None else None}
+    cls = LOSS_CLASSES[cfg.type]
+    if issubclass(cls, FixedHorizonLoss):
+        return cls(clip, cfg.max_log_ratio, cfg.horizon if cfg.horizon is not None else max_new_tokens, **parts)
+    return cls(clip, cfg.max_log_ratio, **parts)

@@ -6,7 +6,8 @@ and weighted sums with one column per component.
     scored = rewards.score(completions, ground_truths, refs)  # .columns["reward_exact_answer"], .total
     resolve_reward("my_pkg.scoring:brevity").fn(text, truth)  # fn(completion, ground_truth, **kwargs)
 
-Built-ins: exact_answer, per_digit, numeric_answer, answer_format, math_verify (`pip install math-verify`).
+Built-ins: exact_answer, per_digit, numeric_answer, answer_format, overlong (DAPO's length penalty), math_verify
+(`pip install math-verify`).
 """
 
 from forge_core.rewards.answers import final_number, parse_number, tagged_answer
@@ -25,6 +26,7 @@ from forge_core.rewards.scoring import (
     RewardSet,
     ScoredRewards,
     column_key,
+    sample_context,
 )
 
 __all__ = [
@@ -42,5 +44,6 @@ __all__ = [
     "parse_number",
     "register_reward",
     "resolve_reward",
+    "sample_context",
     "tagged_answer",
 ]

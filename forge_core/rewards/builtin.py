@@ -9,6 +9,12 @@
 - `answer_format(tag="answer")`: 1 if the completion holds exactly one non-empty, well-formed answer tag.
 - `math_verify()`: 1 if HF math-verify finds the completion's answer equivalent to the ground truth (needs
   the `math-verify` package).
+- `overlong(window=4, penalty=1.0)`: DAPO's soft overlong punishment, 0 for completions of at most
+  `max_new_tokens - window` tokens, falling linearly to `-penalty` at `max_new_tokens` (and below it for
+  anything longer). It reads the sample's `response_len` and the run's `max_new_tokens`
+  (forge_core.rewards.scoring), not the text. Add it next to the task reward, e.g.
+  `rollout.rewards=[{name: exact_answer}, {name: overlong, kwargs: {window: 4, penalty: 1.0}}]`; masking
+  truncated completions altogether is `grpo.advantage.mask_truncated`.
 
 A malformed completion (no tag, no number) scores 0: that is the model's mistake, not an error. A ground truth
 that cannot be scored at all (no number for `numeric_answer`) raises ValueError: that is a data problem.
@@ -66,6 +72,33 @@ def answer_format(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG)
         return 0.0
     answer = tagged_answer(completion, tag)
     return float(bool(answer))
+
+
+@register_reward("overlong", version="1")
+def overlong(
+    completion: str,
+    ground_truth: str,
+    *,
+    response_len: int,
+    max_new_tokens: int,
+    window: int = 4,
+    penalty: float = 1.0,
+) -> float:
+    """(L_max - window - L) / window * penalty inside the window before L_max = max_new_tokens, else 0 or
+    -penalty (DAPO, arXiv 2503.14476, eq. 13)."""
+    if not 0 < window <= max_new_tokens:
+        raise ValueError(
+            f"overlong: kwargs.window={window} must be in [1, max_new_tokens={max_new_tokens}]; set "
+            "rollout.rewards[i].kwargs.window to the number of tokens before max_new_tokens the penalty ramps over"
+        )
+    if penalty < 0:
+        raise ValueError(f"overlong: kwargs.penalty={penalty} must be >= 0 (the penalty at max_new_tokens)")
+    free = max_new_tokens - window
+    if response_len <= free:
+        return 0.0
+    if response_len <= max_new_tokens:
+        return (free - response_len) / window * penalty
+    return -penalty
 
 
 def _math_verify_reward() -> RewardFn:

@@ -6,9 +6,11 @@ given by import path.
     spec.fn("<answer>0168</answer>", "0168")              # 1.0
 
 A reward function takes the completion text and the ground truth (plus the component's `kwargs` from the
-config) and returns a number. Every function carries a version string that is stored with the rollouts, so
-a table says which scorer produced its rewards: built-ins bump it when their behaviour changes; a user
-function's version is its `version` attribute if it has one, else a hash of its source code.
+config) and returns a number. Every function carries a version string that is stored with the rollouts and
+is part of the content key of every stage that scores (rollout, evaluate), so a table says which scorer
+produced its rewards and a changed scorer is never served stale results: built-ins bump it when their
+behaviour changes; a user function's version is its `version` attribute if it has one, else a hash of the
+source of the module that defines it (its helpers and constants included), read from disk when resolved.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -144,9 +147,16 @@ def _user_version(fn: Callable) -> str:
     explicit = getattr(fn, "version", None)
     if explicit is not None:
         return str(explicit)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     try:
-        source = inspect.getsource(fn)
+        # The whole module file, read now: a helper or a constant next to the function changes its scores as
+        # much as its own lines, and a long-lived process (a flow planning many stages) must see an edit made
+        # after the module was imported (inspect's line cache would not, for a same-size edit).
+        source = Path(inspect.getsourcefile(inspect.getmodule(fn))).read_bytes()
     except (OSError, TypeError):
-        # No source to hash (a builtin or C extension): its qualified name is the best identity there is.
-        return f"name:{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-    return "src:" + hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+        try:
+            source = inspect.getsource(fn).encode("utf-8")
+        except (OSError, TypeError):
+            # No source to hash (a builtin or C extension): its qualified name is the best identity there is.
+            return f"name:{name}"
+    return "src:" + hashlib.sha256(name.encode("utf-8") + b"\x00" + source).hexdigest()[:16]

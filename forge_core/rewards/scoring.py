@@ -8,6 +8,18 @@
 A component function that raises, or returns anything but a finite number, stops scoring with a
 `RewardFunctionError` naming the function, the config entry and the sample: a silent zero would look like a
 policy that got worse.
+
+A function may also ask for facts about the sample that its text does not carry, by naming them as
+keyword-only parameters: `response_len` (tokens), `finish_reason` ("stop" or "length") and `max_new_tokens`
+(the generation budget). The stages pass them per sample (`contexts`, built by `sample_context`); e.g. the
+`overlong` reward (DAPO's soft length penalty) takes `response_len` and `max_new_tokens`.
+
+    scored = rewards.score(texts, truths, refs, contexts=[sample_context(s, max_new_tokens) for s in samples])
+
+The rollout and evaluate stages build their RewardSet with `isolation=RewardIsolation.from_config(cfg.rollout)`:
+then `score` runs the functions in worker processes with a per-sample timeout, so a reward that hangs or
+crashes costs a retry of that sample in a fresh worker, then a 0 for it, counted in `ScoredRewards.failures`
+(forge_core.rewards.isolation). Without failures the values are the same as in-process scoring.
 """
 
 from __future__ import annotations
@@ -16,11 +28,12 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_core.config.schema import RewardComponentConfig
+from forge_core.config.schema import RewardComponentConfig, RolloutConfig
+from forge_core.rewards.isolation import RewardIsolation, no_failures, process_pool
 from forge_core.rewards.registry import RewardSpec, resolve_reward
 
 COLUMN_PREFIX = "reward_"
@@ -30,6 +43,20 @@ _SNIPPET_CHARS = 120
 
 class RewardFunctionError(ValueError):
     """A reward function failed on a sample (raised, or returned a non-number)."""
+
+
+# Sample facts a reward function may take as keyword-only parameters (see the module docstring).
+SAMPLE_FIELDS = ("response_len", "finish_reason", "max_new_tokens")
+_EXAMPLE_CONTEXT = {"response_len": 1, "finish_reason": "stop", "max_new_tokens": 1}
+
+
+def sample_context(sample: Any, max_new_tokens: int) -> dict[str, Any]:
+    """The SAMPLE_FIELDS of one generated sample (anything with `response_len` and `finish_reason`)."""
+    return {
+        "response_len": int(sample.response_len),
+        "finish_reason": str(sample.finish_reason),
+        "max_new_tokens": int(max_new_tokens),
+    }
 
 
 def column_key(name: str) -> str:
@@ -51,6 +78,15 @@ class RewardComponent:
     def column(self) -> str:
         return COLUMN_PREFIX + column_key(self.spec.name)
 
+    @property
+    def sample_fields(self) -> tuple[str, ...]:
+        """The SAMPLE_FIELDS the function takes as parameters (the stages pass them per sample)."""
+        try:
+            parameters = inspect.signature(self.spec.fn).parameters
+        except (TypeError, ValueError):
+            return ()
+        return tuple(name for name in SAMPLE_FIELDS if name in parameters and name not in self.kwargs)
+
     def check_kwargs(self) -> None:
         """ValueError now, rather than on the first sample, when `kwargs` do not fit the function."""
         try:
@@ -58,7 +94,7 @@ class RewardComponent:
         except (TypeError, ValueError):
             return  # builtins without a signature: the first call will tell
         try:
-            signature.bind("", "", **self.kwargs)
+            signature.bind("", "", **self.kwargs, **{k: _EXAMPLE_CONTEXT[k] for k in self.sample_fields})
         except TypeError as exc:
             raise ValueError(
                 f"{self.config_key}.kwargs={self.kwargs}: do not fit reward {self.spec.name!r}{signature} "
@@ -66,9 +102,17 @@ class RewardComponent:
                 "fix the kwargs or the function's signature fn(completion, ground_truth, **kwargs)"
             ) from exc
 
-    def score(self, completion: str, ground_truth: str, sample_ref: str) -> float:
+    def score(
+        self, completion: str, ground_truth: str, sample_ref: str, context: Mapping[str, Any] | None = None
+    ) -> float:
+        fields = self.sample_fields
+        if fields and context is None:
+            raise RewardFunctionError(
+                f"reward {self.spec.name!r} ({self.config_key}) needs {list(fields)} of each sample, but the "
+                f"caller passed no sample context for {sample_ref}; score with contexts=[sample_context(...)]"
+            )
         try:
-            value = self.spec.fn(completion, ground_truth, **self.kwargs)
+            value = self.spec.fn(completion, ground_truth, **self.kwargs, **{k: context[k] for k in fields})
         except Exception as exc:
             raise RewardFunctionError(
                 f"reward {self.spec.name!r} ({self.config_key}) raised {type(exc).__name__}: {exc} on sample "
@@ -87,14 +131,30 @@ class RewardComponent:
 
 @dataclass(frozen=True)
 class ScoredRewards:
-    """Per-sample scores: `columns[reward_<name>]` for every component and the weighted `total`."""
+    """Per-sample scores: `columns[reward_<name>]` for every component and the weighted `total`; `failures`
+    counts what isolated scoring could not score ({} in-process; forge_core.rewards.isolation)."""
 
     columns: dict[str, list[float]]
     total: list[float]
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 class RewardSet:
-    """The components of a run's reward, in config order."""
+    """The components of a run's reward, in config order.
+
+    `configs`/`section`: what `from_config` built it from (a reward worker rebuilds it from them);
+    `isolation`: score in worker processes (forge_core.rewards.isolation) instead of this process.
+    """
+
+    configs: list[RewardComponentConfig] | None = None
+    section: str = "rollout.rewards"
+    isolation: RewardIsolation | None = None
+
+    @classmethod
+    def for_stage(cls, rollout: RolloutConfig) -> RewardSet:
+        """What a rollout/evaluate stage scores with: `rollout.rewards`, isolated per `rollout.reward_timeout_s`
+        and `rollout.reward_workers`; `failures` adds up its scoring failures for the stage's metrics."""
+        return cls.from_config(rollout.rewards, isolation=RewardIsolation.from_config(rollout))
 
     def __init__(self, components: Sequence[RewardComponent]) -> None:
         if not components:
@@ -110,10 +170,14 @@ class RewardSet:
             seen[component.column] = component.config_key
             component.check_kwargs()
         self.components = tuple(components)
+        self.failures = no_failures()  # every score() call's, added up (isolated scoring only counts any)
 
     @classmethod
     def from_config(
-        cls, configs: Sequence[RewardComponentConfig], section: str = "rollout.rewards"
+        cls,
+        configs: Sequence[RewardComponentConfig],
+        section: str = "rollout.rewards",
+        isolation: RewardIsolation | None = None,
     ) -> RewardSet:
         components = []
         for index, cfg in enumerate(configs):
@@ -125,7 +189,9 @@ class RewardSet:
             components.append(
                 RewardComponent(spec=spec, weight=float(cfg.weight), kwargs=dict(cfg.kwargs), config_key=key)
             )
-        return cls(components)
+        rewards = cls(components)
+        rewards.configs, rewards.section, rewards.isolation = list(configs), section, isolation
+        return rewards
 
     @property
     def columns(self) -> list[str]:
@@ -144,21 +210,35 @@ class RewardSet:
         return {c.spec.name: c.weight for c in self.components}
 
     def score(
-        self, completions: Sequence[str], ground_truths: Sequence[str], sample_refs: Sequence[str]
+        self,
+        completions: Sequence[str],
+        ground_truths: Sequence[str],
+        sample_refs: Sequence[str],
+        contexts: Sequence[Mapping[str, Any]] | None = None,
     ) -> ScoredRewards:
-        if not len(completions) == len(ground_truths) == len(sample_refs):
+        """Every component on every sample; `contexts` (one `sample_context` per sample) feed the components
+        that take sample facts."""
+        contexts = [None] * len(completions) if contexts is None else contexts
+        if not len(completions) == len(ground_truths) == len(sample_refs) == len(contexts):
             raise ValueError(
-                f"score: {len(completions)} completions, {len(ground_truths)} ground truths and "
-                f"{len(sample_refs)} sample refs; pass one of each per sample"
+                f"score: {len(completions)} completions, {len(ground_truths)} ground truths, "
+                f"{len(sample_refs)} sample refs and {len(contexts)} contexts; pass one of each per sample"
             )
-        columns: dict[str, list[float]] = {}
-        for component in self.components:
-            columns[component.column] = [
-                component.score(text, truth, ref)
-                for text, truth, ref in zip(completions, ground_truths, sample_refs)
-            ]
-        total = [0.0] * len(completions)
+        items = list(zip(completions, ground_truths, sample_refs, contexts))
+        if self.isolation is not None:
+            per_sample, failures = process_pool().score(self, items, self.isolation)
+            self.failures = {k: self.failures[k] + n for k, n in failures.items()}
+        else:
+            per_sample, failures = [self.score_sample(*item) for item in items], {}
+        columns = {c.column: [values[k] for values in per_sample] for k, c in enumerate(self.components)}
+        total = [0.0] * len(items)
         for component in self.components:
             values = columns[component.column]
             total = [acc + component.weight * value for acc, value in zip(total, values)]
-        return ScoredRewards(columns=columns, total=total)
+        return ScoredRewards(columns=columns, total=total, failures=failures)
+
+    def score_sample(
+        self, completion: str, ground_truth: str, sample_ref: str, context: Mapping[str, Any] | None
+    ) -> list[float]:
+        """Every component's value on one sample, in component order (what a reward worker computes)."""
+        return [c.score(completion, ground_truth, sample_ref, context) for c in self.components]

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from forge_core.config.schema import SamplingConfig
-from forge_core.rewards import TOTAL_COLUMN, RewardSet
+from forge_core.rewards import TOTAL_COLUMN, RewardSet, sample_context
 from forge_core.rollout.table import PASS_THRESHOLD
 from forge_core.rollout.types import Prompt, Sample
 
@@ -59,7 +59,10 @@ def evaluate(
     samples = generator.generate(prompts, seed=seed, sampling=sampling)
     generation_s = time.perf_counter() - start
     scored = rewards.score(
-        [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
+        [s.response_text for s in samples],
+        [s.ground_truth for s in samples],
+        [s.ref for s in samples],
+        contexts=[sample_context(s, sampling.max_new_tokens) for s in samples],
     )
     table = results_table(
         prompts, samples, scored.columns, scored.total, sampling.group_size, rewards.primary_column

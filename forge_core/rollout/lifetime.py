@@ -10,20 +10,28 @@ With `flow`, the stage connects to the `rollout.num_engines` services under `eng
 those that do not answer), loads its policy version in place, generates (prompts split across the live
 engines, a dead engine's prompts re-routed to the others: service/router.py), and disconnects; the services
 keep running for the next stage.
-Default state folder: `<tempdir>/forgeflow-engines-<uid>/<run name>-<hash>`, the hash over the run name, the
-storage root and the working directory, so reruns and resumes of one run find the engine their stages
-started while two different runs (or the same name in two projects) do not share one. Two concurrent flows of
-one run (same name, root and folder) would share it and trip each other's version checks: give them distinct
-`rollout.engine_state_dir`s.
+
+The state folder belongs to ONE flow run (`run_identity(cfg)`: `launch.run_id`, which the flow sets to its
+Prefect flow run id, else a fresh id for this process), so two concurrent runs of one config never share an
+engine or a trainer job, and every stop touches only its own run's folder:
+  default        `<tempdir>/forgeflow-engines-<uid>/<run name>-<hash>`, the hash over the run name, the storage
+                 root, the working directory and the run identity;
+  configured     `<rollout.engine_state_dir>/run-<hash of the run identity>`.
+A re-run of a flow is a new run: it starts its own engines (the old run's were ended by their owner watchdog
+or are reaped as orphans: forge_core.launch). The GRPO trainer job's folder is `<that folder>-trainer`
+(forge_core.run.trainer_job). `stop_flow_engines` removes the run's folder once its services are stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import re
+import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +41,29 @@ from forge_core.rollout.policy import PolicyRef
 from forge_core.rollout.service import EngineService, check_private, stop_services
 
 STAGE, FLOW = "stage", "flow"
+RUN_FOLDER_PREFIX = "run-"
+RUN_HASH_CHARS = 10
+# stop_flow_engines at a flow's normal end; the cancel/crash path passes less (flows.post_train.kill_launches).
+STOP_GRACE_S = 30.0
+
+
+# This process's run identity when the config names none (a flow always does: launch.run_id).
+_PROCESS_RUN_ID = f"process-{uuid.uuid4().hex}"
+
+
+def run_identity(cfg: RunConfig) -> str:
+    """The flow run the config runs in (`launch.run_id`), else a fresh id for this process."""
+    return cfg.launch.run_id or _PROCESS_RUN_ID
+
+
+def with_run_id(cfg: RunConfig, run_id: str | None) -> RunConfig:
+    """`cfg` with `launch.run_id` set (a fresh id when `run_id` is empty): what a flow hands its stages."""
+    launch = dataclasses.replace(cfg.launch, run_id=run_id or f"run-{uuid.uuid4().hex}")
+    return dataclasses.replace(cfg, launch=launch)
+
+
+def _short_hash(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:RUN_HASH_CHARS]
 
 
 def default_engine_state_dir(cfg: RunConfig) -> Path:
@@ -42,14 +73,15 @@ def default_engine_state_dir(cfg: RunConfig) -> Path:
     # Another user could have made it first in a shared temp dir: then it is not ours to put sockets in.
     check_private(base, "engine state base folder (set rollout.engine_state_dir to avoid it)")
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.name).strip("-")[:24] or "run"
-    identity = f"{cfg.name}\0{cfg.storage.root}\0{os.getcwd()}"
-    return base / f"{slug}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+    return base / f"{slug}-{_short_hash(cfg.name, cfg.storage.root, os.getcwd(), run_identity(cfg))}"
 
 
 def engine_state_dir(cfg: RunConfig) -> Path:
-    """Where this run's engine service lives: `rollout.engine_state_dir`, else the default."""
+    """Where this run's engine services live: `<rollout.engine_state_dir>/run-<hash>`, else the default."""
     configured = cfg.rollout.engine_state_dir
-    return Path(configured).expanduser().absolute() if configured else default_engine_state_dir(cfg)
+    if not configured:
+        return default_engine_state_dir(cfg)
+    return Path(configured).expanduser().absolute() / f"{RUN_FOLDER_PREFIX}{_short_hash(run_identity(cfg))}"
 
 
 @contextlib.contextmanager
@@ -75,9 +107,14 @@ def stage_generator(cfg: RunConfig, policy: PolicyRef, seed: int) -> Iterator:
         yield generator
 
 
-def stop_flow_engines(cfg: RunConfig) -> list[int]:
-    """Stop all the run's engine services (nothing when there are none); returns the pids stopped.
+def stop_flow_engines(cfg: RunConfig, grace_s: float = STOP_GRACE_S) -> list[int]:
+    """Stop all the run's engine services (nothing when there are none) and remove the run's state folder;
+    returns the pids stopped. `grace_s`: how long each service gets to exit after its shutdown request
+    (then SIGTERM, and SIGKILL 5 s later); they stop concurrently.
 
     Safe to call whatever `rollout.engine_lifetime` says: a flow calls it in its `finally`.
     """
-    return stop_services(engine_state_dir(cfg))
+    state = engine_state_dir(cfg)
+    stopped = stop_services(state, grace_s=grace_s)
+    shutil.rmtree(state, ignore_errors=True)  # this run's only: the next stage (if any) makes it again
+    return stopped

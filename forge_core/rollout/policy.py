@@ -11,16 +11,30 @@ without reading the weights again, and two exports of the same weights (a retrie
 change of weights changes it.
 
 vLLM loads from a local folder. The download goes through the artifact reader, which checks every file's size
-and sha256. Folders are kept under `$FORGE_POLICY_CACHE` (default `~/.cache/forgeflow/policies`), named by
-the policy's manifest hash, so a stage that runs again on the same policy (a retry, an evaluation after a
-rollout) does not download it again. A folder becomes visible under its final name only once complete.
+and sha256. Folders are kept under the policy cache, `$FORGE_POLICY_CACHE` (default
+`~/.cache/forgeflow/policies`), named by the policy's manifest hash, so a stage that runs again on the same
+policy (a retry, an evaluation after a rollout) does not download it again. A folder becomes visible under its
+final name only once complete.
+
+The cache is bounded: at most `$FORGE_POLICY_CACHE_MAX_POLICIES` folders (default 8) and
+`$FORGE_POLICY_CACHE_MAX_GB` GB (default 50) in all. After each download the least recently used folders
+(last fetched or served) are removed until both bounds hold, except folders in use: a process using a cached
+policy holds a shared lock on `<cache>/<hash>.lock` (`fetch_policy` until `release_policy`; an engine service
+for the policy it serves: `PolicyLease`), and pruning removes a folder only under an exclusive lock, so never
+from under a reader. A download that finds the disk full prunes every unused folder, tries once more, then
+fails fatally naming the cache folder and these settings (a full disk is not worth a retry).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import os
 import shutil
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +47,14 @@ from forge_core.storage.manifest import Manifest
 POLICY_DIR = "policy"
 POLICY_STAGE_KINDS = ("sft", "grpo")
 CACHE_ENV = "FORGE_POLICY_CACHE"
-_COMPLETE_MARKER = ".forge-complete"
+MAX_POLICIES_ENV = "FORGE_POLICY_CACHE_MAX_POLICIES"
+MAX_GB_ENV = "FORGE_POLICY_CACHE_MAX_GB"
+DEFAULT_MAX_POLICIES = 8
+DEFAULT_MAX_GB = 50.0
+_COMPLETE_MARKER = ".forge-complete"  # written last into a cached folder; its mtime is the folder's last use
+_LOCK_SUFFIX = ".lock"
+# Leftovers of a process that died mid-download or mid-removal are cleared once this old.
+_STALE_LEFTOVER_S = 3600.0
 
 
 WEIGHTS_SUFFIX = ".safetensors"
@@ -70,13 +91,169 @@ def policy_cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "forgeflow" / "policies").expanduser()
 
 
+@dataclass(frozen=True)
+class CacheBounds:
+    """How much the policy cache may hold (module docstring); `from_environment` reads the settings."""
+
+    max_policies: int = DEFAULT_MAX_POLICIES
+    max_bytes: int = int(DEFAULT_MAX_GB * 1e9)
+
+    @classmethod
+    def from_environment(cls) -> CacheBounds:
+        return cls(
+            max_policies=_positive_setting(MAX_POLICIES_ENV, int, DEFAULT_MAX_POLICIES),
+            max_bytes=int(_positive_setting(MAX_GB_ENV, float, DEFAULT_MAX_GB) * 1e9),
+        )
+
+
+def _positive_setting(name: str, kind: type, default):
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(
+            f"{name}={raw!r}: must be a {kind.__name__} > 0 (default {default}); fix or unset it"
+        )
+    return value
+
+
+class PolicyLease:
+    """A shared lock on a cached policy folder while this process uses it: pruning passes it by.
+
+    A folder outside the policy cache (no completion marker) needs none; the lease then holds nothing.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike, in_cache: bool = False) -> None:
+        self.local_dir = Path(local_dir).absolute()
+        locks = in_cache or _is_cached(self.local_dir)
+        self._fd = _lock(_lock_path(self.local_dir), fcntl.LOCK_SH) if locks else None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops its lock
+
+
+_leases: dict[Path, PolicyLease] = {}
+_leases_lock = threading.Lock()
+
+
+def release_policy(policy: PolicyRef) -> None:
+    """Let the policy cache prune `policy` again (fetch_policy leased it to this process)."""
+    with _leases_lock:
+        lease = _leases.pop(policy.local_dir.absolute(), None)
+    if lease is not None:
+        lease.release()
+
+
+def _lease(local_dir: Path) -> None:
+    with _leases_lock:
+        if local_dir not in _leases:
+            _leases[local_dir] = PolicyLease(local_dir, in_cache=True)
+
+
+def _is_cached(local_dir: Path) -> bool:
+    return (local_dir / _COMPLETE_MARKER).is_file()
+
+
+def _lock_path(local_dir: Path) -> Path:
+    return local_dir.with_name(local_dir.name + _LOCK_SUFFIX)
+
+
+def _lock(path: Path, mode: int) -> int | None:
+    """A descriptor of `path` holding flock `mode` (None when LOCK_NB and someone holds a conflicting lock).
+
+    Checks after locking that the path still names the locked file: a pruner may have unlinked it meanwhile.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, mode)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def prune_policy_cache(
+    root: Path | None = None, bounds: CacheBounds | None = None, keep: Path | None = None
+) -> list[Path]:
+    """Remove least recently used policy folders until `bounds` hold; never `keep` nor a folder in use.
+
+    Returns the folders removed. Called after every download; safe to call from any process at any time.
+    """
+    root = root or policy_cache_root()
+    bounds = bounds or CacheBounds.from_environment()
+    _clear_stale_leftovers(root)
+    entries = sorted(
+        (_last_used(folder), folder) for folder in root.iterdir() if folder.is_dir() and _is_cached(folder)
+    )
+    sizes = {folder: _folder_bytes(folder) for _, folder in entries}
+    count, total = len(entries), sum(sizes.values())
+    removed = []
+    for _, folder in entries:
+        if count <= bounds.max_policies and total <= bounds.max_bytes:
+            break
+        if keep is not None and folder == keep.absolute():
+            continue
+        if _remove_if_unused(folder):
+            removed.append(folder)
+            count, total = count - 1, total - sizes[folder]
+    return removed
+
+
+def _last_used(folder: Path) -> int:
+    try:
+        return (folder / _COMPLETE_MARKER).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _remove_if_unused(folder: Path) -> bool:
+    lock = _lock_path(folder)
+    fd = _lock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd is None:
+        return False  # a stage or an engine service uses it
+    try:
+        trash = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.trash")
+        os.replace(folder, trash)  # gone from its name at once: nobody fetches a half-removed folder
+        lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
+
+
+def _clear_stale_leftovers(root: Path) -> None:
+    cutoff = time.time() - _STALE_LEFTOVER_S
+    for leftover in [*root.glob(".*.partial"), *root.glob(".*.trash")]:
+        with contextlib.suppress(OSError):
+            if leftover.stat().st_mtime < cutoff:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
 def fetch_policy(
     store: ObjectStore, stage_uri: str, input_name: str = "policy", cache_root: Path | None = None
 ) -> PolicyRef:
-    """The verified local copy of `<stage_uri>/policy` (see module docstring).
+    """The verified local copy of `<stage_uri>/policy` (see module docstring), leased to this process (the
+    cache does not prune it) until `release_policy`.
 
     ValueError naming `inputs.<input_name>` when the stage artifact or its policy is missing, uncommitted,
-    of the wrong kind or corrupted.
+    of the wrong kind or corrupted, or when the cache's disk is full.
     """
     policy_uri = store.join(stage_uri, POLICY_DIR)
     try:
@@ -101,11 +278,45 @@ def fetch_policy(
         ) from exc
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()  # == store.manifest_sha256(policy_uri)
     version = weights_version(manifest, f"inputs.{input_name}={stage_uri}/{POLICY_DIR}")
-    root = cache_root or policy_cache_root()
+    root = (cache_root or policy_cache_root()).absolute()
+    root.mkdir(parents=True, exist_ok=True)
     local_dir = root / manifest_sha256
-    if not (local_dir / _COMPLETE_MARKER).is_file():
-        _download(store, policy_uri, local_dir, input_name)
+    # Leased before looking: a pruner in another process cannot remove it between our check and our use.
+    _lease(local_dir)
+    if not _is_cached(local_dir):
+        size = sum(entry.size for entry in manifest.files.values())
+        _download_or_make_room(store, policy_uri, local_dir, input_name, size)
+        prune_policy_cache(root, keep=local_dir)
+    now = time.time_ns()  # explicit: the file system's own clock is too coarse to order quick fetches
+    with contextlib.suppress(OSError):
+        os.utime(local_dir / _COMPLETE_MARKER, ns=(now, now))  # the cache's least-recently-used order
     return PolicyRef(uri=policy_uri, version=version, local_dir=local_dir, manifest_sha256=manifest_sha256)
+
+
+def _download_or_make_room(
+    store: ObjectStore, policy_uri: str, local_dir: Path, input_name: str, size: int
+) -> None:
+    try:
+        _download(store, policy_uri, local_dir, input_name)
+        return
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+    freed = prune_policy_cache(local_dir.parent, CacheBounds(max_policies=1, max_bytes=0), keep=local_dir)
+    try:
+        _download(store, policy_uri, local_dir, input_name)
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+        raise ValueError(
+            f"inputs.{input_name}: no space left to download the policy {policy_uri} ({size} bytes) into the "
+            f"policy cache {local_dir.parent} (${CACHE_ENV}), even after removing {len(freed)} unused cached "
+            f"policies; free space there, set {CACHE_ENV} to a folder on a larger disk, or lower "
+            f"{MAX_GB_ENV} / {MAX_POLICIES_ENV} below what the disk holds"
+        ) from exc
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _download(store: ObjectStore, policy_uri: str, local_dir: Path, input_name: str) -> None:
@@ -119,7 +330,7 @@ def _download(store: ObjectStore, policy_uri: str, local_dir: Path, input_name: 
     except (ArtifactError, FileNotFoundError) as exc:
         raise ValueError(f"inputs.{input_name}: cannot read the policy at {policy_uri}: {exc}") from exc
     except OSError:
-        if (local_dir / _COMPLETE_MARKER).is_file():
+        if _is_cached(local_dir):
             return  # another process finished the same download first
         raise
     finally:

@@ -16,6 +16,8 @@
 | iteration, seed | int32, int64 | the GRPO iteration (0-based) these rows train, and the rollout seed |
 | policy_iteration | int32 | the sampling policy's index (SFT = 0, after GRPO iteration k = k+1) |
 | sampling_params, reward_versions | string | JSON: sampling settings; {reward name: version} |
+| sampling_round | int32 | the generation round (0; 1.. are dynamic sampling's extra rounds) |
+| kept | bool | GRPO trains on this row (dynamic sampling keeps prompts_per_iteration groups; else all) |
 
 A row's staleness is `iteration - policy_iteration`: 0 in `grpo.mode: sync`, at most `grpo.max_staleness` in
 `async` (forge_core.trainers.staleness checks it in the GRPO stage).
@@ -65,6 +67,13 @@ _LINEAGE_FIELDS = [
     pa.field("sampling_params", pa.string(), nullable=False),
     pa.field("reward_versions", pa.string(), nullable=False),
 ]
+# Which generation round a row came from and whether GRPO trains on it (forge_core.rollout.dynamic).
+ROUND_COLUMN = "sampling_round"
+KEPT_COLUMN = "kept"
+_SELECTION_FIELDS = [
+    pa.field(ROUND_COLUMN, pa.int32(), nullable=False),
+    pa.field(KEPT_COLUMN, pa.bool_(), nullable=False),
+]
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,16 @@ def rollout_schema(reward_columns: Sequence[str]) -> pa.Schema:
             *reward_fields,
             pa.field(TOTAL_COLUMN, pa.float64(), nullable=False),
             *_LINEAGE_FIELDS,
+            *_SELECTION_FIELDS,
         ]
     )
 
 
-def rollout_table(samples: Sequence[Sample], scored: ScoredRewards, lineage: RolloutLineage) -> pa.Table:
-    """The rows of `samples` with their rewards and lineage, in the explicit rollout schema."""
+def rollout_table(
+    samples: Sequence[Sample], scored: ScoredRewards, lineage: RolloutLineage, sampling_round: int = 0
+) -> pa.Table:
+    """The rows of `samples` with their rewards and lineage, in the explicit rollout schema; every row is
+    `kept` (dynamic sampling decides otherwise once it has all its rounds)."""
     n = len(samples)
     if len(scored.total) != n:
         raise ValueError(f"rollout_table: {n} samples but {len(scored.total)} rewards")
@@ -123,6 +136,8 @@ def rollout_table(samples: Sequence[Sample], scored: ScoredRewards, lineage: Rol
         "seed": [lineage.seed] * n,
         "sampling_params": [lineage.sampling_params] * n,
         "reward_versions": [lineage.reward_versions] * n,
+        ROUND_COLUMN: [sampling_round] * n,
+        KEPT_COLUMN: [True] * n,
     }
     return pa.Table.from_pydict(columns, schema=rollout_schema(list(scored.columns)))
 

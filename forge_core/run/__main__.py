@@ -8,6 +8,10 @@ Stages: prepare, sft, rollout, grpo, evaluate; each is `forge_core.run.<stage>:m
 wrapped in forge_core.launch.record_errors (torch's error recorder), so an exception on any rank lands in
 TORCHELASTIC_ERROR_FILE where the launcher reads it. `--endpoint-url` names a custom S3 endpoint for
 reading the spec itself (the FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL environment variables work too).
+
+Under forge_core.launch (FORGE_LAUNCH_OWNER set) every rank first starts the owner watchdog: once the
+launching flow process is gone the launch ends itself within ~2 s and no commit is published meanwhile
+(forge_core.launch.owner).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ JOBS = {"grpo-job": "forge_core.run.grpo_job"}  # the GRPO trainer job of grpo.t
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _guard_against_a_dead_owner()
     if argv and argv[0] in JOBS:
         job_main = importlib.import_module(JOBS[argv[0]]).main
         _error_recorder()(job_main)(argv[1:])
@@ -33,6 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     stage_main = _import_stage_main(args.stage)
     _error_recorder()(_run_stage)(args.stage, args.spec, args.endpoint_url, stage_main)
     return 0
+
+
+def _guard_against_a_dead_owner() -> None:
+    """Launched by forge_core.launch: end the whole launch once the launching (flow) process is gone, and never
+    commit on its behalf (forge_core.launch.owner). Nothing happens in a process started by hand."""
+    from forge_core.launch.owner import check_owner_alive, guard_launched_worker
+    from forge_core.storage.writer import add_pre_commit_check
+
+    if guard_launched_worker() is not None:
+        add_pre_commit_check(check_owner_alive)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +79,7 @@ def _import_stage_main(stage: str) -> Callable:
 
 def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, stage_main: Callable) -> None:
     from forge_core.faults import set_current_stage
+    from forge_core.run.scaffold import run_spec
     from forge_core.run.spec import read_spec
 
     set_current_stage(stage)  # FORGE_FAULT entries ending in @<stage> fire only in this stage's workers
@@ -74,7 +90,7 @@ def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, stage_main: 
             f"stage spec {spec_uri} is for stage {spec.stage!r}, but the worker was started as {stage!r}; "
             f"run `python -m forge_core.run {spec.stage} --spec {spec_uri}`"
         )
-    stage_main(spec)
+    run_spec(stage_main, spec)
 
 
 def _error_recorder() -> Callable[[Callable], Callable]:

@@ -24,7 +24,7 @@ from forge_core.config import RunConfig, config_to_dict
 from forge_core.rewards import RewardSet
 from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate
 from forge_core.rollout.lifetime import stage_generator
-from forge_core.rollout.policy import PolicyRef, fetch_policy
+from forge_core.rollout.policy import PolicyRef, fetch_policy, release_policy
 from forge_core.rollout.prompts import prompts_from_table
 from forge_core.rollout.sampling import evaluation_sampling
 from forge_core.rollout.types import Prompt
@@ -63,7 +63,7 @@ def plan_evaluation(spec: StageSpec) -> EvalPlan | None:
         spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to evaluate)"
     )
     data_uri = required_input(spec, DATA_INPUT, "a committed data artifact (eval.parquet)")
-    rewards = RewardSet.from_config(cfg.rollout.rewards)
+    rewards = RewardSet.for_stage(cfg.rollout)
     table = read_prompt_split(store, data_uri, EVAL_SPLIT)
     if table.num_rows < cfg.eval.num_prompts:
         log.warning(
@@ -99,6 +99,7 @@ def run_evaluation(plan: EvalPlan, generator) -> EvalOutcome:
         "policy_manifest_sha256": plan.policy.manifest_sha256,
         "reward_versions": plan.rewards.versions(),
         "primary_reward": plan.rewards.primary_column,
+        **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
         "sampling": dataclasses.asdict(sampling),
         "wall_s": time.perf_counter() - plan.started_at,
     }
@@ -130,5 +131,8 @@ def run(spec: StageSpec) -> None:
     if plan is None:
         log.info("%s is already committed; nothing to do", spec.output_uri)
         return
-    with stage_generator(plan.cfg, plan.policy, seed=plan.cfg.seed) as generator:
-        run_evaluation(plan, generator)
+    try:
+        with stage_generator(plan.cfg, plan.policy, seed=plan.cfg.seed) as generator:
+            run_evaluation(plan, generator)
+    finally:
+        release_policy(plan.policy)  # the cache may prune it again (an engine service keeps its own lease)

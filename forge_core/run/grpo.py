@@ -12,6 +12,12 @@ Inputs (`spec.inputs`):
              artifact, else the reference recorded by the parent `grpo` stage).
 Params: `iteration` (int, default 0) seeds the mini-batch order of this rollout batch.
 
+Before training, the engine scores every rollout row with the weights that sampled it (the row's
+`policy_uri`: the input policy in sync mode, an older one in async mode, swapped in and out like the KL
+reference): the trainer's own logprobs of the sampling policy, which the mismatch correction
+(forge_core.losses.correction, `grpo.correction`) takes the ratio against and the mismatch metrics
+(`mismatch/*`, `correction/*`) compare with the sampler's logprobs. One no-grad forward per distinct policy.
+
 Output `<output_uri>` (kind `grpo`): `policy/` (committed HF folder for the next rollout), the DCP checkpoints
 `_checkpoints/step-N/` (the last one is the stage's final state), `train_summary.json` (stage metrics and
 every step's metrics) and a manifest with lineage (policy, rollouts, reference) and metrics.
@@ -24,18 +30,24 @@ from its own newest in-stage checkpoint (model, optimizer, schedule, RNG and ste
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import torch
 
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
 from forge_core.engine.distributed import DistContext, broadcast_object, run_on_rank0
+from forge_core.losses.correction import mismatch_summary
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.metrics import build_sinks
 from forge_core.models import load_hf_folder
@@ -48,6 +60,7 @@ from forge_core.trainers.grpo import (
     rollouts_to_rl_batch,
     steps_per_batch,
     summarize_steps,
+    training_rows,
 )
 from forge_core.trainers.rl_batch import RLBatch
 from forge_core.trainers.stage import commit_stage, download_policy, export_policy, stage_kind
@@ -127,17 +140,25 @@ def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> Rol
             f"{cfg.model.max_seq_len}; raise model.max_seq_len or lower rollout.sampling.max_new_tokens"
         )
     stats = {**rollouts.stats, **check_staleness(table, cfg.grpo, source)}  # fatal above grpo.max_staleness
+    sampled_by = sampler_stage_uris(training_rows(table), inputs.policy_uri)
     if "policy_uri" in table.column_names:
-        sampled_by = {uri.rstrip("/").removesuffix("/policy") for uri in table.column("policy_uri").to_pylist()}
-        on_input_policy = sampled_by == {inputs.policy_uri.rstrip("/")}
+        on_input_policy = set(sampled_by) == {inputs.policy_uri.rstrip("/")}
         if not on_input_policy:
             log.warning(
                 "rollouts were sampled by %s, not by inputs.policy=%s: the first step is off-policy (the ratio "
-                "against the generator's logprobs still corrects for it, up to clipping)",
-                sorted(sampled_by), inputs.policy_uri,
+                "is taken against the sampling policy, up to clipping)",
+                sorted(set(sampled_by)), inputs.policy_uri,
             )
         stats["rollout/sampled_by_input_policy"] = float(on_input_policy)
-    return RolloutBatch(batch=rollouts.batch, stats=stats)
+    return RolloutBatch(batch=rollouts.batch, stats=stats, sampled_by=sampled_by)
+
+
+def sampler_stage_uris(table: pa.Table, policy_uri: str) -> tuple[str, ...]:
+    """Per row, the stage URI of the policy that sampled it (its `policy_uri` is `<stage>/policy`); the input
+    policy for a table without the column (hand-made, or written when every rollout was on-policy)."""
+    if "policy_uri" not in table.column_names:
+        return (policy_uri.rstrip("/"),) * table.num_rows
+    return tuple(uri.rstrip("/").removesuffix("/policy") for uri in table.column("policy_uri").to_pylist())
 
 
 def plan_seed(seed: int, iteration: int) -> int:
@@ -154,26 +175,58 @@ def _load_policy_weights(engine: Engine, folder: Path | None) -> None:
     engine.load_full_state_dict(load_hf_folder(folder)[0] if engine.dist.is_rank0 else None)
 
 
-def attach_reference_logprobs(
+def score_under_policies(
     trainer: GRPOTrainer,
     batch: RLBatch,
+    stage_uris: Sequence[str],
     store: ObjectStore,
     inputs: GRPOInputs,
     policy_dir: Path | None,
     workdir: Path,
-) -> RLBatch:
-    """Collective: the batch with the reference policy's logprobs, scored by this engine before training.
-    When the reference is not the starting policy its weights are swapped in and the policy's restored."""
-    if inputs.reference_uri == inputs.policy_uri:
-        return trainer.with_reference_logprobs(batch)
+) -> dict[str, torch.Tensor]:
+    """Collective: {stage URI: the batch's logprobs under that policy's weights}, scored by this engine. The
+    input policy is scored with the weights already loaded; any other policy's are swapped in (downloaded on
+    rank 0), and the input policy's weights are restored at the end. Every rank walks the same order."""
     engine = trainer.engine
-    ref_dir = run_on_rank0(
-        lambda: download_policy(store, inputs.reference_uri, workdir / "reference", REFERENCE_INPUT), engine.dist
-    )
-    _load_policy_weights(engine, ref_dir)
-    batch = trainer.with_reference_logprobs(batch)
-    _load_policy_weights(engine, policy_dir)
-    return batch
+    policy = inputs.policy_uri.rstrip("/")
+    scores: dict[str, torch.Tensor] = {}
+    swapped = False
+    for index, uri in enumerate(sorted(set(stage_uris), key=lambda u: (u != policy, u))):
+        if uri != policy:
+            name = REFERENCE_INPUT if uri == (inputs.reference_uri or "").rstrip("/") else "sampler"
+            download = functools.partial(download_policy, store, uri, workdir / f"weights-{index}", name)
+            folder = run_on_rank0(download, engine.dist)
+            _load_policy_weights(engine, folder)
+            swapped = True
+        scores[uri] = trainer.score_logprobs(batch)
+    if swapped:
+        _load_policy_weights(engine, policy_dir)
+    return scores
+
+
+def attach_policy_logprobs(
+    trainer: GRPOTrainer,
+    rollouts: RolloutBatch,
+    store: ObjectStore,
+    inputs: GRPOInputs,
+    policy_dir: Path | None,
+    workdir: Path,
+    kl_on: bool,
+) -> RLBatch:
+    """Collective: the rollout batch with `old_logprobs_BL` (each row scored with the weights that sampled it,
+    the mismatch correction's extra forward) and, when the KL term is on, `ref_logprobs_BL` (the frozen
+    reference's). A policy that is both a sampler and the reference is scored once."""
+    batch = rollouts.batch
+    sampled_by = rollouts.sampled_by or (inputs.policy_uri.rstrip("/"),) * batch.batch_size
+    reference = (inputs.reference_uri or "").rstrip("/") if kl_on else None
+    wanted = [*sampled_by, *([reference] if reference else [])]
+    scores = score_under_policies(trainer, batch, wanted, store, inputs, policy_dir, workdir)
+    old_BL = torch.empty_like(batch.generator_logprobs_BL)
+    for uri, logprobs_BL in scores.items():
+        rows = torch.tensor([sampler == uri for sampler in sampled_by], dtype=torch.bool)
+        old_BL[rows] = logprobs_BL[rows]
+    ref_BL = scores[reference] if reference else None
+    return dataclasses.replace(batch, old_logprobs_BL=old_BL, ref_logprobs_BL=ref_BL)
 
 
 def main(spec: StageSpec) -> None:
@@ -199,7 +252,7 @@ def train_iteration(spec: StageSpec, dist_ctx: DistContext, started: float | Non
         return
     config = config_to_dict(cfg)
     iteration = int(spec.params.get("iteration", 0))
-    loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens)
+    loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
     inputs = resolve_inputs(store, spec, kl_on=loss.kl is not None)
     with tempfile.TemporaryDirectory(prefix="forge-grpo-") as tmp:
         workdir = Path(tmp)
@@ -220,16 +273,27 @@ def train_iteration(spec: StageSpec, dist_ctx: DistContext, started: float | Non
             artifacts=ArtifactContext(store, STAGE, config, lineage),
         )
         try:
-            batch = rollouts.batch
-            if loss.kl is not None:
-                batch = attach_reference_logprobs(trainer, batch, store, inputs, policy_dir, workdir)
+            scoring_started = time.perf_counter()
+            batch = attach_policy_logprobs(
+                trainer, rollouts, store, inputs, policy_dir, workdir, kl_on=loss.kl is not None
+            )
+            # Over the whole rollout batch (quantiles included), before any update; the steps log theirs.
+            mismatch = {
+                **mismatch_summary(batch, loss.correction),
+                "train/score_logprobs_s": time.perf_counter() - scoring_started,
+            }
             resume = trainer.load_checkpoint()
             history = resume.data_cursor["history"] if resume is not None else []
             fit_started = time.perf_counter()
-            history = trainer.fit(batch, plan_seed(cfg.seed, iteration), history, log_extra=rollouts.stats)
+            history = trainer.fit(
+                batch, plan_seed(cfg.seed, iteration), history, log_extra={**rollouts.stats, **mismatch}
+            )
             metrics = {
                 **rollouts.stats,
                 **summarize_steps(history),
+                **mismatch,
+                "correction": loss.correction.name,
+                "sampler_uris": sorted(set(rollouts.sampled_by)),
                 # The optimizer steps with their per-step batch slicing, logging and checkpoints (train/time_s
                 # counts the steps alone): what the stage spends training, as against setting up and exporting.
                 "train/fit_s": time.perf_counter() - fit_started,

@@ -13,8 +13,8 @@ one. The flow process watches for that commit.
 
 Any exception ends the job (no rank is left waiting in a collective): the launcher's error recording then
 tells the waiting task why (a fatal user error, or a retryable crash) and the task's retry starts a new job.
-The job also exits by itself when the folder disappears or its owner process (`--owner pid:create_time`,
-the flow process) is gone.
+The job also exits by itself when the folder disappears, and ends within seconds of its owner (the flow
+process that launched it) like every launched worker (forge_core.launch.owner, started by forge_core.run).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
-
 from forge_core.engine import destroy_distributed, init_distributed
 from forge_core.run.grpo import train_iteration
 from forge_core.run.spec import read_spec
@@ -36,41 +34,17 @@ from forge_core.run.trainer_job import order_path
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-_CREATE_TIME_TOLERANCE_S = 0.01
 
 
-def _owner_alive(owner: tuple[int, float] | None) -> bool:
-    if owner is None:
-        return True
-    try:
-        proc = psutil.Process(owner[0])
-        same = abs(proc.create_time() - owner[1]) < _CREATE_TIME_TOLERANCE_S
-        return same and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def wait_for_order(orders: Path, seq: int, owner: tuple[int, float] | None) -> dict | None:
-    """The order `seq` once its file exists; None when the job should end instead (folder gone, owner dead)."""
+def wait_for_order(orders: Path, seq: int) -> dict | None:
+    """The order `seq` once its file exists; None when the job should end instead (its folder is gone)."""
     path = order_path(orders, seq)
-    checks = 0
     while not path.exists():
         if not orders.is_dir():
             log.info("order folder %s is gone; stopping", orders)
             return None
-        checks += 1
-        if checks % 20 == 0 and not _owner_alive(owner):  # about once a second
-            log.warning("owner pid %s is gone; stopping", owner[0] if owner else "?")
-            return None
         time.sleep(POLL_S)
     return json.loads(path.read_text())
-
-
-def _parse_owner(value: str | None) -> tuple[int, float] | None:
-    if not value:
-        return None
-    pid, create_time = value.split(":", 1)
-    return int(pid), float(create_time)
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -81,22 +55,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--orders", required=True, help="folder the flow process writes <seq>.json orders into"
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="training.device")
-    parser.add_argument("--owner", default=None, help="pid:create_time of the flow process (exit with it)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Serve GRPO orders until a stop order, the folder's removal or the owner's death (module docstring)."""
+    """Serve GRPO orders until a stop order or the folder's removal (module docstring)."""
     from forge_core.faults import set_current_stage
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parse_args(argv)
     set_current_stage("grpo")  # FORGE_FAULT entries ending in @grpo fire here too
-    orders, owner = Path(args.orders), _parse_owner(args.owner)
+    orders = Path(args.orders)
     dist_ctx = init_distributed(args.device)
     try:
         seq = 0
-        while (order := wait_for_order(orders, seq, owner)) is not None and not order.get("stop"):
+        while (order := wait_for_order(orders, seq)) is not None and not order.get("stop"):
             started = time.perf_counter()
             spec = read_spec(order["spec_uri"])
             log.info("order %d: GRPO iteration %s -> %s", seq, spec.params.get("iteration"), spec.output_uri)

@@ -8,10 +8,11 @@ worker process for that costs about 2.5 s a stage (interpreter start, imports, e
 bench/grpo_iteration.py), as much as all the rest of a warm iteration's fixed overhead. So the task runs the
 stage's `run(spec)` on a thread of its own process instead, with the launcher's contract kept:
 
-- outcome: SUCCESS when `run` returns. An exception is classified by its class hierarchy exactly as a
-  worker's would be (forge_core.launch.errors): a user error (ValueError, ConfigError, ...) is FATAL, an
-  engine that died (EngineServiceError), a policy version mismatch or a storage error is RETRYABLE, and
-  anything unclassified is FATAL as it would be for a lone rank. Reason, message and traceback tail are kept.
+- outcome: SUCCESS when `run` returns. An exception is classified exactly as a worker's would be
+  (forge_core.launch.errors.classify_exception): a user error (ValueError, ConfigError, ...), access denied,
+  a corrupted input, a full disk or out of memory is FATAL with its fix; an engine that died
+  (EngineServiceError), a policy version mismatch or a transient storage error is RETRYABLE, and anything
+  unclassified is FATAL as it would be for a lone rank. Reason, message, fix and traceback tail are kept.
 - deadline: past `launch.<stage>.deadline_s` the flow's engine services are stopped, which ends the stage's
   calls into them, and the result is RETRYABLE (the retry starts fresh engines), as a launch past its
   deadline would be.
@@ -26,21 +27,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Self
 
 from forge_core.config import RunConfig
 from forge_core.launch import LaunchResult, Outcome
-from forge_core.launch.errors import Category, category_of_mro, exception_mro
-from forge_core.launch.result import RankError
+from forge_core.launch.classify import exception_result
 from forge_core.rollout.lifetime import FLOW, stop_flow_engines
 from forge_core.run.plan import StagePlan
+from forge_core.run.scaffold import run_spec
 
 IN_PROCESS_STAGES = ("rollout", "evaluate")
-# Threads a stage spawns whose records belong to it (EngineService.ensure_engines starts engines on these).
-_STAGE_THREAD_PREFIXES = ("forge-engine-ensure",)
-_TRACEBACK_LINES = 20
+# Threads a stage spawns whose records belong to it (EngineService.ensure_engines starts engines on these,
+# forge_core.rewards.isolation scores on these with several reward workers).
+_STAGE_THREAD_PREFIXES = ("forge-engine-ensure", "forge-reward-")
 # After stopping the engines at the deadline, how long the stage's thread gets to notice and end.
 _DEADLINE_GRACE_S = 30.0
 
@@ -63,7 +63,7 @@ def run_in_task_process(plan: StagePlan, cfg: RunConfig, log: Callable[[str], No
 
     def body() -> None:
         try:
-            stage_run(plan.spec)
+            run_spec(stage_run, plan.spec)
         except BaseException as exc:  # noqa: BLE001 - classified below, like a worker's exception
             outcome["error"] = exc
 
@@ -100,28 +100,7 @@ def _stage_run(stage: str) -> Callable:
 
 
 def _failure(stage: str, error: BaseException, duration_s: float) -> LaunchResult:
-    mro = exception_mro(error)
-    retryable = category_of_mro(mro) is Category.RETRYABLE
-    summary = f"{type(error).__name__}: {error}"
-    lines = traceback.format_exception(error)
-    tail = tuple("".join(lines).splitlines()[-_TRACEBACK_LINES:])
-    return LaunchResult(
-        outcome=Outcome.RETRYABLE if retryable else Outcome.FATAL,
-        returncode=None,
-        reason=f"{stage} (in the task's process): {summary}",
-        tail=tail,
-        rank_errors={
-            0: RankError(
-                rank=0,
-                category="retryable" if retryable else "fatal",
-                summary=summary,
-                exc_type=mro[0] if mro else type(error).__name__,
-                message=str(error),
-                traceback="\n".join(tail),
-            )
-        },
-        duration_s=duration_s,
-    )
+    return exception_result(f"{stage} (in the task's process)", error, duration_s)
 
 
 class _StageLogRelay(logging.Handler):

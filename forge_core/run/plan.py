@@ -9,15 +9,21 @@ This is the Prefect-free half of a stage task (tasks/ adds retries, concurrency 
         result.raise_for_outcome()
 
 The key hashes only the config sections that can change a stage's output (so a new wandb project or a larger
-deadline does not retrain), the manifests of its inputs, its params and the code version.
+deadline does not retrain), the manifests of its inputs, its params, the contents of what it reads from
+outside the store (forge_core.run.external), its reward versions and world size where they matter
+(`stage_dependencies`), and the code version (forge_core's source and the versions of the packages that shape
+results).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from forge_core.config import RunConfig, config_to_dict, select_sections
+from forge_core.credentials import secret_urls_env
 from forge_core.launch import LaunchSpec
+from forge_core.run.external import KEYED_BY_CONTENT_ONLY, external_fingerprints
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ObjectStore, code_version, content_key
 
@@ -54,14 +60,22 @@ class StagePlan:
 
     @property
     def spec_uri(self) -> str:
-        return self.output_uri.rstrip("/") + "/_spec.json"
+        """Where this plan's spec is written: `<output_uri>/_specs/<attempt>.json` (no attempt: `_spec.json`)."""
+        return self.spec.uri
+
+    def for_attempt(self, attempt: str) -> StagePlan:
+        """The same plan as task attempt `attempt` (forge_core.storage.new_attempt_id): its spec names the
+        attempt and is written to a spec object of its own, so racing runs never overwrite each other's."""
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, attempt=attempt))
 
 
 # Keys inside those sections that only say how the work is run, never what it produces.
 OPERATIONAL_KEYS = {
-    "rollout": ("engine_lifetime", "engine_state_dir"),
-    # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them.
-    "grpo": ("trainer_lifetime", "mode", "max_staleness"),
+    # The reward bounds say how scoring runs; with no timeout or crash the rewards are the same.
+    "rollout": ("engine_lifetime", "engine_state_dir", "reward_timeout_s", "reward_workers"),
+    # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them;
+    # allow_uncorrected_async only lets such a config through validation.
+    "grpo": ("trainer_lifetime", "mode", "max_staleness", "allow_uncorrected_async"),
 }
 
 
@@ -71,17 +85,35 @@ def stage_key_material(cfg: RunConfig, stage: str) -> dict:
     for section, keys in OPERATIONAL_KEYS.items():
         if section in material:
             material[section] = {k: v for k, v in material[section].items() if k not in keys}
+    for dotted in KEYED_BY_CONTENT_ONLY:  # their contents are keyed instead (external_fingerprints)
+        *parents, name = dotted.split(".")
+        section = material
+        for part in parents:
+            section = section.get(part, {}) if isinstance(section, dict) else {}
+        section.pop(name, None)
     return material
 
 
-def source_content_hash(cfg: RunConfig, store: ObjectStore) -> str | None:
-    """Data prep reads files outside the store: their bytes are part of its key, so a source rewritten in
-    place is prepared again instead of hitting a stale artifact. None for the generated demo task."""
-    if cfg.data.source == "demo":
-        return None
-    from forge_core.data.sources import source_fingerprint
+# Stages whose output holds reward scores: the versions of the reward functions are part of their key.
+SCORING_STAGES = frozenset({"rollout", "evaluate"})
 
-    return source_fingerprint(cfg.data.source, cfg.data.format, store.storage_options)
+
+def stage_dependencies(cfg: RunConfig, stage: str, fingerprints: dict[str, str]) -> dict:
+    """What else a stage's output depends on, beyond its config slice, inputs and params: the contents of what
+    it reads outside the store, its reward functions' versions (scoring stages), and its world size (training
+    stages: per-rank RNG streams and data shards, and a checkpoint resumes only on as many ranks as wrote it).
+    The rest of `launch.*` (pool, deadline, retries) stays out of every key: a pool change must not retrain."""
+    dependencies: dict = {}
+    if fingerprints:
+        dependencies["external"] = dict(fingerprints)
+    if stage in SCORING_STAGES:
+        from forge_core.rewards import RewardSet
+
+        dependencies["rewards"] = RewardSet.from_config(cfg.rollout.rewards).versions()
+    if stage in DISTRIBUTED_STAGES:
+        resources = getattr(cfg.launch, stage)
+        dependencies["world_size"] = resources.nnodes * resources.nproc_per_node
+    return dependencies
 
 
 def plan_stage(
@@ -97,9 +129,12 @@ def plan_stage(
     inputs = dict(inputs or {})
     params = dict(params or {})
     input_hashes = {name: store.manifest_sha256(uri) for name, uri in sorted(inputs.items())}
-    material = {"config": stage_key_material(cfg, stage), "params": params}
-    if stage == "prepare":
-        material["source"] = source_content_hash(cfg, store)
+    fingerprints = external_fingerprints(cfg, store, stage)
+    material = {
+        "config": stage_key_material(cfg, stage),
+        "params": params,
+        **stage_dependencies(cfg, stage, fingerprints),
+    }
     key = content_key(stage, material, input_hashes, code_version())
     output_uri = store.artifact_uri(STAGE_KINDS[stage], key)
     spec = StageSpec(
@@ -108,6 +143,7 @@ def plan_stage(
         inputs=inputs,
         output_uri=output_uri,
         params=params,
+        fingerprints=fingerprints,
     )
     return StagePlan(stage=stage, key=key, output_uri=output_uri, spec=spec, inputs=inputs)
 
@@ -120,6 +156,8 @@ def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] |
     if cfg.storage.endpoint_url:
         # The worker reads its spec before it has a config: tell it where a custom S3 endpoint is.
         env.setdefault("FORGE_S3_ENDPOINT_URL", cfg.storage.endpoint_url)
+    # The config (so the spec) holds tokenised URLs redacted; the worker gets the real ones like AWS keys.
+    env.update(secret_urls_env())
     return LaunchSpec(
         module="forge_core.run",
         args=[plan.stage, "--spec", plan.spec_uri],

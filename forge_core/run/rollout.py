@@ -7,15 +7,18 @@ Inputs (`spec.inputs`):
            manifest hash) and loaded into vLLM.
   data     a committed `data` artifact; this iteration's prompts come from its `rl_prompts.parquet`.
 Params: `iteration` (int >= 0, default 0) picks the prompts: positions [k*P, (k+1)*P) of a per-epoch
-permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts). `policy_iteration` (int, 0 ..
+permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts); with `rollout.dynamic_sampling`
+each iteration owns 1 + max_extra_rounds such slots and generates rounds until enough groups are informative
+(forge_core.rollout.dynamic). `policy_iteration` (int, 0 ..
 iteration; default: iteration, i.e. on-policy) is the index of the policy input (SFT = 0, after GRPO
 iteration k = k+1), recorded on every row so the GRPO stage can check staleness (forge_core.trainers.staleness).
 
 Output `<output_uri>` (kind `rollouts`): `rollouts.parquet`, one row per sample with tokens, the generator's
-logprobs, finish reason, each reward component, the total reward and lineage (forge_core.rollout.table), and a
-manifest whose metrics hold reward mean/std, pass rate, length statistics, generation tokens/s and the engine
-start-up time (or, with `rollout.engine_lifetime: flow`, the in-place reload time of the flow's long-lived
-engine service; forge_core.rollout.lifetime).
+logprobs, finish reason, each reward component, the total reward, lineage and the `kept` flag
+(forge_core.rollout.table), and a manifest whose metrics hold reward mean/std, pass rate, length statistics,
+generation tokens/s, the dynamic-sampling rounds and groups generated and kept, and the engine start-up time
+(or, with `rollout.engine_lifetime: flow`, the in-place reload time of the flow's long-lived engine service;
+forge_core.rollout.lifetime).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import pyarrow as pa
 
 from forge_core.config import RunConfig, config_to_dict
 from forge_core.data.schemas import TABLES
-from forge_core.rewards import RewardSet
+from forge_core.rewards import RewardSet, sample_context
+from forge_core.rollout.dynamic import DynamicSampling
 from forge_core.rollout.lifetime import stage_generator
-from forge_core.rollout.policy import PolicyRef, fetch_policy
+from forge_core.rollout.policy import PolicyRef, fetch_policy, release_policy
 from forge_core.rollout.prompts import check_prompt_table, iteration_indices, prompts_from_table
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
@@ -59,11 +63,22 @@ class RolloutPlan:
     iteration: int
     policy_iteration: int
     seed: int
-    prompts: list[Prompt]
+    prompts: list[Prompt]  # round 0's; dynamic sampling draws later rounds from prompt_table
     rewards: RewardSet
     policy: PolicyRef
     # perf_counter() when the stage body began: the manifest's wall_s (bench/orchestration_overhead.py)
     started_at: float = field(default_factory=time.perf_counter)
+    prompt_table: pa.Table | None = None  # rl_prompts, for dynamic sampling's extra rounds
+
+    @property
+    def rounds(self) -> DynamicSampling:
+        return DynamicSampling(self.cfg.rollout.dynamic_sampling, self.cfg.rollout.prompts_per_iteration)
+
+    def round_prompts(self, slot: int, round_index: int) -> list[Prompt]:
+        if round_index == 0:
+            return self.prompts
+        assert self.prompt_table is not None, "a plan for dynamic sampling keeps its prompt table"
+        return iteration_prompts(self.prompt_table, self.cfg.rollout.prompts_per_iteration, slot, self.seed)
 
 
 def required_input(spec: StageSpec, name: str, what: str) -> str:
@@ -134,10 +149,12 @@ def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
     data_uri = required_input(spec, DATA_INPUT, "a committed data artifact (rl_prompts.parquet)")
     iteration = iteration_param(spec)
     policy_iteration = policy_iteration_param(spec, iteration)
-    rewards = RewardSet.from_config(cfg.rollout.rewards)  # a bad reward fails before vLLM starts
+    rewards = RewardSet.for_stage(cfg.rollout)  # a bad reward fails before vLLM starts
     seed = rollout_seed(cfg.seed, cfg.rollout.sampling)
     table = read_prompt_split(store, data_uri, PROMPTS_SPLIT)
-    prompts = iteration_prompts(table, cfg.rollout.prompts_per_iteration, iteration, seed)
+    per_iteration = cfg.rollout.prompts_per_iteration
+    first_slot = DynamicSampling(cfg.rollout.dynamic_sampling, per_iteration).slot(iteration, 0)
+    prompts = iteration_prompts(table, per_iteration, first_slot, seed)
     policy = fetch_policy(store, policy_uri, POLICY_INPUT)
     return RolloutPlan(
         cfg=cfg,
@@ -151,18 +168,41 @@ def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
         rewards=rewards,
         policy=policy,
         started_at=started_at,
+        prompt_table=table,
     )
+
+
+@dataclass
+class _Generation:
+    """Generation time and tokens summed over a stage's rounds."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+def sample_round(
+    plan: RolloutPlan, generator, prompts: list[Prompt], lineage: RolloutLineage, sampling_round: int,
+    totals: _Generation,
+) -> pa.Table:
+    """Generate and score one round of prompts: its rows of the rollout table."""
+    sampling = plan.cfg.rollout.sampling
+    start = time.perf_counter()
+    samples = generator.generate(prompts, seed=plan.seed, sampling=sampling)
+    totals.seconds += time.perf_counter() - start
+    totals.tokens += sum(s.response_len for s in samples)
+    scored = plan.rewards.score(
+        [s.response_text for s in samples],
+        [s.ground_truth for s in samples],
+        [s.ref for s in samples],
+        contexts=[sample_context(s, sampling.max_new_tokens) for s in samples],
+    )
+    return rollout_table(samples, scored, lineage, sampling_round=sampling_round)
 
 
 def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
-    """Generate, score, write `rollouts.parquet` and commit; returns the table."""
+    """Generate (in rounds, with dynamic sampling), score, write `rollouts.parquet` and commit; returns the
+    table."""
     sampling = plan.cfg.rollout.sampling
-    start = time.perf_counter()
-    samples = generator.generate(plan.prompts, seed=plan.seed, sampling=sampling)
-    generation_s = time.perf_counter() - start
-    scored = plan.rewards.score(
-        [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
-    )
     lineage = RolloutLineage(
         policy_uri=plan.policy.uri,
         policy_version=plan.policy.version,
@@ -172,14 +212,22 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
         reward_versions=json.dumps(plan.rewards.versions(), sort_keys=True),
         policy_iteration=plan.policy_iteration,
     )
-    table = rollout_table(samples, scored, lineage)
+    generation = _Generation()
+
+    def generate(slot: int, index: int) -> pa.Table:
+        return sample_round(plan, generator, plan.round_prompts(slot, index), lineage, index, generation)
+
+    # Reward and length statistics below are over every generated row (all samples of this policy).
+    table, dynamic_metrics = plan.rounds.run(plan.iteration, generate)
+    generation_s = generation.seconds
     metrics = {
         **rollout_metrics(table, plan.rewards.primary_column),
-        "prompts": float(len(plan.prompts)),
+        **dynamic_metrics,
+        "prompts": dynamic_metrics["dynamic_sampling/groups_generated"],
         "iteration": plan.iteration,
         "policy_iteration": plan.policy_iteration,
         "generation_s": generation_s,
-        "tokens_per_s": sum(s.response_len for s in samples) / generation_s if generation_s > 0 else 0.0,
+        "tokens_per_s": generation.tokens / generation_s if generation_s > 0 else 0.0,
         **engine_metrics(plan.cfg, generator),
         "num_engines": plan.cfg.rollout.num_engines,
         "policy_version": plan.policy.version,
@@ -187,6 +235,7 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
         "reward_versions": plan.rewards.versions(),
         "reward_weights": plan.rewards.weights(),
         "primary_reward": plan.rewards.primary_column,
+        **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
         "wall_s": time.perf_counter() - plan.started_at,
     }
     writer = plan.store.writer(plan.output_uri, kind=KIND, stage=STAGE)
@@ -218,5 +267,8 @@ def run(spec: StageSpec) -> None:
     if plan is None:
         log.info("%s is already committed; nothing to do", spec.output_uri)
         return
-    with stage_generator(plan.cfg, plan.policy, seed=plan.seed) as generator:
-        run_rollout(plan, generator)
+    try:
+        with stage_generator(plan.cfg, plan.policy, seed=plan.seed) as generator:
+            run_rollout(plan, generator)
+    finally:
+        release_policy(plan.policy)  # the cache may prune it again (an engine service keeps its own lease)

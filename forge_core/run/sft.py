@@ -26,6 +26,7 @@ from forge_core.config import RunConfig, config_to_dict
 from forge_core.engine import Checkpointer, Engine, destroy_distributed
 from forge_core.engine.distributed import run_on_rank0
 from forge_core.metrics import build_sinks
+from forge_core.run.external import verify_external_inputs
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.trainers.base import ArtifactContext
@@ -112,6 +113,7 @@ def main(spec: StageSpec) -> None:
     if store.is_committed(spec.output_uri):
         log.info("%s is already committed; nothing to do", spec.output_uri)
         return
+    verify_external_inputs(spec, cfg, store)  # model.hf_path is the folder the key was computed from
     config = config_to_dict(cfg)
     with tempfile.TemporaryDirectory(prefix="forge-sft-") as tmp:
         workdir = Path(tmp)

@@ -1,4 +1,4 @@
-"""StageSpec: everything a worker needs to run one stage, stored as `<output_uri>/_spec.json`.
+"""StageSpec: everything a worker needs to run one stage, stored as `<output_uri>/_specs/<attempt>.json`.
 
 The task side writes it, the worker side reads it:
 
@@ -9,7 +9,9 @@ The task side writes it, the worker side reads it:
     cfg = spec.run_config()          # validated RunConfig (ConfigError lists every problem)
 
 The spec sits inside the output prefix but is not part of the artifact: only files written through the
-artifact writer are listed in `_MANIFEST.json`.
+artifact writer are listed in `_MANIFEST.json`. Each task attempt (`attempt`, forge_core.storage.new_attempt_id)
+writes its own spec object, so two runs racing on one stage never overwrite each other's spec; a spec without an
+attempt (written by hand or by older code) lives at `<output_uri>/_spec.json`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ if TYPE_CHECKING:
     from forge_core.storage import ObjectStore
 
 SPEC_NAME = "_spec.json"
+SPECS_DIR = "_specs"
 _FIELDS = ("stage", "config", "inputs", "output_uri", "params")
+_OPTIONAL_FIELDS = ("attempt", "fingerprints")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,10 @@ class StageSpec:
     """One stage run: which stage, the full config (as a dict), input artifact URIs, output URI, params.
 
     `params` carries stage-specific values that are not config, e.g. `{"iteration": 3}`; they must be JSON.
+    `attempt` names the task attempt that launched the worker ("" = none); it also names the spec object.
+    `fingerprints`: the content fingerprints of what the stage reads from outside the store
+    (`{"data.source": sha256}`, forge_core.run.external), which its key was computed from; the worker checks
+    them before it reads.
     """
 
     stage: str
@@ -40,6 +48,8 @@ class StageSpec:
     inputs: dict[str, str]
     output_uri: str
     params: dict[str, Any] = field(default_factory=dict)
+    attempt: str = ""
+    fingerprints: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         errors = self.check()
@@ -62,6 +72,12 @@ class StageSpec:
             errors.append(f"output_uri={self.output_uri!r}: give the artifact URI the stage writes")
         if not isinstance(self.params, dict):
             errors.append(f"params={self.params!r}: expected a dict of JSON values")
+        if self.attempt and not _is_attempt_id(self.attempt):
+            errors.append(f"attempt={self.attempt!r}: expected an attempt id (new_attempt_id()) or ''")
+        if not isinstance(self.fingerprints, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.fingerprints.items()
+        ):
+            errors.append(f"fingerprints={self.fingerprints!r}: expected {{config key: sha256 hex}}")
         if not errors:
             try:
                 self.to_json()
@@ -73,8 +89,8 @@ class StageSpec:
 
     @property
     def uri(self) -> str:
-        """Where `write_spec` puts this spec: `<output_uri>/_spec.json`."""
-        return spec_uri(self.output_uri)
+        """Where `write_spec` puts this spec: `<output_uri>/_specs/<attempt>.json` (no attempt: `_spec.json`)."""
+        return spec_uri(self.output_uri, self.attempt)
 
     def run_config(self) -> RunConfig:
         """The validated RunConfig of this run; raises ConfigError naming every problem."""
@@ -95,11 +111,11 @@ class StageSpec:
             # Bad file content, not a programming error: a ValueError like every other malformed spec.
             raise ValueError(f"{source}: expected a JSON object with keys {', '.join(_FIELDS)}")  # noqa: TRY004
         missing = [k for k in _FIELDS if k not in data]
-        unknown = sorted(set(data) - set(_FIELDS))
+        unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL_FIELDS))
         if missing or unknown:
             raise ValueError(
                 f"{source}: missing keys {missing}, unknown keys {unknown}; "
-                f"a spec has exactly {', '.join(_FIELDS)}"
+                f"a spec has exactly {', '.join(_FIELDS)} (and optionally {', '.join(_OPTIONAL_FIELDS)})"
             )
         try:
             return cls(**data)
@@ -107,15 +123,21 @@ class StageSpec:
             raise ValueError(f"{source}: {exc}") from exc
 
 
-def spec_uri(output_uri: str) -> str:
-    return output_uri.rstrip("/") + "/" + SPEC_NAME
+def _is_attempt_id(value) -> bool:
+    from forge_core.storage.manifest import is_attempt_id  # only when set: keeps this module's imports light
+
+    return is_attempt_id(value)
+
+
+def spec_uri(output_uri: str, attempt: str = "") -> str:
+    folder = output_uri.rstrip("/")
+    return f"{folder}/{SPECS_DIR}/{attempt}.json" if attempt else f"{folder}/{SPEC_NAME}"
 
 
 def write_spec(store: ObjectStore, spec: StageSpec) -> str:
-    """Write `spec` to `<spec.output_uri>/_spec.json` through an ObjectStore (atomic put); returns its URI."""
-    uri = store.join(spec.output_uri, SPEC_NAME)
-    store.put_bytes(uri, spec.to_json().encode("utf-8"))
-    return uri
+    """Write `spec` to `spec.uri` through an ObjectStore (atomic put); returns its URI."""
+    store.put_bytes(spec.uri, spec.to_json().encode("utf-8"))
+    return spec.uri
 
 
 def read_spec(uri: str, storage_cfg: StorageConfig | None = None) -> StageSpec:
@@ -128,16 +150,16 @@ def read_spec(uri: str, storage_cfg: StorageConfig | None = None) -> StageSpec:
     from forge_core.storage import ObjectStore
 
     folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else "."
-    if storage_cfg is None:
-        store = ObjectStore(folder)
-    else:
-        store = ObjectStore(
-            folder,
-            endpoint_url=storage_cfg.endpoint_url,
-            region=storage_cfg.region,
-            retries=storage_cfg.retries,
-            retry_backoff_s=storage_cfg.retry_backoff_s,
-        )
+    # The defaults' retry horizon too: a worker that starts during a storage brown-out rides it out.
+    cfg = storage_cfg or StorageConfig()
+    store = ObjectStore(
+        folder,
+        endpoint_url=cfg.endpoint_url,
+        region=cfg.region,
+        retries=cfg.retries,
+        retry_backoff_s=cfg.retry_backoff_s,
+        retry_horizon_s=cfg.retry_horizon_s,
+    )
     try:
         data = store.get_bytes(uri)
     except FileNotFoundError as exc:

@@ -15,15 +15,20 @@ output is committed, watching the job:
   retry starts a new job, which resumes the iteration from its newest in-stage checkpoint; a user error on
   a rank is FATAL with that rank's message), its log tail included; a job that exits cleanly without
   committing is RETRYABLE;
-- `launch.grpo.deadline_s` passed (counted per stage): the job is ended and the result is RETRYABLE.
+- `launch.grpo.deadline_s` passed (counted per stage): the job is ended and the result is RETRYABLE, naming
+  the rank that hung (from the ranks' heartbeats, forge_core.launch.heartbeat);
+- the wait itself failed (a store call still failing after `storage.retry_horizon_s`): the job is ended and
+  the error classified as a worker's would be (forge_core.launch.errors.classify_exception).
 
 The job's output reaches the waiting stage's log (and progress reporter); between stages this module's logger.
 State folder (mode 0700): `<engine_state_dir(cfg)>-trainer` (forge_core.rollout.lifetime), one order folder
-per job inside it.
+per job inside it; like the engines' folder it belongs to one flow run (`launch.run_id`), so concurrent runs of
+one config never share a job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,10 +40,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
 from forge_core.config import RunConfig
 from forge_core.launch import LaunchHandle, LaunchResult, LaunchSpec, Outcome, start
+from forge_core.launch.classify import exception_result
 from forge_core.run.plan import StagePlan, launch_spec_for
 from forge_core.storage import ObjectStore
 
@@ -59,8 +63,8 @@ def order_path(orders: Path, seq: int) -> Path:
 
 
 def trainer_state_dir(cfg: RunConfig) -> Path:
-    """`<engine state dir>-trainer`: next to the run's engine service, keyed the same way (run name, store
-    root, working directory, or `rollout.engine_state_dir`)."""
+    """`<engine state dir>-trainer`: next to the run's engine services, keyed the same way (per flow run:
+    forge_core.rollout.lifetime.engine_state_dir)."""
     from forge_core.rollout.lifetime import engine_state_dir
 
     engine_dir = engine_state_dir(cfg)
@@ -83,7 +87,7 @@ class TrainerJob:
 
     handle: LaunchHandle
     orders: Path
-    identity: LaunchSpec  # the launch settings it was started with (orders and owner aside)
+    identity: LaunchSpec  # the launch settings it was started with (its order folder aside)
     relay: _LogRelay
     next_seq: int = 0
 
@@ -116,11 +120,6 @@ _jobs: dict[Path, TrainerJob] = {}
 _jobs_lock = threading.Lock()
 
 
-def _owner_arg() -> str:
-    this = psutil.Process()
-    return f"{this.pid}:{this.create_time()!r}"
-
-
 def _job_identity(plan: StagePlan, cfg: RunConfig) -> LaunchSpec:
     stage_launch = launch_spec_for(plan, cfg)
     return dataclasses.replace(
@@ -141,9 +140,7 @@ def _start_job(state: Path, identity: LaunchSpec) -> TrainerJob:
     orders = state / f"orders-{uuid.uuid4().hex[:12]}"
     orders.mkdir(mode=0o700)
     relay = _LogRelay()
-    spec = dataclasses.replace(
-        identity, args=[*identity.args, "--orders", str(orders), "--owner", _owner_arg()]
-    )
+    spec = dataclasses.replace(identity, args=[*identity.args, "--orders", str(orders)])
     handle = start(spec, log=relay)
     log.info("trainer job started: launch %s, pid %d, orders %s", handle.launch_id, handle.pid, orders)
     return TrainerJob(handle=handle, orders=orders, identity=identity, relay=relay)
@@ -190,13 +187,25 @@ def _past_deadline(job: TrainerJob, output_uri: str, deadline_s: float, elapsed_
     job.handle.cancel(f"launch.grpo.deadline_s={deadline_s:g} exceeded while training {output_uri}")
     result = job.handle.wait()
     _forget(job)
+    stall = f"; {result.stall}" if result.stall else ""  # which rank hung, from the ranks' heartbeats
     return dataclasses.replace(
         result,
         outcome=Outcome.RETRYABLE,
         reason=f"deadline of {deadline_s:g} s exceeded while trainer job {result.launch_id} trained {output_uri}; "
-        "the job was ended",
+        f"the job was ended{stall}",
         duration_s=elapsed_s,
     )
+
+
+def _waiting_failed(job: TrainerJob, output_uri: str, error: Exception, elapsed_s: float) -> LaunchResult:
+    """The wait itself failed (a store call still failing after storage.retry_horizon_s): the job is ended, so
+    that a retry's new order is not served after this one by the same job, and the error is classified like a
+    worker's (forge_core.launch.errors.classify_exception)."""
+    job.handle.cancel(f"waiting for {output_uri} failed: {type(error).__name__}")
+    job.handle.wait()
+    _forget(job)
+    where = f"grpo (waiting for trainer job {job.handle.launch_id} to commit {output_uri})"
+    return exception_result(where, error, elapsed_s, launch_id=job.handle.launch_id)
 
 
 def run_in_flow_trainer(plan: StagePlan, cfg: RunConfig, log_sink: Callable[[str], None]) -> LaunchResult:
@@ -209,29 +218,40 @@ def run_in_flow_trainer(plan: StagePlan, cfg: RunConfig, log_sink: Callable[[str
     job.relay.target = log_sink
     try:
         job.submit({"spec_uri": plan.spec_uri})
-        while True:
-            elapsed = time.monotonic() - started
-            if store.is_committed(plan.output_uri):
-                return LaunchResult(
-                    outcome=Outcome.SUCCESS,
-                    returncode=None,
-                    reason=f"committed by trainer job {job.handle.launch_id}",
-                    duration_s=elapsed,
-                    launch_id=job.handle.launch_id,
-                )
-            if not job.alive():
-                if store.is_committed(plan.output_uri):  # committed just before it ended
-                    continue
-                return _job_ended(job, plan.output_uri, elapsed)
-            if elapsed > deadline_s:
-                return _past_deadline(job, plan.output_uri, deadline_s, elapsed)
-            time.sleep(POLL_S)
+        return _wait_for_commit(job, store, plan.output_uri, deadline_s, started)
+    except Exception as exc:  # noqa: BLE001 - becomes a classified result, as a worker's exception would
+        return _waiting_failed(job, plan.output_uri, exc, time.monotonic() - started)
     finally:
         job.relay.target = None
 
 
-def stop_flow_trainers(cfg: RunConfig) -> list[int]:
-    """Stop the run's trainer job if this process started one (nothing otherwise); returns its pids.
+def _wait_for_commit(
+    job: TrainerJob, store: ObjectStore, output_uri: str, deadline_s: float, started: float
+) -> LaunchResult:
+    while True:
+        elapsed = time.monotonic() - started
+        if store.is_committed(output_uri):
+            return LaunchResult(
+                outcome=Outcome.SUCCESS,
+                returncode=None,
+                reason=f"committed by trainer job {job.handle.launch_id}",
+                duration_s=elapsed,
+                launch_id=job.handle.launch_id,
+            )
+        if not job.alive():
+            if store.is_committed(output_uri):  # committed just before it ended
+                continue
+            return _job_ended(job, output_uri, elapsed)
+        if elapsed > deadline_s:
+            return _past_deadline(job, output_uri, deadline_s, elapsed)
+        time.sleep(POLL_S)
+
+
+def stop_flow_trainers(cfg: RunConfig, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
+    """Stop the run's trainer job if this process started one (nothing otherwise) and remove the run's trainer
+    state folder; returns the job's pids. The job gets `timeout_s` to finish its order and exit on its stop
+    order, then the launcher ends it (SIGTERM, `launch.grpo.kill_grace_s`, SIGKILL); the cancel/crash path
+    passes 0.
 
     Safe to call whatever `grpo.trainer_lifetime` says: a flow calls it in its `finally`.
     """
@@ -241,4 +261,7 @@ def stop_flow_trainers(cfg: RunConfig) -> list[int]:
         return []
     with _jobs_lock:
         job = _jobs.pop(state, None)
-    return job.stop() if job is not None else []
+    pids = job.stop(timeout_s) if job is not None else []
+    with contextlib.suppress(OSError):
+        state.rmdir()  # empty once its order folders are gone; this run's only (forge_core.rollout.lifetime)
+    return pids

@@ -15,26 +15,32 @@ from forge_core.storage.errors import (
     ArtifactCorrupted,
     ArtifactError,
     ArtifactNotCommitted,
+    LeaseLost,
+    PointerConflict,
     StorageAccessError,
     StorageError,
     StorageUnavailable,
 )
 from forge_core.storage.keys import canonical_json, code_version, content_key, source_tree_hash
+from forge_core.storage.lease import Lease, acquire_lease
 from forge_core.storage.manifest import (
+    ATTEMPTS_DIR,
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
     MANIFEST_NAME,
     FileEntry,
     InputRef,
     Manifest,
+    new_attempt_id,
 )
 from forge_core.storage.reader import ArtifactReader
 from forge_core.storage.retry import Retrier, is_transient
-from forge_core.storage.store import ObjectStore, endpoint_from_env
+from forge_core.storage.store import ObjectStore, PointerState, endpoint_from_env
 from forge_core.storage.uris import normalize_root_uri, safe_join
 from forge_core.storage.writer import ArtifactWriter
 
 __all__ = [
+    "ATTEMPTS_DIR",
     "CHECKPOINTS_DIR",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -46,17 +52,23 @@ __all__ = [
     "ArtifactWriter",
     "FileEntry",
     "InputRef",
+    "Lease",
+    "LeaseLost",
     "Manifest",
     "ObjectStore",
+    "PointerConflict",
+    "PointerState",
     "Retrier",
     "StorageAccessError",
     "StorageError",
     "StorageUnavailable",
+    "acquire_lease",
     "canonical_json",
     "code_version",
     "content_key",
     "endpoint_from_env",
     "is_transient",
+    "new_attempt_id",
     "normalize_root_uri",
     "safe_join",
     "source_tree_hash",

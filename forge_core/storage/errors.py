@@ -44,7 +44,19 @@ class ArtifactNotCommitted(ArtifactError):
 
 
 class ArtifactAlreadyCommitted(ArtifactError):
-    """A writer was opened on (or tried to commit over) an artifact that is already committed."""
+    """A writer was opened on (or tried to commit over) an artifact that is already committed.
+
+    `attempt` names the attempt that owns the committed artifact (None when not known, e.g. a format-1
+    manifest). Artifacts are content-addressed, so a stage that loses the commit race can use the winner's
+    artifact at the same `uri`.
+    """
+
+    def __init__(self, message: str, uri: str, attempt: str | None = None) -> None:
+        super().__init__(message, uri)
+        self.attempt = attempt
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.uri, self.attempt))
 
 
 class ArtifactCorrupted(ArtifactError):
@@ -59,3 +71,30 @@ class ArtifactCorrupted(ArtifactError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.uri, self.file))
+
+
+class PointerConflict(StorageError):
+    """A compare-and-swap pointer write lost: the pointer moved since the caller read it.
+
+    `current` is the pointer's state now (a `PointerState`); re-read, decide again, and retry with its version.
+    """
+
+    def __init__(self, message: str, current) -> None:
+        super().__init__(message)
+        self.current = current
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.current))
+
+
+class LeaseLost(StorageError):
+    """The holder of a stage lease found on renewal that another run took the lease over (it had gone stale).
+
+    The work may be done twice meanwhile; exclusive commits keep the artifact whole. `retryable`: a retry finds
+    the other run's commit (and skips) or waits for its lease.
+    """
+
+    retryable = True

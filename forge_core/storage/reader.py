@@ -40,6 +40,12 @@ class ArtifactReader:
         self.uri = uri.rstrip("/")
         self.manifest = manifest
         self.manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+        # Where the committed attempt's files are (`<uri>/_attempts/<attempt>`; format 1: `uri`).
+        self.files_uri = store.files_uri(self.uri, manifest.attempt)
+
+    def file_uri(self, rel: str) -> str:
+        """The stored object of file `rel` (for tools that read by path, e.g. DCP or DuckDB: verify first)."""
+        return self.store.join(self.files_uri, self._entry(rel)[0])
 
     def files(self, rel_prefix: str = "") -> list[str]:
         """Names of the artifact's files under `rel_prefix` ("" = all), sorted."""
@@ -61,7 +67,7 @@ class ArtifactReader:
     def open(self, rel: str) -> io.BufferedReader:
         """A sequential binary stream of `rel`, verified when it reaches EOF (no seeking)."""
         rel, entry = self._entry(rel)
-        file_uri = self.store.join(self.uri, rel)
+        file_uri = self.store.join(self.files_uri, rel)
         try:
             stored_size = self.store.size_of(file_uri)
         except FileNotFoundError as exc:
@@ -122,7 +128,7 @@ class ArtifactReader:
         """A local path holding the verified bytes of `rel`: the file itself on file:// stores (hashed in
         place), else a temporary download removed on exit."""
         rel, _ = self._entry(rel)
-        local = self.store.local_path(self.store.join(self.uri, rel))
+        local = self.store.local_path(self.file_uri(rel))
         if local is not None:
             self.verify_file(rel)
             yield local

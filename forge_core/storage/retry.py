@@ -1,7 +1,15 @@
 """One retry policy for every storage call: exponential backoff on transient errors, fail fast otherwise.
 
-The store builds its s3fs client with botocore's and s3fs's own retries turned off, so `storage.retries`
-and `storage.retry_backoff_s` are the only knobs and a test can count what happens.
+A transient failure (connection refused or reset, timeouts, throttling, 5xx) is retried with backoff
+`storage.retry_backoff_s * 2**n` (at most `MAX_SLEEP_S` between tries) until BOTH budgets are spent: at least
+`storage.retries` retries, and retries for at least `storage.retry_horizon_s` seconds since the call first
+failed. The horizon (default 300 s) is what rides out an S3 brown-out or a restarting MinIO in the task process
+and in workers alike; the count keeps a few quick retries when the horizon is set to 0 (tests). What still
+fails then raises `StorageUnavailable`, which is retryable for a stage (forge_core.launch.errors). Access
+denied raises `StorageAccessError` at once; anything else is re-raised as it is.
+
+The store builds its s3fs client with botocore's and s3fs's own retries turned off, so these settings are
+the only knobs and a test can count what happens.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ _TRANSIENT_S3_CODES = frozenset(
         "Throttling",
         "ThrottlingException",
         "OperationAborted",
+        # AWS answers a conditional PUT that raced another write of the key in flight with 409: try again.
+        "ConditionalRequestConflict",
         "500",
         "502",
         "503",
@@ -93,9 +103,9 @@ def _is_transient_one(exc: BaseException) -> bool:
     return type(exc) is OSError and exc.errno in _TRANSIENT_ERRNOS
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True when `exc` (or what caused it) is a network/throttling/5xx failure worth retrying."""
-    return any(_is_transient_one(e) for e in _exception_chain(exc))
+def is_transient(exc: BaseException, causes: bool = True) -> bool:
+    """True when `exc` (or, with `causes`, what caused it) is a network/throttling/5xx failure worth retrying."""
+    return any(_is_transient_one(e) for e in (_exception_chain(exc) if causes else [exc]))
 
 
 def is_access_denied(exc: BaseException) -> bool:
@@ -105,45 +115,75 @@ def is_access_denied(exc: BaseException) -> bool:
     )
 
 
-class Retrier:
-    """Calls a function, retrying transient failures `retries` times with backoff `backoff_s * 2**attempt`.
+def is_already_there(exc: BaseException) -> bool:
+    """True when an exclusive create found its target taken: FileExistsError (local link, memory, s3fs's
+    mapping of a 412 to `If-None-Match`) or S3's PreconditionFailed/412 itself."""
+    return any(
+        isinstance(e, FileExistsError) or _s3_error_code(e) in ("PreconditionFailed", "412")
+        for e in _exception_chain(exc)
+    )
 
-    Usage: `Retrier(retries=5, backoff_s=0.5).call("put s3://b/k", fs.pipe_file, path, data)`.
+
+MAX_SLEEP_S = 30.0  # the longest wait between two tries of one call
+
+
+class Retrier:
+    """Calls a function, retrying transient failures with backoff `backoff_s * 2**n` until at least
+    `retries` retries were made and `horizon_s` seconds have passed since the call first failed.
+
+    Usage: `Retrier(retries=5, backoff_s=0.5, horizon_s=300).call("put s3://b/k", fs.pipe_file, path, data)`.
     `what` names the operation and URI in logs and errors; it must never contain credentials.
     """
 
-    def __init__(self, retries: int, backoff_s: float, max_sleep_s: float = 30.0) -> None:
+    def __init__(
+        self, retries: int, backoff_s: float, max_sleep_s: float = MAX_SLEEP_S, horizon_s: float = 0.0
+    ) -> None:
         if retries < 0:
             raise ValueError(f"storage.retries={retries}: must be >= 0")
         if backoff_s < 0:
             raise ValueError(f"storage.retry_backoff_s={backoff_s}: must be >= 0")
+        if horizon_s < 0:
+            raise ValueError(f"storage.retry_horizon_s={horizon_s}: must be >= 0")
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_sleep_s = max_sleep_s
+        self.horizon_s = horizon_s
         self.retried = 0  # total retries done by this retrier, for logs and tests
 
+    @classmethod
+    def from_config(cls, storage_cfg) -> Retrier:
+        """The policy of a `StorageConfig` (cfg.storage)."""
+        return cls(storage_cfg.retries, storage_cfg.retry_backoff_s, horizon_s=storage_cfg.retry_horizon_s)
+
     def call(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T:
-        for attempt in range(self.retries + 1):
+        first_failure: float | None = None
+        attempt = 0
+        while True:
             try:
                 maybe_fail_storage_call(what)  # FORGE_FAULT=storage_outage:... (off unless set)
                 return fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - classified below, re-raised unless transient
-                self._raise_unless_retryable(what, exc, attempt)
+                now = time.monotonic()
+                first_failure = now if first_failure is None else first_failure
+                self._raise_unless_retryable(what, exc, attempt, now - first_failure)
                 delay = min(self.backoff_s * 2**attempt, self.max_sleep_s)
+                # "retry 7/5": past the count, retries go on until the horizon has passed.
                 log.warning(
-                    "storage: %s failed (%s: %s); retry %d/%d in %.2fs",
+                    "storage: %s failed (%s: %s); retry %d/%d in %.2fs (failing for %.1f s; storage.retry_horizon_s=%g)",
                     what,
                     type(exc).__name__,
                     exc,
                     attempt + 1,
                     self.retries,
                     delay,
+                    now - first_failure,
+                    self.horizon_s,
                 )
                 self.retried += 1
+                attempt += 1
                 time.sleep(delay)
-        raise AssertionError("unreachable: the last attempt either returns or raises")
 
-    def _raise_unless_retryable(self, what: str, exc: Exception, attempt: int) -> None:
+    def _raise_unless_retryable(self, what: str, exc: Exception, attempt: int, failing_s: float) -> None:
         if is_access_denied(exc):
             raise StorageAccessError(
                 f"{what}: access denied ({type(exc).__name__}: {exc}); check the AWS credentials "
@@ -151,8 +191,9 @@ class Retrier:
             ) from exc
         if not is_transient(exc):
             raise exc
-        if attempt >= self.retries:
+        if attempt >= self.retries and failing_s >= self.horizon_s:
             raise StorageUnavailable(
-                f"{what}: still failing after {self.retries} retries ({type(exc).__name__}: {exc}); "
-                "check that the storage endpoint is reachable, or raise storage.retries"
+                f"{what}: still failing after {attempt} retries over {failing_s:.1f} s "
+                f"({type(exc).__name__}: {exc}); check that the storage endpoint is reachable, or raise "
+                f"storage.retry_horizon_s (now {self.horizon_s:g} s) to wait out longer outages"
             ) from exc

@@ -9,6 +9,12 @@
 
 Credentials are never passed in: s3fs/botocore take them from the standard AWS environment variables,
 profile or instance role, so they cannot end up in manifests, logs or error messages.
+
+Exclusive creation (`create_exclusive`) is the one primitive that decides races: manifests (who commits an
+artifact), pointer generations (compare-and-swap promotion) and lease generations all use it. Locally it is a
+temp file hard-linked to the final name (`os.link` fails when the name exists); on S3 a conditional
+`PutObject` with `If-None-Match: *` (answered 412 PreconditionFailed when the key exists: AWS S3 since
+2024-08, MinIO releases since mid-2024, moto 5.x); on memory:// a process-wide lock.
 """
 
 from __future__ import annotations
@@ -17,18 +23,31 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import fsspec
 
+from forge_core.credentials import redact_url
 from forge_core.storage.errors import (
     ArtifactAlreadyCommitted,
     ArtifactCorrupted,
     ArtifactNotCommitted,
+    PointerConflict,
     StorageAccessError,
 )
-from forge_core.storage.manifest import MANIFEST_NAME, TEMP_MARKER, Manifest, utc_now_iso
-from forge_core.storage.retry import Retrier
+from forge_core.storage.generations import GenerationLog
+from forge_core.storage.manifest import (
+    ATTEMPTS_DIR,
+    MANIFEST_NAME,
+    TEMP_MARKER,
+    Manifest,
+    attempt_created_at,
+    utc_now_iso,
+)
+from forge_core.storage.retry import Retrier, is_already_there
 from forge_core.storage.streams import FsFileSink, PartSink, S3MultipartSink
 from forge_core.storage.uris import check_name, normalize_root_uri, safe_join, split_scheme
 
@@ -36,6 +55,20 @@ log = logging.getLogger(__name__)
 
 POINTERS_DIR = "_pointers"
 ENDPOINT_ENV_VARS = ("FORGE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL")
+# memory:// is one dict per process: a lock makes check-then-create atomic there.
+_MEMORY_CREATE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class PointerState:
+    """What a pointer says now: `uri` (None before the first write) at `version` (0 before the first write).
+
+    Pass `version` back to `pointer_write` to swap the pointer only if nobody moved it meanwhile."""
+
+    name: str
+    uri: str | None
+    version: int
+    manifest_sha256: str | None = None
 
 
 def endpoint_from_env() -> str | None:
@@ -85,7 +118,21 @@ class ObjectStore:
         region: str | None = None,
         retries: int = 5,
         retry_backoff_s: float = 0.5,
+        retry_horizon_s: float = 0.0,
+        keep_checkpoints: int = 2,
+        lease_ttl_s: float = 300.0,
+        lease_renew_s: float = 30.0,
     ) -> None:
+        if keep_checkpoints < 1:
+            raise ValueError(f"storage.keep_checkpoints={keep_checkpoints}: must be >= 1 (resume needs one)")
+        if not 0 < lease_renew_s <= lease_ttl_s / 2:
+            raise ValueError(
+                f"storage.lease_renew_s={lease_renew_s}, storage.lease_ttl_s={lease_ttl_s}: need "
+                "0 < lease_renew_s <= lease_ttl_s / 2, so a live holder renews well before its lease goes stale"
+            )
+        self.keep_checkpoints = keep_checkpoints
+        self.lease_ttl_s = lease_ttl_s
+        self.lease_renew_s = lease_renew_s
         self.root = normalize_root_uri(root_uri)
         self.scheme = split_scheme(self.root)[0]
         self.endpoint_url = (endpoint_url or endpoint_from_env()) if self.scheme == "s3" else None
@@ -93,7 +140,7 @@ class ObjectStore:
         # What DCP's FsspecWriter/Reader (and any fsspec call) needs to reach the same store: endpoint and
         # region only, never secrets.
         self.storage_options: dict = {"client_kwargs": client_kwargs} if client_kwargs else {}
-        self.retrier = Retrier(retries, retry_backoff_s)
+        self.retrier = Retrier(retries, retry_backoff_s, horizon_s=retry_horizon_s)
         self.fs = _make_filesystem(self.scheme, client_kwargs)
         self._root_checked = self.scheme != "s3"
 
@@ -106,10 +153,14 @@ class ObjectStore:
             region=storage_cfg.region,
             retries=storage_cfg.retries,
             retry_backoff_s=storage_cfg.retry_backoff_s,
+            retry_horizon_s=storage_cfg.retry_horizon_s,
+            keep_checkpoints=storage_cfg.keep_checkpoints,
+            lease_ttl_s=storage_cfg.lease_ttl_s,
+            lease_renew_s=storage_cfg.lease_renew_s,
         )
 
     def __repr__(self) -> str:
-        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        endpoint = f", endpoint_url={redact_url(self.endpoint_url)!r}" if self.endpoint_url else ""
         return f"ObjectStore({self.root!r}{endpoint})"
 
     # ---- URIs -------------------------------------------------------------------------------------------
@@ -160,7 +211,7 @@ class ObjectStore:
         if self._root_checked:
             return
         bucket = self.root.removeprefix("s3://").split("/", 1)[0]
-        where = f"at endpoint {self.endpoint_url}" if self.endpoint_url else "on AWS"
+        where = f"at endpoint {redact_url(self.endpoint_url)}" if self.endpoint_url else "on AWS"
         try:
             self.retrier.call(f"check bucket s3://{bucket}", self.fs.call_s3, "head_bucket", Bucket=bucket)
         except FileNotFoundError as exc:
@@ -197,24 +248,85 @@ class ObjectStore:
         """
         path = self.path_of(uri)
         if self.scheme == "file":
-            self._replace_local_file(path, data)
+            self._publish_local_file(path, data, os.replace)
         else:
             self.call(f"put {uri}", self.fs.pipe_file, path, data)
             self.fs.invalidate_cache(path)
 
     @staticmethod
-    def _replace_local_file(path: str, data: bytes) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    def _publish_local_file(path: str, data: bytes, publish) -> None:
+        """Write `data` to a temp file beside `path` (fsynced), then `publish(temp, path)`: `os.replace`
+        (replaces atomically) or `os.link` (FileExistsError when the name is taken: never replaces)."""
         temp = f"{path}{TEMP_MARKER}{uuid.uuid4().hex}"
         try:
-            with open(temp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, path)
+            for tries_left in reversed(range(3)):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                try:
+                    with open(temp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    break
+                except FileNotFoundError:
+                    if not tries_left:  # the folder went away again (a lease purged meanwhile): retry
+                        raise
+            publish(temp, path)
         finally:
             if os.path.exists(temp):
                 os.remove(temp)
+
+    def create_exclusive(self, uri: str, data: bytes) -> bool:
+        """Create the object at `uri` holding `data` unless it exists; True when this call created it.
+
+        False means another writer's object is there (a create whose reply was lost and then retried finds
+        its own bytes, and counts as created). See the module docstring for how each scheme does it."""
+        path = self.path_of(uri)
+        what = f"create {uri}"
+        try:
+            if self.scheme == "file":
+                self.call(what, self._publish_local_file, path, data, os.link)
+            elif self.scheme == "memory":
+                self.call(what, self._create_memory_object, path, data)
+            else:
+                bucket, key, _ = self.fs.split_path(path)
+                self.call(
+                    what, self.fs.call_s3, "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"
+                )
+                self.fs.invalidate_cache(path)
+        except OSError as exc:
+            if not is_already_there(exc):
+                raise
+            try:
+                return self.get_bytes(uri) == data
+            except FileNotFoundError:
+                return False  # deleted again since: still not ours
+        return True
+
+    def _create_memory_object(self, path: str, data: bytes) -> None:
+        with _MEMORY_CREATE_LOCK:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)
+
+    def delete(self, uri: str) -> None:
+        """Delete one object; nothing happens when it is already gone."""
+        try:
+            self.call(f"delete {uri}", self.fs.rm_file, self.path_of(uri))
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.path_of(uri))
+
+    def delete_prefix(self, uri: str) -> int:
+        """Delete every object under the prefix `uri`; returns how many there were."""
+        files = self.list_files(uri)
+        if files:
+            self.call(
+                f"delete {len(files)} objects under {uri}", self.fs.rm, [self.path_of(u) for u in files]
+            )
+        if self.scheme == "file":
+            _remove_empty_dirs(self.path_of(uri))
+        self.fs.invalidate_cache(self.path_of(uri))
+        return len(files)
 
     def list_files(self, uri: str) -> dict[str, int]:
         """All objects under the prefix `uri` (recursively): {uri: size}; {} when there are none."""
@@ -266,11 +378,13 @@ class ObjectStore:
         """sha256 of the committed manifest's bytes: the identity of an artifact for content keys/lineage."""
         return hashlib.sha256(self.manifest_bytes(uri)).hexdigest()
 
-    def writer(self, uri: str, kind: str, stage: str):
+    def writer(self, uri: str, kind: str, stage: str, attempt: str | None = None):
         """Start writing the artifact at `uri`; refuses an already committed one (nothing is overwritten).
 
-        Leftovers of an earlier crashed attempt under `uri` are simply overwritten or ignored: only files
-        written (or adopted) through this writer are listed in its manifest.
+        The writer is one attempt (`attempt`, default a new unique id): its files go under
+        `<uri>/_attempts/<attempt>/`, so leftovers of a crashed attempt and files of a concurrent writer of the
+        same key are never touched; only files written (or adopted) through this writer are listed in its
+        manifest, and the first manifest created wins (ArtifactAlreadyCommitted for the others).
         """
         from forge_core.storage.writer import ArtifactWriter
 
@@ -280,7 +394,7 @@ class ObjectStore:
                 f"artifact {uri} is already committed; artifacts are immutable, write to a new key instead",
                 uri,
             )
-        return ArtifactWriter(self, uri, kind=kind, stage=stage)
+        return ArtifactWriter(self, uri, kind=kind, stage=stage, attempt=attempt)
 
     def reader(self, uri: str):
         """Open a committed artifact for verified reads; raises ArtifactNotCommitted otherwise."""
@@ -288,6 +402,10 @@ class ObjectStore:
 
         data = self.manifest_bytes(uri)
         return ArtifactReader(self, uri, self.parse_manifest(uri, data), data)
+
+    def files_uri(self, uri: str, attempt: str | None) -> str:
+        """Where the files of `attempt` of the artifact at `uri` live (format 1, attempt None: `uri` itself)."""
+        return self.join(uri, ATTEMPTS_DIR, attempt) if attempt else uri.rstrip("/")
 
     def list_committed(self, kind: str, under: str | None = None) -> list[str]:
         """URIs of committed artifacts of `kind` under `under` (default: the root), oldest commit first.
@@ -309,26 +427,109 @@ class ObjectStore:
                 found.append((manifest.committed_at, uri))
         return [uri for _, uri in sorted(found)]
 
+    def delete_artifact(self, uri: str) -> None:
+        """Un-commit, then delete, the committed artifact at `uri` (retention of old checkpoints).
+
+        The manifest goes first, so nothing half-deleted ever looks committed; then the files of every attempt
+        under `<uri>/_attempts/` (format 1: the listed files). Nested artifacts under `uri` are left alone."""
+        manifest = self.read_manifest(uri)
+        self.delete(self.manifest_uri(uri))
+        if manifest.attempt is None:
+            for rel in manifest.files:
+                self.delete(self.join(uri, rel))
+        else:
+            self.delete_prefix(self.join(uri, ATTEMPTS_DIR))
+        if self.scheme == "file":
+            _remove_empty_dirs(self.path_of(uri))
+
+    def sweep_stale_attempts(self, older_than_s: float, under: str | None = None) -> list[str]:
+        """Delete the files of attempts that never committed (crashed or lost writers) and are older than
+        `older_than_s`, under `under` (default: the whole store). Returns the attempt prefixes deleted.
+
+        The committed attempt of an artifact is never touched, and neither is any attempt younger than the
+        threshold (it may still be writing): choose `older_than_s` above the longest stage's run time."""
+        now = datetime.now(UTC)
+        marker = f"/{ATTEMPTS_DIR}/"
+        prefixes: set[tuple[str, str]] = set()
+        for file_uri in self.list_files(under or self.root):
+            if marker in file_uri:
+                artifact, rest = file_uri.split(marker, 1)
+                prefixes.add((artifact, rest.split("/", 1)[0]))
+        deleted = []
+        for artifact, attempt in sorted(prefixes):
+            created = attempt_created_at(attempt)
+            if created is None or (now - created).total_seconds() < older_than_s:
+                continue
+            if self.is_committed(artifact) and self.read_manifest(artifact).attempt == attempt:
+                continue
+            attempt_uri = self.files_uri(artifact, attempt)
+            self.delete_prefix(attempt_uri)
+            deleted.append(attempt_uri)
+        return deleted
+
     # ---- pointers ---------------------------------------------------------------------------------------
 
     def pointer_uri(self, name: str) -> str:
+        """Where a format-1 pointer (one object, replaced in place) lives; read while no generation exists."""
         return self.join(self.root, POINTERS_DIR, check_name(name, "pointer name") + ".json")
 
-    def pointer_write(self, name: str, uri: str) -> None:
-        """Point `name` (e.g. "promoted-policy") at a committed artifact, atomically replacing the old target."""
-        sha = self.manifest_sha256(uri)  # raises ArtifactNotCommitted: never point at a half-written artifact
-        record = {"name": name, "uri": uri, "manifest_sha256": sha, "updated_at": utc_now_iso()}
-        self.put_bytes(self.pointer_uri(name), json.dumps(record, sort_keys=True).encode("utf-8"))
+    def _pointer_log(self, name: str) -> GenerationLog:
+        return GenerationLog(self, self.join(self.root, POINTERS_DIR, check_name(name, "pointer name")))
 
-    def pointer_read(self, name: str) -> str | None:
-        """The artifact URI that `name` points at, or None when the pointer was never written."""
+    def pointer_state(self, name: str) -> PointerState:
+        """The pointer's target and version (PointerState(name, None, 0) when it was never written)."""
+        version, record = self._pointer_log(name).latest()
+        if record is not None:
+            return PointerState(name, record["uri"], version, record.get("manifest_sha256"))
         try:
-            data = self.get_bytes(self.pointer_uri(name))
+            legacy = json.loads(self.get_bytes(self.pointer_uri(name)))
         except FileNotFoundError:
-            return None
-        try:
-            return json.loads(data)["uri"]
-        except (ValueError, KeyError, TypeError) as exc:
+            return PointerState(name, None, 0)
+        except ValueError as exc:
             raise ValueError(
                 f"pointer {self.pointer_uri(name)} is not a valid pointer record: {exc}"
             ) from exc
+        return PointerState(name, legacy["uri"], 0, legacy.get("manifest_sha256"))
+
+    def pointer_read(self, name: str) -> str | None:
+        """The artifact URI that `name` points at, or None when the pointer was never written."""
+        return self.pointer_state(name).uri
+
+    def pointer_write(self, name: str, uri: str, expected_version: int) -> PointerState:
+        """Point `name` at the committed artifact `uri` if the pointer is still at `expected_version` (the
+        `version` of the PointerState the caller decided on); returns the new state.
+
+        Compare-and-swap: raises PointerConflict (with the current state) when anyone moved the pointer since,
+        even at the same instant: the caller re-reads, decides again and retries."""
+        sha = self.manifest_sha256(uri)  # raises ArtifactNotCommitted: never point at a half-written artifact
+        pointer_log = self._pointer_log(name)
+        current = self.pointer_state(name)
+        if current.version == expected_version:
+            record = {"name": name, "uri": uri, "manifest_sha256": sha, "updated_at": utc_now_iso()}
+            if pointer_log.append(expected_version, record):
+                return PointerState(name, uri, expected_version + 1, sha)
+            current = self.pointer_state(name)
+        raise PointerConflict(
+            f"pointer {name!r}: expected version {expected_version}, but it is at version {current.version} "
+            f"({current.uri}); re-read it, decide again against its target, and write with that version",
+            current,
+        )
+
+    # ---- leases -----------------------------------------------------------------------------------------
+
+    def acquire_lease(self, key_uri: str, holder: str, is_done, on_wait=lambda record: None, owner=None):
+        """A lease on `key_uri` with this store's TTL and renewal interval (forge_core.storage.lease)."""
+        from forge_core.storage.lease import acquire_lease
+
+        return acquire_lease(self, key_uri, holder, is_done, on_wait, owner=owner)
+
+
+def _remove_empty_dirs(path: str) -> None:
+    """Local stores: remove the folders left empty under (and including) `path` after a delete."""
+    if not os.path.isdir(path):
+        return
+    for folder, _, _ in os.walk(path, topdown=False):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # not empty

@@ -6,10 +6,11 @@ shards never sit whole in RAM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from forge_core.storage.manifest import FileEntry
 from forge_core.storage.retry import Retrier
@@ -42,16 +43,30 @@ class FsFileSink(PartSink):
         self._file = fs.open(path, "wb")
 
     def upload_part(self, data: bytes) -> None:
-        self._file.write(data)
+        with _naming_the_file(self._path):
+            self._file.write(data)
 
     def finish(self, tail: bytes) -> None:
-        self._file.write(tail)
-        self._file.close()
+        with _naming_the_file(self._path):
+            self._file.write(tail)
+            self._file.close()
 
     def abort(self) -> None:
         self._file.close()
         if self._fs.exists(self._path):
             self._fs.rm_file(self._path)
+
+
+@contextlib.contextmanager
+def _naming_the_file(path: str) -> Iterator[None]:
+    """A failed write names its file (a full disk's error from write() does not), so that the fix the
+    failure classification gives (forge_core.launch.errors) can say which disk is full."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from exc
 
 
 class S3MultipartSink(PartSink):

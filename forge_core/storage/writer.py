@@ -1,11 +1,17 @@
-"""ArtifactWriter: write files under an artifact prefix, then commit with `_MANIFEST.json` written last.
+"""ArtifactWriter: one attempt at an artifact. Files go under the attempt's own prefix; `commit()` creates
+`_MANIFEST.json` exclusively, last.
 
 w = store.writer(uri, kind="sft", stage="sft")
 with w.open("metrics.jsonl") as f:          # streamed in parts, hashed on the way
     f.write(b"...")
 w.put_dir("/tmp/hf_model", "policy")        # an HF model folder
-w.adopt_existing("")                        # files another tool (DCP) wrote under the prefix
+w.adopt_existing("")                        # files another tool (DCP) wrote under w.files_uri
 manifest = w.commit(config=cfg_dict, inputs={"data": data_uri}, metrics={"loss": 1.2})
+
+Two writers of one key (two runs of a config, a zombie stage, a retried attempt) write to different prefixes
+`<uri>/_attempts/<attempt>/`; the first to create the manifest owns the artifact and the other gets
+ArtifactAlreadyCommitted naming the winner (its `abort()` then removes its own files only). No writer ever
+writes, truncates or deletes a path another attempt owns.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import json
 import math
 import os
 import socket
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from forge_core.storage.errors import ArtifactAlreadyCommitted, StorageError
+from forge_core.storage.errors import ArtifactAlreadyCommitted, ArtifactError, StorageError
 from forge_core.storage.keys import code_version
 from forge_core.storage.manifest import (
     CHECKPOINTS_DIR,
@@ -30,12 +37,23 @@ from forge_core.storage.manifest import (
     FileEntry,
     InputRef,
     Manifest,
+    is_attempt_id,
+    new_attempt_id,
     utc_now_iso,
 )
 from forge_core.storage.streams import HashingWriter
 from forge_core.storage.uris import normalize_rel
 
 _COPY_CHUNK_BYTES = 8 * 2**20
+# Run right before a manifest is published, with the artifact URI; raising refuses the commit. A launched
+# worker installs forge_core.launch.owner.check_owner_alive: a worker whose flow process died never commits.
+_pre_commit_checks: list[Callable[[str], None]] = []
+
+
+def add_pre_commit_check(check: Callable[[str], None]) -> None:
+    """Make every later commit of this process call `check(uri)` just before it writes the manifest."""
+    if check not in _pre_commit_checks:
+        _pre_commit_checks.append(check)
 
 
 def arrow_schema_string(schema: pa.Schema) -> str:
@@ -61,14 +79,20 @@ def _is_reserved(rel: str) -> bool:
 
 
 class ArtifactWriter:
-    """Collects files (with size + sha256) under `uri`; `commit()` publishes them. Not thread-safe."""
+    """Collects files (with size + sha256) under its attempt's prefix `files_uri`; `commit()` publishes them.
+    Not thread-safe."""
 
-    def __init__(self, store, uri: str, kind: str, stage: str) -> None:
+    def __init__(self, store, uri: str, kind: str, stage: str, attempt: str | None = None) -> None:
         self.store = store
         self.uri = uri.rstrip("/")
         self.kind = kind
         self.stage = stage
         self.key = self.uri.rsplit("/", 1)[-1]
+        self.attempt = attempt or new_attempt_id()
+        if not is_attempt_id(self.attempt):
+            raise ValueError(f"attempt={self.attempt!r}: must be one path segment of letters, digits, . _ -")
+        # Where this attempt's files go: owned by this writer alone.
+        self.files_uri = store.files_uri(self.uri, self.attempt)
         self.created_at = utc_now_iso()
         self._files: dict[str, FileEntry] = {}
         self._schema: dict[str, str] = {}
@@ -80,7 +104,7 @@ class ArtifactWriter:
         return dict(self._files)
 
     def file_uri(self, rel: str) -> str:
-        return self.store.join(self.uri, rel)
+        return self.store.join(self.files_uri, rel)
 
     def _writable_rel(self, rel: str) -> str:
         self._check_not_committed()
@@ -161,14 +185,15 @@ class ArtifactWriter:
         return written
 
     def adopt_existing(self, rel_prefix: str = "") -> list[str]:
-        """Record files that another tool (e.g. DCP's FsspecWriter) already wrote under `<uri>/<rel_prefix>`.
+        """Record files that another tool (e.g. DCP's FsspecWriter) already wrote under
+        `<files_uri>/<rel_prefix>`: give the tool `writer.files_uri`, never the artifact URI.
 
         Each is hashed by streaming it back. Skips manifests, temp files, `_checkpoints/` and any nested
         committed artifact. Returns the adopted names; ValueError when there is nothing to adopt.
         """
         self._check_not_committed()
         prefix = normalize_rel(rel_prefix) if rel_prefix else ""
-        base = self.store.join(self.uri, prefix)
+        base = self.store.join(self.files_uri, prefix)
         listing = {self._rel_of(u): size for u, size in self.store.list_files(base).items()}
         nested = {rel.rsplit("/", 1)[0] + "/" for rel in listing if rel.endswith("/" + MANIFEST_NAME)}
         adopted = []
@@ -182,8 +207,8 @@ class ArtifactWriter:
         return adopted
 
     def _rel_of(self, file_uri: str) -> str:
-        assert file_uri.startswith(self.uri + "/"), (file_uri, self.uri)
-        return file_uri[len(self.uri) + 1 :]
+        assert file_uri.startswith(self.files_uri + "/"), (file_uri, self.files_uri)
+        return file_uri[len(self.files_uri) + 1 :]
 
     def _hash_stored_file(self, rel: str, size: int) -> FileEntry:
         uri = self.file_uri(rel)
@@ -198,7 +223,10 @@ class ArtifactWriter:
     def commit(
         self, config: dict, inputs: dict[str, str], metrics: dict, schema: dict | None = None
     ) -> Manifest:
-        """Write `_MANIFEST.json` (one atomic put, last): from now on the artifact exists for readers.
+        """Create `_MANIFEST.json` exclusively (last): from now on the artifact exists for readers.
+
+        ArtifactAlreadyCommitted (naming the winning attempt) when another writer's manifest is there first:
+        the artifact at `uri` is theirs, and this writer's files stay unlisted under its own prefix.
 
         `inputs` maps name -> committed artifact URI; each is recorded with its manifest sha256.
         `schema` adds/overrides {table file: arrow schema string} entries for tables written by hand.
@@ -228,6 +256,7 @@ class ArtifactWriter:
             created_at=self.created_at,
             committed_at=utc_now_iso(),
             metrics=_finite_or_text(metrics),
+            attempt=self.attempt,
         )
         try:
             data = manifest.to_json_bytes()
@@ -235,17 +264,34 @@ class ArtifactWriter:
             raise ValueError(
                 f"artifact {self.uri}: config and metrics must be plain JSON data: {exc}"
             ) from exc
-        if self.store.is_committed(self.uri):
-            raise ArtifactAlreadyCommitted(
-                f"artifact {self.uri} was committed by another writer meanwhile; keeping theirs", self.uri
-            )
-        self.store.put_bytes(self.store.manifest_uri(self.uri), data)
+        for check in _pre_commit_checks:
+            check(self.uri)
+        if not self.store.create_exclusive(self.store.manifest_uri(self.uri), data):
+            raise self._lost_to_winner()
         self._manifest = manifest
         return manifest
 
+    def _lost_to_winner(self) -> ArtifactAlreadyCommitted:
+        try:
+            winner = self.store.read_manifest(self.uri).attempt
+        except ArtifactError:
+            winner = None  # unreadable or deleted again since: still not ours
+        return ArtifactAlreadyCommitted(
+            f"artifact {self.uri} is already committed by attempt {winner or '(unknown)'}; this writer "
+            f"(attempt {self.attempt}) keeps its files apart under {self.files_uri} and its commit is dropped",
+            self.uri,
+            attempt=winner,
+        )
+
+    def abort(self) -> int:
+        """Delete this attempt's own files (after losing a commit race, or giving up). Never touches another
+        attempt's files; refused after this writer committed. Returns how many objects were deleted."""
+        self._check_not_committed()
+        return self.store.delete_prefix(self.files_uri)
+
     def _check_uploaded(self) -> None:
         """One listing confirms every recorded file is stored at its recorded size before we commit to it."""
-        stored = {self._rel_of(u): size for u, size in self.store.list_files(self.uri).items()}
+        stored = {self._rel_of(u): size for u, size in self.store.list_files(self.files_uri).items()}
         wrong = {
             rel: (entry.size, stored.get(rel))
             for rel, entry in self._files.items()

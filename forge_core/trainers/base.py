@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from forge_core.engine import Checkpointer, CheckpointRef, Engine, ResumeState
 from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
 from forge_core.faults import maybe_inject_fault
+from forge_core.launch.heartbeat import beat
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs, reduce_metric_dicts
 from forge_core.metrics import MetricsSink, NullSink
 from forge_core.models import forward_logits, token_entropy, token_logprobs, write_hf_folder
@@ -122,6 +123,7 @@ class TitanTrainer:
         """
         if not micro_batches:
             raise ValueError("train_step: no micro-batches")
+        beat(self.rank, self.step, f"step {self.step + 1}")  # a rank that hangs is named by these (launcher)
         start = time.perf_counter()
         normalizer = self.global_normalizer(micro_batches, loss)
         outputs = [self.forward_backward(mb, loss, normalizer) for mb in micro_batches]
@@ -129,6 +131,7 @@ class TitanTrainer:
         lr = self.engine.lr
         self.engine.step_optimizer()
         self.step += 1
+        beat(self.rank, self.step, f"step {self.step} done")
         metrics = self._reduce_outputs(outputs, micro_batches, loss)
         elapsed = time.perf_counter() - start
         metrics.update(grad_norm=grad_norm, lr=lr, step_time_s=elapsed)
@@ -171,6 +174,7 @@ class TitanTrainer:
         anything: {"loss": ..., **loss.summarize(...)}."""
         if not batches:
             raise ValueError("evaluate: no batches")
+        beat(self.rank, self.step, f"evaluation at step {self.step}")
         self.model.eval()
         try:
             normalizer = self.global_normalizer(batches, loss)
@@ -201,6 +205,7 @@ class TitanTrainer:
 
     def save_checkpoint(self, step: int, data_cursor: dict) -> CheckpointRef:
         """Collective: commit model + optimizer + LR schedule + step + data cursor + RNG at `step`."""
+        beat(self.rank, self.step, f"checkpoint at step {step}")
         return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor)
 
     def load_checkpoint(self) -> ResumeState | None:

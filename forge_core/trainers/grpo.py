@@ -1,19 +1,21 @@
 """GRPOTrainer: several optimizer steps of a GRPO-family loss on one committed rollout batch.
 
     table = store.reader(rollouts_uri).read_table("rollouts.parquet")
-    rollouts = rollouts_to_rl_batch(table, cfg.grpo.advantage)        # advantages + aligned logprobs
-    trainer = GRPOTrainer(engine, cfg.grpo, build_policy_loss(cfg.grpo.loss, max_new_tokens), sink=sink,
-                          checkpointer=checkpointer)
-    batch = trainer.with_reference_logprobs(rollouts.batch) if kl_on else rollouts.batch  # ref = current weights
+    rollouts = rollouts_to_rl_batch(table, cfg.grpo.advantage)        # kept rows, advantages, aligned logprobs
+    loss = build_policy_loss(cfg.grpo.loss, max_new_tokens, cfg.grpo.correction)
+    trainer = GRPOTrainer(engine, cfg.grpo, loss, sink=sink, checkpointer=checkpointer)
+    old_BL = trainer.score_logprobs(rollouts.batch)                      # under the sampler's weights, loaded
+    batch = dataclasses.replace(rollouts.batch, old_logprobs_BL=old_BL)  # (forge_core.run.grpo swaps them in)
     resume = trainer.load_checkpoint()                                   # mid-stage resume (or None)
     history = trainer.fit(batch, seed=plan_seed, history=resume.data_cursor["history"] if resume else [])
 
 One rollout batch feeds `epochs * samples / mini_batch_size` optimizer steps (`rl_batch.plan_minibatches`):
 every step is one `TitanTrainer.train_step` over this rank's micro-batches, whose losses are divided by the
 mini-batch's global normaliser (summed over micro-batches and data-parallel ranks), so the update does not
-depend on how the mini-batch is split. The ratio in the loss is taken against the generator's stored
-logprobs, so the first step of a stage is exactly on-policy (ratio 1 where trainer and generator agree) and
-later steps are clipped against the policy that sampled the data.
+depend on how the mini-batch is split. The ratio in the loss is taken against the sampling policy's
+logprobs (the generator's stored ones, or with a mismatch correction the trainer's own under the sampler's
+weights, `old_logprobs_BL`), so the first step of a sync stage is on-policy (ratio 1 where trainer and
+generator agree) and later steps are clipped against the policy that sampled the data.
 
 Resume: the plan of a rollout batch is a pure function of (samples, config, seed, rank), and the checkpoint
 stores the completed step count, the per-step metrics so far and every rank's RNG, so a resumed stage runs
@@ -36,6 +38,7 @@ from forge_core.config.schema import AdvantageConfig, GRPOConfig
 from forge_core.engine import Engine
 from forge_core.losses.grpo import ClippedPolicyLoss
 from forge_core.metrics.progress import emit_progress
+from forge_core.rollout.table import KEPT_COLUMN
 from forge_core.trainers.advantages import compute_advantages
 from forge_core.trainers.base import TitanTrainer
 from forge_core.trainers.batch import pad_token_rows
@@ -49,16 +52,20 @@ ROLLOUT_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "group_id"
 TRUNCATED_FINISH_REASON = "length"
 
 # Step metrics that are maxima over a stage rather than means.
-_MAX_OVER_STEPS = frozenset({"policy/ratio_max", "policy/logprob_gap_max"})
+_MAX_OVER_STEPS = frozenset(
+    {"policy/ratio_max", "policy/logprob_gap_max", "mismatch/logprob_diff_max", "mismatch/seq_ratio_max"}
+)
 
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """A rollout batch ready for training: the RLBatch (advantages in, dropped completions masked out) and
-    the reward/advantage statistics of the whole batch."""
+    """A rollout batch ready for training: the RLBatch (advantages in, dropped completions masked out), the
+    reward/advantage statistics of the whole batch and, per row, the stage URI of the policy that sampled it
+    (empty when unknown)."""
 
     batch: RLBatch
     stats: dict[str, float]
+    sampled_by: tuple[str, ...] = ()
 
 
 def _group_indices(values: pa.ChunkedArray) -> torch.Tensor:
@@ -78,10 +85,18 @@ def _check_rollout_columns(table: pa.Table, source: str) -> None:
         raise ValueError(f"{source}: no rollouts; the rollout stage must sample at least one group")
 
 
+def training_rows(table: pa.Table) -> pa.Table:
+    """The rows GRPO trains on: those flagged `kept` by dynamic sampling (every row of a table without the
+    column). The others stay in the artifact for lineage."""
+    if KEPT_COLUMN not in table.column_names:
+        return table
+    return table.filter(table.column(KEPT_COLUMN))
+
+
 def rollouts_to_rl_batch(
     table: pa.Table, advantage_cfg: AdvantageConfig, pad_id: int = 0, source: str = "rollouts.parquet"
 ) -> RolloutBatch:
-    """Turn rollout rows into one right-padded RLBatch, in table order.
+    """Turn the rollout rows GRPO trains on (`training_rows`) into one right-padded RLBatch, in table order.
 
     Row i is `prompt_ids + response_ids`; the model reads all but the last token and is scored on the next
     one, so response token j is the target at position `len(prompt) - 1 + j`, where the generator's
@@ -89,6 +104,10 @@ def rollouts_to_rl_batch(
     completions with `finish_reason == "length"` are truncated (masked when `advantage_cfg.mask_truncated`).
     """
     _check_rollout_columns(table, source)
+    generated = table.num_rows
+    table = training_rows(table)
+    if table.num_rows == 0:
+        raise ValueError(f"{source}: no row is flagged {KEPT_COLUMN}; dynamic sampling keeps at least one group")
     prompts = table.column("prompt_ids").to_pylist()
     responses = table.column("response_ids").to_pylist()
     logprobs = table.column("response_logprobs").to_pylist()
@@ -121,6 +140,7 @@ def rollouts_to_rl_batch(
     stats = {
         **stats,
         "rollout/samples": float(len(prompts)),
+        "rollout/generated_samples": float(generated),
         "rollout/response_tokens": float(sum(len(r) for r in responses)),
     }
     return RolloutBatch(batch=batch, stats=stats)
@@ -169,8 +189,9 @@ def steps_per_batch(cfg: GRPOConfig, num_samples: int) -> int:
 
 
 class GRPOTrainer(TitanTrainer):
-    """TitanTrainer plus GRPO's data plan: mini-batches x epochs over one rollout batch, reference logprobs
-    for the KL term, in-stage checkpoints and progress lines."""
+    """TitanTrainer plus GRPO's data plan: mini-batches x epochs over one rollout batch, logprobs under fixed
+    weights (the sampler's for the mismatch correction, the reference's for the KL term), in-stage checkpoints
+    and progress lines."""
 
     def __init__(self, engine: Engine, cfg: GRPOConfig, loss: ClippedPolicyLoss, **kwargs) -> None:
         super().__init__(engine, **kwargs)
@@ -207,13 +228,15 @@ class GRPOTrainer(TitanTrainer):
         """This rank's micro-batches of one step, each trimmed to its longest row."""
         return [trim_padding(batch.select(rows)) for rows in self.micro_batch_rows(batch, step)]
 
-    # ---- reference policy ----------------------------------------------------------------------------------
+    # ---- scoring under fixed weights (sampler, reference) ----------------------------------------------------
 
     @torch.no_grad()
-    def with_reference_logprobs(self, batch: RLBatch) -> RLBatch:
-        """`batch` with `ref_logprobs_BL` = logprobs under the engine's CURRENT weights (call it while the
-        reference policy is loaded). Collective: each data-parallel rank scores an equal contiguous share of
-        the rows in micro-batches, then the shares are all-gathered, so every rank holds every row."""
+    def score_logprobs(self, batch: RLBatch) -> torch.Tensor:
+        """[B, L] fp32 logprobs (CPU) of every row's targets under the engine's CURRENT weights: the sampling
+        policy's for the mismatch correction, the reference's for the KL term (load them first). Collective:
+        each data-parallel rank scores an equal contiguous share of the rows, grouped by length into
+        micro-batches of up to `micro_batch_size` rows, and the shares are all-gathered so every rank holds
+        every row."""
         dp_size, dp_rank = self.engine.dp_degree, self.engine.dp_rank
         rows = batch.batch_size
         if rows % dp_size:
@@ -223,18 +246,17 @@ class GRPOTrainer(TitanTrainer):
             )
         share = rows // dp_size
         mine = torch.arange(dp_rank * share, (dp_rank + 1) * share)
-        parts = []
-        for chunk in mine.split(self.cfg.micro_batch_size):
-            micro = batch.select(chunk)
-            logprobs_BL = self.compute_logprobs(trim_padding(micro)).float().cpu()
-            parts.append(torch.nn.functional.pad(logprobs_BL, (0, batch.seq_len - logprobs_BL.shape[1])))
-        local_BL = torch.cat(parts)
+        by_length = mine[torch.sort(batch.lengths_B[mine], stable=True).indices]
+        local_BL = torch.zeros((share, batch.seq_len), dtype=torch.float32)
+        for chunk in by_length.split(self.cfg.micro_batch_size):
+            logprobs_BL = self.compute_logprobs(trim_padding(batch.select(chunk))).float().cpu()
+            local_BL[chunk - dp_rank * share, : logprobs_BL.shape[1]] = logprobs_BL
         if self.engine.dp_group is None:
-            return dataclasses.replace(batch, ref_logprobs_BL=local_BL)
+            return local_BL
         local_BL = local_BL.to(self.device)
         gathered = [torch.empty_like(local_BL) for _ in range(dp_size)]
         dist.all_gather(gathered, local_BL, group=self.engine.dp_group)
-        return dataclasses.replace(batch, ref_logprobs_BL=torch.cat(gathered).cpu())
+        return torch.cat(gathered).cpu()
 
     # ---- the loop ------------------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 `RLBatch` is the trainer's `TokenBatch` plus what the policy loss needs. Every `*_BL` tensor is aligned with
 the trainer's targets: position l holds the value for target token l (the token predicted from the inputs
-up to l), so `target_logprobs_BL`, `generator_logprobs_BL`, `ref_logprobs_BL` and `response_mask_BL` line up.
+up to l), so `target_logprobs_BL`, `generator_logprobs_BL`, `old_logprobs_BL`, `ref_logprobs_BL` and
+`response_mask_BL` line up.
 
 One rollout batch feeds several optimizer steps (`grpo.epochs` passes, each cut into mini-batches of
 `grpo.mini_batch_size` sequences over all data-parallel ranks). Each rank takes a contiguous shard of every
@@ -45,6 +46,9 @@ class RLBatch(TokenBatch):
 
     advantages_B: torch.Tensor  # float32, one advantage per completion
     generator_logprobs_BL: torch.Tensor  # float32, logp of each target under the policy that sampled it
+    # float32, the trainer's own logp of each target under the sampling policy's weights (the extra no-grad
+    # forward of the mismatch correction, forge_core.losses.correction); None until it is computed
+    old_logprobs_BL: torch.Tensor | None = None
     ref_logprobs_BL: torch.Tensor | None = None  # float32, the frozen reference policy (only when KL is on)
 
     def __post_init__(self) -> None:
@@ -54,6 +58,7 @@ class RLBatch(TokenBatch):
         assert tuple(self.advantages_B.shape) == shape[:1], f"advantages_B {tuple(self.advantages_B.shape)}"
         assert tuple(self.generator_logprobs_BL.shape) == shape, "generator_logprobs_BL must match [B, L]"
         assert self.ref_logprobs_BL is None or tuple(self.ref_logprobs_BL.shape) == shape
+        assert self.old_logprobs_BL is None or tuple(self.old_logprobs_BL.shape) == shape
 
     @property
     def response_mask_BL(self) -> torch.Tensor:

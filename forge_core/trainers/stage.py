@@ -4,9 +4,12 @@ exporting the trained policy, committing the stage artifact.
 Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 
     policy/                 a nested committed `policy` artifact: HF folder (safetensors, config, tokenizer)
-    _checkpoints/step-N/    nested committed DCP checkpoints (resume)
-    train_summary.json      stage metrics (+ per-step metrics for GRPO)
-    _MANIFEST.json          kind sft|grpo, lineage (inputs), config, metrics
+    _checkpoints/step-N/    nested committed DCP checkpoints (resume; the newest storage.keep_checkpoints)
+    _attempts/<attempt>/    train_summary.json: stage metrics (+ per-step metrics for GRPO)
+    _MANIFEST.json          kind sft|grpo, lineage (inputs), config, metrics, the attempt it lists
+
+Two attempts of one stage (a zombie, two runs of one config) may both reach the export or the commit: the
+first manifest wins, and the other attempt uses the winner's artifact (same content key, same URI).
 
     local = download_policy(store, parent_uri, workdir / "policy")       # verified HF folder
     policy_uri = export_policy(trainer, output_uri, tokenizer_dir=local, metrics=m)   # collective
@@ -15,10 +18,14 @@ Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from forge_core.storage import ArtifactError, ObjectStore
+from forge_core.engine.distributed import broadcast_object
+from forge_core.storage import ArtifactAlreadyCommitted, ArtifactError, ObjectStore
 from forge_core.trainers.base import TitanTrainer
+
+log = logging.getLogger(__name__)
 
 POLICY_DIR = "policy"
 SUMMARY_FILE = "train_summary.json"
@@ -59,9 +66,18 @@ def export_policy(trainer: TitanTrainer, output_uri: str, tokenizer_dir: str | N
     """Collective: commit the trainer's weights as `<output_uri>/policy` (skipped when a previous attempt of
     the stage already committed it). Returns its URI."""
     assert trainer.artifacts is not None, "export_policy needs a trainer built with artifacts=ArtifactContext"
-    uri = policy_uri_of(trainer.artifacts.store, output_uri)
-    if not trainer.artifacts.store.is_committed(uri):
+    store = trainer.artifacts.store
+    uri = policy_uri_of(store, output_uri)
+    is_rank0 = trainer.engine.dist.is_rank0
+    if broadcast_object(store.is_committed(uri) if is_rank0 else None):  # one answer for every rank
+        return uri
+    try:
         trainer.export_weights(uri, tokenizer_dir, metrics=metrics)
+    except Exception as exc:
+        # Rank 0 raises the writer's own error; the other ranks a RuntimeError about rank 0: rank 0 decides.
+        if not broadcast_object(isinstance(exc, ArtifactAlreadyCommitted) if is_rank0 else None):
+            raise
+        log.warning("%s: another attempt of this stage exported the policy first; using it", uri)
     return uri
 
 
@@ -74,7 +90,16 @@ def commit_stage(
     metrics: dict,
     summary: dict,
 ) -> None:
-    """Rank 0: write `train_summary.json` and commit the stage artifact (the manifest is the commit point)."""
-    writer = store.writer(output_uri, kind=kind, stage=kind)
-    writer.write_json(SUMMARY_FILE, summary)
-    writer.commit(config=config, inputs=inputs, metrics=metrics)
+    """Rank 0: write `train_summary.json` and commit the stage artifact (the manifest is the commit point).
+
+    When another attempt of the stage committed it first, this attempt's files are removed and the stage is
+    done all the same: the artifact at `output_uri` is the same computation's."""
+    writer = None
+    try:
+        writer = store.writer(output_uri, kind=kind, stage=kind)
+        writer.write_json(SUMMARY_FILE, summary)
+        writer.commit(config=config, inputs=inputs, metrics=metrics)
+    except ArtifactAlreadyCommitted as exc:
+        log.warning("%s; the stage is done", exc)
+        if writer is not None:
+            writer.abort()

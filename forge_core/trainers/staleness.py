@@ -13,7 +13,8 @@ The flow's schedule (flows/post_train.py) comes from `rollouts_to_start`, which 
 with `sampling_policy_index`.
 
 The correction for what staleness there is lives in the loss: its clipped ratio is taken against the
-generator's logprobs stored in each row (forge_core.losses.grpo).
+sampling policy's logprobs, with a train-inference mismatch correction on top (`grpo.correction`,
+forge_core.losses.correction); async with a bound above 0 requires one (or grpo.allow_uncorrected_async).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def prepare(store, key="k", **data):
 def test_demo_artifact_holds_verifiable_splits(store):
     cfg, uri, manifest = prepare(store, **SMALL_DEMO)
     reader = store.reader(uri)
-    tok = load_tokenizer(store.join(uri, "tokenizer"), store.storage_options)
+    tok = load_tokenizer(store.join(reader.files_uri, "tokenizer"), store.storage_options)
     sft = reader.read_table("sft.parquet")
     rl = reader.read_table("rl_prompts.parquet")
     held_out = reader.read_table("eval.parquet")
@@ -156,7 +156,7 @@ def test_chat_records_are_masked_on_the_assistant_turn(file_store, tmp_path, tem
     _, out, _ = prepare(file_store, source=uri, layout="chat", eval_fraction=0.0, tokenizer=tokenizer)
 
     reader = file_store.reader(out)
-    tok = load_tokenizer(file_store.join(out, "tokenizer"))
+    tok = load_tokenizer(file_store.join(reader.files_uri, "tokenizer"))
     assert tok.chat_template == CHAT_TEMPLATE
     sft = reader.read_table("sft.parquet").to_pylist()
     for row, record in zip(sft, records):

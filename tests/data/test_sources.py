@@ -126,3 +126,87 @@ def test_fingerprint_follows_content_not_location(store, fmt):
 
     assert source_fingerprint(copy, "auto", options) == fingerprint
     assert source_fingerprint(changed, "auto", options) != fingerprint
+
+
+# ---- input edge cases: very long lines, huge CSV fields, hostile save_to_disk file names -------------------
+
+
+def _split_seconds(data: bytes, chunk_bytes: int) -> float:
+    """CPU seconds to split `data` into lines (best of 3, so a descheduled moment does not count)."""
+    import io
+    import time
+
+    from forge_core.data.sources import _iter_lines
+
+    best = float("inf")
+    for _ in range(3):
+        started = time.process_time()
+        for _line in _iter_lines(io.BytesIO(data), chunk_bytes):
+            pass
+        best = min(best, time.process_time() - started)
+    return best
+
+
+def test_a_line_of_tens_of_mb_is_split_in_linear_time():
+    """Growth, not speed: doubling a 24 MiB line must not much more than double the work (joining each chunk
+    onto the pending tail, as before, made it grow 4x: 48 MiB in 64 KiB chunks copied ~18 GB)."""
+    from forge_core.data.sources import _iter_lines
+
+    def source(line_mib: int) -> bytes:
+        return b'{"a": 1}\n' + b"x" * (line_mib << 20) + b'\n{"b": 2}\n'
+
+    lines = list(_iter_lines(__import__("io").BytesIO(source(3)), 1 << 16))
+    assert [len(line) for line in lines] == [8, 3 << 20, 8]
+    small, large = _split_seconds(source(24), 1 << 16), _split_seconds(source(48), 1 << 16)
+    assert large < 3.0 * small + 0.05, f"24 MiB: {small:.3f}s, 48 MiB: {large:.3f}s of CPU"
+
+
+def test_a_jsonl_record_with_a_20_mb_field_is_read(file_store):
+    big = "y" * (20 << 20)
+    uri = put(file_store, "long.jsonl", jsonl_bytes([RECORDS[0], {"prompt": big, "completion": "c"}, RECORDS[1]]))
+
+    batches = read_all(file_store, uri)
+
+    assert [len(p) for b in batches for p in b.columns["prompt"]] == [4, len(big), 4]  # "p0 ü", ..., "p1 ü"
+
+
+def test_csv_fields_over_1_mib_become_rejects_with_their_line_number(file_store):
+    from forge_core.data.sources import CSV_MAX_FIELD_BYTES
+
+    huge = "z" * (CSV_MAX_FIELD_BYTES + 1)
+    data = (
+        "prompt,completion,notes\n"
+        "p0,c0,n\n"
+        "\n"  # an empty line still counts as a line
+        f"{huge},c1,n\n"
+        "only-one-column\n"
+        f"p3,c3,{huge}\n"  # a large field in a column nobody asked for is not read
+        f'p4,"{huge[:CSV_MAX_FIELD_BYTES]}",n\n'  # exactly at the limit: kept
+    ).encode()
+    uri = put(file_store, "huge.csv", data)
+
+    batches = read_all(file_store, uri, batch_rows=2)
+
+    rejects = {(r.source_row, r.reason.value) for b in batches for r in b.rejects}
+    assert rejects == {(4, "field_too_large"), (5, "malformed_row")}
+    (too_large,) = [r for b in batches for r in b.rejects if r.reason.value == "field_too_large"]
+    assert "CSV line 4" in too_large.detail and "'prompt'" in too_large.detail
+    assert len(too_large.raw) < 4096  # a preview, not the megabyte
+    assert [p for b in batches for p in b.columns["prompt"]] == ["p0", "p3", "p4"]
+    assert [len(c) for b in batches for c in b.columns["completion"]] == [2, 2, CSV_MAX_FIELD_BYTES]
+    assert [row for b in batches for row in b.rows] == [0, 2, 3]  # data rows, as every format numbers them
+    assert sum(b.rows_read for b in batches) == 5
+
+
+@pytest.mark.parametrize("name", ["../outside.arrow", "/etc/passwd", "a/../../b.arrow"])
+def test_hf_disk_file_names_cannot_leave_the_dataset_folder(file_store, name):
+    import json
+
+    uri = put_source(file_store, "hf_disk", RECORDS[:3])
+    state_uri = f"{uri}/state.json"
+    state = json.loads(file_store.get_bytes(state_uri))
+    state["_data_files"] = [{"filename": name}]
+    file_store.put_bytes(state_uri, json.dumps(state).encode())
+
+    with pytest.raises(DataSourceError, match=r"not a file inside the dataset folder.*re-save the dataset"):
+        read_all(file_store, uri)

@@ -4,10 +4,12 @@ LR schedule, step, data cursor and RNG; commit by manifest; fallback past a corr
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from forge_core.config import load_config
 from forge_core.engine import (
@@ -18,6 +20,8 @@ from forge_core.engine import (
     committed_checkpoints,
     latest_committed_checkpoint,
 )
+from forge_core.engine.checkpoint import ModelState
+from forge_core.engine.distributed import DistContext
 from forge_core.losses import TokenCrossEntropy
 from forge_core.storage import ObjectStore
 from forge_core.trainers import TitanTrainer, pad_token_rows
@@ -54,6 +58,11 @@ def _trainer(store: ObjectStore, output_uri: str) -> TitanTrainer:
     return TitanTrainer(engine, checkpointer=checkpointer)
 
 
+def _stored_path(store: ObjectStore, checkpoint: str, rel: str) -> Path:
+    """The local file behind `rel` of a committed checkpoint (under its attempt's prefix)."""
+    return Path(store.local_path(store.reader(checkpoint).file_uri(rel)))
+
+
 def _step(trainer: TitanTrainer, batch) -> float:
     # Draw from every RNG the checkpoint must restore, and fold the draws into the result.
     noise = random.random() + np.random.rand() + torch.rand(()).item()
@@ -86,7 +95,7 @@ def test_resume_is_exact_and_corrupt_checkpoints_are_skipped(tmp_path, caplog):
         assert torch.equal(value, final_weights[key]), key
 
     # Corrupt step 4: resume falls back to step 2 and says why.
-    shard = tmp_path / "store/sft/run/_checkpoints/step-4/__0_0.distcp"
+    shard = _stored_path(store, checkpoint_uri(store, out, 4), "__0_0.distcp")
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # same size, different content
     shard.write_bytes(bytes(data))
@@ -96,7 +105,7 @@ def test_resume_is_exact_and_corrupt_checkpoints_are_skipped(tmp_path, caplog):
     assert [_step(fallback, b) for b in batches[2:4]] == reference[2:4]
 
     # Nothing valid left: a clear error naming the file, never a silent restart from step 0.
-    shard = tmp_path / "store/sft/run/_checkpoints/step-2/.metadata"
+    shard = _stored_path(store, checkpoint_uri(store, out, 2), ".metadata")
     shard.write_bytes(b"garbage")
     with pytest.raises(CheckpointCorrupted, match=r"step-2: file '.metadata' is corrupted"):
         _trainer(store, out).load_checkpoint()
@@ -116,3 +125,62 @@ def test_checkpoint_round_trip_through_s3(s3_store):
     resumed = _trainer(s3_store, out)
     assert resumed.load_checkpoint().step == 1
     assert [_step(resumed, b) for b in batches[1:]] == expected
+
+
+def test_only_the_newest_checkpoints_stay_and_resume_uses_the_newest(tmp_path):
+    """Retention (storage.keep_checkpoints=2): every save deletes the committed checkpoints beyond the newest
+    two, manifest and shards; resume from the newest is still exact."""
+    store = ObjectStore(f"file://{tmp_path}/store", keep_checkpoints=2)
+    out = store.artifact_uri("sft", "kept")
+    batches = _batches(5)
+    first = _trainer(store, out)
+    for step, batch in enumerate(batches[:3], start=1):
+        _step(first, batch)
+        first.save_checkpoint(step, {"position": step})
+        assert [c.step for c in committed_checkpoints(store, out)] == list(range(step, max(step - 2, 0), -1))
+    reference = [_step(first, b) for b in batches[3:]]
+    assert store.list_files(checkpoint_uri(store, out, 1)) == {}  # un-committed and gone, shards too
+    assert not Path(store.local_path(checkpoint_uri(store, out, 1))).exists()
+
+    resumed = _trainer(store, out)
+    assert resumed.load_checkpoint().step == 3
+    assert [_step(resumed, b) for b in batches[3:]] == reference
+
+
+class _AnotherSaveFirst(Stateful):
+    """A component whose state is asked for in the middle of a save (while DCP writes the shards): it runs
+    another checkpointer's save of the same step to the end first, as a zombie attempt of the stage would."""
+
+    def __init__(self, other_save) -> None:
+        self.other_save = other_save
+
+    def state_dict(self) -> dict:
+        self.other_save()
+        return {"x": torch.zeros(1)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+def test_a_checkpoint_committed_by_another_attempt_meanwhile_is_kept_and_ours_is_dropped(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/store")
+    out = store.artifact_uri("sft", "zombie")
+    world_of_one = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    zombie = Checkpointer(store, out, world_of_one, stage="sft", config={}, inputs={})
+    ours = Checkpointer(store, out, world_of_one, stage="sft", config={}, inputs={})
+    zombie_model = torch.nn.Linear(4, 3)
+    interleaved = _AnotherSaveFirst(
+        lambda: zombie.save(1, {"model": ModelState(zombie_model)}, {"who": "zombie"})
+    )
+
+    ref = ours.save(1, {"model": ModelState(torch.nn.Linear(4, 3)), "zombie": interleaved}, {"who": "us"})
+
+    # The zombie's commit came first: step 1 is its checkpoint, whole; our shards were removed, not theirs.
+    manifest = store.read_manifest(ref.uri)
+    assert manifest.attempt == zombie._writer.attempt
+    assert sorted(store.list_files(ref.uri)) == sorted(
+        [store.manifest_uri(ref.uri), *(store.reader(ref.uri).file_uri(rel) for rel in manifest.files)]
+    )
+    loaded = torch.nn.Linear(4, 3)
+    resume = ours.load_latest({"model": ModelState(loaded)})
+    assert resume.data_cursor == {"who": "zombie"} and torch.equal(loaded.weight, zombie_model.weight)

@@ -30,11 +30,13 @@ import psutil
 
 TINY_CONFIG = "configs/tiny_test.yaml"
 # What every fault scenario adds to the tiny config: a checkpoint after every step (so resume and the
-# corrupt-checkpoint fallback have something to fall back to), a held-out split the tiny data can afford,
-# no wandb process (the S3 scenario turns it on), and stage deadlines that only a hang reaches even on a
-# loaded 2-core box (the hang scenario sets its own SFT deadline).
+# corrupt-checkpoint fallback have something to fall back to), all of them kept (the scenarios check that
+# nothing committed before a fault is lost afterwards; retention is tested in tests/flows), a held-out split
+# the tiny data can afford, no wandb process (the S3 scenario turns it on), and stage deadlines that only a
+# hang reaches even on a loaded 2-core box (the hang scenario sets its own SFT deadline).
 COMMON_OVERRIDES = (
     "sft.checkpoint_every=1",
+    "storage.keep_checkpoints=1000",
     "sft.eval_rows=8",
     "logging.wandb_mode=disabled",
     *(f"launch.{stage}.deadline_s=1800" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
@@ -312,6 +314,7 @@ def free_port() -> int:
 class OutageEvent:
     trigger: str  # "<METHOD> <path>" of the request that brought the server down
     started: float
+    client_pid: int = 0  # the process that sent the trigger (0: not known)
     restarted: float | None = None
     refused_requests: int = 0
     notes: dict = field(default_factory=dict)
@@ -321,18 +324,24 @@ class OutageMotoServer:
     """moto's S3 server on 127.0.0.1:<port>, in a child process (outage_moto_process.py), that goes down
     when a request matches.
 
-    `arm(pattern, outage_s, on_down, on_up)`: the first request whose "<METHOD> <path>" matches `pattern` (a
-    regex) gets its connection dropped without a reply; the listening socket closes (new connections are
-    refused), requests still arriving on kept-alive connections are dropped too; `on_down(event)` runs while
-    the server is down; `outage_s` after the trigger the server listens again on the same port and
-    `on_up(event)` runs (both on a reader thread of this process, in that order). `end_outage()` brings it
-    back at once. moto keeps its data in the child across outages, as a real server keeps its disk across a
-    restart. moto (Flask) is never imported here: see outage_moto_process.py for why.
+    `arm(pattern, outage_s, on_down, on_up, client_pid, after)`: the first request whose "<METHOD> <path>"
+    matches `pattern` (a regex), sent by process `client_pid` (any when None) after a request matching
+    `after` came in (at once when None), gets its connection dropped without a reply; the listening socket
+    closes (new connections are refused), requests still arriving on kept-alive connections are dropped too;
+    `on_down(event)` runs while the server is down; `outage_s` after the trigger the server listens again on
+    the same port and `on_up(event)` runs (both on a reader thread of this process, in that order; they must
+    not call `arm`/`end_outage`). `end_outage()` brings it back at once. moto keeps its data in the child
+    across outages, as a real server keeps its disk across a restart. `observer_url` serves the same data and
+    never goes down, for the test's own checks. moto (Flask) is never imported here: see
+    outage_moto_process.py for why.
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
+        self.env = env  # extra environment of the server (moto's settings)
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.observer_port = free_port()
+        self.observer_url = f"http://127.0.0.1:{self.observer_port}"
         self.events: list[OutageEvent] = []
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
@@ -342,7 +351,8 @@ class OutageMotoServer:
     def start(self) -> OutageMotoServer:
         script = Path(__file__).with_name("outage_moto_process.py")
         self._process = subprocess.Popen(
-            [sys.executable, str(script), str(self.port)],
+            [sys.executable, str(script), str(self.port), str(self.observer_port)],
+            env={**os.environ, **(self.env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -365,10 +375,18 @@ class OutageMotoServer:
         self._reader.join(timeout=30)
         self._process = None
 
-    def arm(self, pattern: str, outage_s: float, on_down=None, on_up=None) -> None:
-        assert "\n" not in pattern, pattern
+    def arm(
+        self,
+        pattern: str,
+        outage_s: float,
+        on_down=None,
+        on_up=None,
+        client_pid: int | None = None,
+        after: str | None = None,
+    ) -> None:
         self._callbacks = (on_down, on_up)
-        self._send(f"arm {outage_s} {pattern}")
+        settings = {"outage_s": outage_s, "pattern": pattern, "client_pid": client_pid, "after": after}
+        self._send("arm " + json.dumps(settings))
         self._expect("armed", timeout_s=60)
 
     def end_outage(self) -> None:
@@ -401,7 +419,8 @@ class OutageMotoServer:
                 self._replies.put(kind)
 
     def _went_down(self, trigger: str) -> None:
-        event = OutageEvent(trigger=trigger, started=time.monotonic())
+        pid, _, request = trigger.partition(" ")
+        event = OutageEvent(trigger=request, started=time.monotonic(), client_pid=int(pid))
         self.events.append(event)
         _run_callback("on_down", self._callbacks[0], event)
 
@@ -443,6 +462,14 @@ def step_metrics(run_dir: Path) -> dict[int, dict]:
         if "loss" in record:
             by_step[int(record["step"])] = record
     return by_step
+
+
+def flip_bytes(path: Path) -> None:
+    """Invert 16 bytes in the middle of a file (same size: only its sha256 can tell)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    path.write_bytes(bytes(data))
 
 
 def policy_weights(store, stage_uri: str, local_dir: Path):

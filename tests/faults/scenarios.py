@@ -5,20 +5,26 @@
    SIGKILLed. Its prepare/SFT/eval/rollout stages ran uninterrupted: they are the reference for the faulted
    runs. Being a process of its own, it starts with the session and runs while the cheap tests and
    scenario 4 run in this process (see conftest.py).
-2. `FlowRerunProcess`: the same flow again, as a new flow process: it must end the first run's orphans, skip
-   what was committed and resume GRPO from its checkpoint. It runs while scenario 3 does (mostly while
+2. `FlowRerunProcess`: the same flow again, as a new flow process: it must drop the first run's stale launch
+   records (its launch ended itself: forge_core.launch.owner), skip what was committed and resume GRPO from
+   its checkpoint. It runs while scenario 3 does (mostly while
    scenario 3's hung SFT attempt waits out its deadline).
 3. `faulted_sft_and_rollout`: prepare -> SFT -> rollout as Prefect tasks with retries, under three faults
    that fire once each: SFT rank 1 hangs at step 1 (the deadline must end it), then SFT rank 1 is SIGKILLed
    at step 3 while the test overwrites bytes of the committed step-2 checkpoint, then the rollout worker
    SIGKILLs its vLLM engine core mid-generation.
-4. `s3_outage`: prepare -> SFT on moto S3 with fake credentials; the S3 server dies on the PUT of the
-   step-4 checkpoint manifest (the commit point) and comes back 4 s later.
+4. `s3_outage`: prepare -> SFT on moto S3 with fake credentials and storage.retry_horizon_s=900; the S3
+   server stops four times, each time until the process it hit has provably outlasted the old retry budget
+   (a call logged its 3rd retry; storage.retries=2 gave up there): on a request of the task process after the
+   prepare worker committed (the commit check), then on its publishing read, then on the SFT task's planning,
+   and finally on the SFT ranks' write of the step-4 checkpoint (the stage is retried and resumes from
+   step 3). The test's own reads go to an observer port that never goes down.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -29,6 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import pytest
 from fault_kit import (
@@ -40,6 +47,7 @@ from fault_kit import (
     SeenProcess,
     all_artifacts_text,
     all_logs,
+    flip_bytes,
     flow_run,
     task_runs,
     worker_processes_under,
@@ -88,7 +96,8 @@ class KilledFlow:
     overrides: list[str]
     env: dict[str, str]
     output: str
-    orphans: list[SeenProcess]  # worker processes still alive after the flow process died
+    workers: list[SeenProcess]  # the flow's worker processes just before its SIGKILL
+    orphans: list[SeenProcess]  # those still alive a second after it (their owner watchdog ends them)
     stale_launches: list[str]  # registry records left by the dead flow
     sft_launch_s: float  # how long the uninterrupted SFT launch took (sizes the hang test's deadline)
     wall_s: float  # from the flow process's start to its SIGKILL
@@ -161,6 +170,7 @@ class FlowToKill:
             overrides=self.overrides,
             env=self.env,
             output=output,
+            workers=list(self._workers),
             orphans=[p for p in self._workers if p.alive()],
             stale_launches=sorted(p.stem for p in registry.glob("*.json")),
             sft_launch_s=_launch_seconds(output, "sft"),
@@ -286,16 +296,12 @@ class FaultedRun:
 
 
 def corrupt_after_commit(checkpoint_dir: Path) -> str:
-    """Overwrite bytes in the middle of the largest file of a committed checkpoint (same size: only the
-    sha256 can tell). Returns the file's path relative to the checkpoint."""
-    target = max(
-        (p for p in checkpoint_dir.iterdir() if p.name != "_MANIFEST.json"), key=lambda p: p.stat().st_size
-    )
-    data = bytearray(target.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
-    target.write_bytes(bytes(data))
-    return target.name
+    """Overwrite bytes in the middle of the largest file of a committed checkpoint (wherever the layout puts
+    it, e.g. under its attempt's folder). Returns the file's path relative to the checkpoint."""
+    files = (p for p in checkpoint_dir.rglob("*") if p.is_file() and p.name != "_MANIFEST.json")
+    target = max(files, key=lambda p: p.stat().st_size)
+    flip_bytes(target)
+    return target.relative_to(checkpoint_dir).as_posix()
 
 
 def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
@@ -345,19 +351,136 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
     )
 
 
-# ---- 4: S3 server down in the middle of a checkpoint commit ----------------------------------------------
+# ---- 4: S3 server down: in the task process (commit check, publishing, planning), then mid-checkpoint -----
 
 # Recognisable fake secrets, planted in the environment of every process of this run; no output may show them.
 FAKE_WANDB_API_KEY = "forge-fake-wandb-key-0123456789abcdef0123456789abcdef"
-OUTAGE_S = 4.0
-OUTAGE_TRIGGER = r"^PUT /[^ ]*/_checkpoints/step-4/_MANIFEST\.json$"
+# The run's storage retries: the count the old policy had (2 quick retries, then StorageUnavailable) and a
+# horizon far longer than any outage here, which all end within seconds of being observed.
+OUTAGE_RETRIES = 2
+OUTAGE_RETRY_BACKOFF_S = 0.1
+OUTAGE_HORIZON_S = 900.0
+# An outage lasts until a call of the task process has logged this retry: the old policy gave up one retry
+# earlier, so the outage provably outlasted the old budget, however fast or slow the machine is.
+RETRY_THAT_OUTLASTS = OUTAGE_RETRIES + 1
+# Should the test's own wait break, the server comes back by itself after this.
+OUTAGE_SAFETY_S = 900.0
+_RETRY_NUMBER = re.compile(r"; retry (\d+)/\d+ in ")
+
+
+@dataclass(frozen=True)
+class PlannedOutage:
+    name: str
+    pattern: str  # the trigger's "<METHOD> <path>", a regex
+    from_task_process: bool  # only a request of this (the task's) process triggers it
+    after: str | None = None  # only once a request matching this came in
+
+
+def planned_outages(bucket: str) -> list[PlannedOutage]:
+    """In run order. The first three hit only the task process (no worker runs then); the last one hits the
+    SFT ranks while they write the step-4 checkpoint (DCP's metadata, after every shard is written)."""
+    b = re.escape(bucket)
+    data_manifest = rf"/{b}/run/data/[^/ ]+/_MANIFEST\.json$"
+    return [
+        # After the prepare worker committed: the task's check that the output is committed.
+        PlannedOutage("commit-wait", rf"^(HEAD|GET) {data_manifest}", True, after=rf"^PUT {data_manifest}"),
+        # Then the task reads the committed manifest for the stage's Prefect artifacts.
+        PlannedOutage("publishing", rf"^GET {data_manifest}", True),
+        # The SFT task's first storage call: its new store checks the bucket (the call the issue saw fail).
+        PlannedOutage("planning", rf"^HEAD /{b}$", True),
+        PlannedOutage(
+            "checkpoint", rf"^PUT /{b}/run/sft/[^ ]*/_checkpoints/step-4/[^ ]*\.metadata(\.tmp)?$", False
+        ),
+    ]
 
 
 @flow(name="faults-sft-on-s3")
 def sft_on_s3(config_json: str) -> dict[str, str]:
-    data_uri = prepare_data(config_json)
+    data_uri = prepare_data.with_options(retries=2, retry_delay_seconds=0)(config_json)
     sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(config_json, data_uri)
     return {"data": data_uri, "sft": sft_uri}
+
+
+class RetryLog(logging.Handler):
+    """The storage retry warnings of this process (the task's: the flow runs here), in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self._changed = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._changed:
+            self.messages.append(record.getMessage())
+            self._changed.notify_all()
+
+    def wait_for_retry(self, since: int, number: int, stop: threading.Event) -> list[str] | None:
+        """The messages from index `since` on, once one of them is retry `number` (or later) of a call; None
+        when `stop` is set (or STAGE_WAIT_S passes) first."""
+        deadline = time.monotonic() + STAGE_WAIT_S
+        with self._changed:
+            while time.monotonic() < deadline and not stop.is_set():
+                found = self.messages[since:]
+                if any(int(m.group(1)) >= number for m in map(_RETRY_NUMBER.search, found) if m):
+                    return found
+                self._changed.wait(0.5)
+        return None
+
+
+class OutageDriver:
+    """Runs `planned` in order on a thread: arms each outage, waits until it fired, keeps the server down until
+    the task process has logged RETRY_THAT_OUTLASTS of one call, brings it back, arms the next. `done` (the
+    flow ended) ends the wait for whatever outage is pending. `events[name]` is each outage's OutageEvent, its
+    notes: `task_retries` (the task process's retry warnings from the trigger until the server came back),
+    `outlasted_old_budget`, and what `on_down` / `on_up` add."""
+
+    def __init__(
+        self, server: OutageMotoServer, planned: list[PlannedOutage], retries: RetryLog, on_down, on_up
+    ):
+        self.server = server
+        self.planned = planned
+        self.retries = retries
+        self._callbacks = (on_down, on_up)
+        self.done = threading.Event()
+        self.events: dict[str, object] = {}
+        self._thread = threading.Thread(target=self._drive, daemon=True, name="outage-driver")
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self._thread.join()
+
+    def _drive(self) -> None:
+        for outage in self.planned:
+            went_down = threading.Event()
+
+            def on_down(event, outage=outage, went_down=went_down) -> None:
+                event.notes["name"] = outage.name
+                self._callbacks[0](event)
+                went_down.set()
+
+            since = len(self.retries.messages)  # the server is up until the trigger: no retries before it
+
+            self.server.arm(
+                outage.pattern,
+                OUTAGE_SAFETY_S,
+                on_down=on_down,
+                on_up=self._callbacks[1],
+                client_pid=os.getpid() if outage.from_task_process else None,
+                after=outage.after,
+            )
+            while not went_down.wait(0.5):
+                if self.done.is_set():
+                    return  # the flow ended before this outage fired: the test reports it missing
+            event = self.server.events[-1]
+            retries = self.retries.wait_for_retry(since, RETRY_THAT_OUTLASTS, self.done)
+            event.notes["outlasted_old_budget"] = retries is not None
+            event.notes["task_retries"] = self.retries.messages[since:]
+            self.server.end_outage()
+            self.events[outage.name] = event
 
 
 @dataclass
@@ -368,9 +491,12 @@ class OutageRun:
     uris: dict[str, str]
     task_runs: dict[str, object]
     logs: list[str]
-    outage: object  # fault_kit.OutageEvent
+    outages: dict[str, object]  # planned outage name -> fault_kit.OutageEvent, for those that fired
+    task_pid: int  # the process the task-process outages had to come from (this one)
     violations: list[str]
-    committed_before_outage: dict[str, str]  # artifact URI -> manifest sha256, seen before the server died
+    committed_before_outage: dict[
+        str, str
+    ]  # artifact URI -> manifest sha256, seen as the checkpoint outage began
     committed_after: dict[str, str]  # the same, as read back after the run
     final_manifest_metrics: dict
     bucket_dump: Path  # every object of the bucket, copied to local files for the secret grep
@@ -378,6 +504,11 @@ class OutageRun:
     state_messages: list[str]
     secrets: dict[str, str]
     wall_s: float  # of the flow run
+
+    @property
+    def outage(self):
+        """The checkpoint outage (the worker-side one)."""
+        return self.outages.get("checkpoint")
 
 
 _outage_runs: dict[str, OutageRun] = {}
@@ -395,25 +526,29 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
     try:
         bucket = f"forge-faults-{uuid.uuid4().hex[:10]}"
         store_root = f"s3://{bucket}/run"
-        probe = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=0)
-        probe.fs.call_s3("create_bucket", Bucket=bucket)
+        # The test's own eyes use the observer port: it never goes down, and its requests trigger nothing.
+        watch_store = ObjectStore(store_root, endpoint_url=server.observer_url, retries=0)
+        watch_store.fs.call_s3("create_bucket", Bucket=bucket)
         overrides = [
             f"storage.root={store_root}",
             f"storage.endpoint_url={server.endpoint_url}",
-            "storage.retries=2",
-            "storage.retry_backoff_s=0.1",
+            f"storage.retries={OUTAGE_RETRIES}",
+            f"storage.retry_backoff_s={OUTAGE_RETRY_BACKOFF_S}",
+            f"storage.retry_horizon_s={OUTAGE_HORIZON_S:g}",
+            "storage.keep_checkpoints=10",  # every checkpoint stays: the test compares them before and after
             f"logging.dir={root}/runs",
             *COMMON_OVERRIDES,
             "logging.wandb_mode=offline",  # the wandb key must not leak either
         ]
         config_json = config_to_json(load_config(TINY_CONFIG, overrides))
-        watch_store = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=0)
         commits = CommitWatch(watch_store)
 
         def while_down(event) -> None:
             event.notes["committed"] = dict(commits.committed)
 
         def once_back(event) -> None:
+            if event.notes.get("name") != "checkpoint":
+                return
             step4 = next(
                 (u.rsplit("/_MANIFEST.json", 1)[0] for u in _step_manifest_candidates(watch_store)), None
             )
@@ -421,18 +556,25 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             event.notes["step4_files"] = sorted(watch_store.list_files(step4)) if step4 else []
             event.notes["step4_committed"] = watch_store.is_committed(step4) if step4 else None
 
-        server.arm(OUTAGE_TRIGGER, OUTAGE_S, on_down=while_down, on_up=once_back)
+        retries = RetryLog()
+        retry_logger = logging.getLogger("forge_core.storage.retry")
+        driver = OutageDriver(server, planned_outages(bucket), retries, while_down, once_back)
         with pytest.MonkeyPatch.context() as mp:
-            for name, value in {**secrets, "FORGE_LAUNCH_REGISTRY": str(root / "launches")}.items():
+            env = {**secrets, "FORGE_LAUNCH_REGISTRY": str(root / "launches"), "AWS_MAX_ATTEMPTS": "1"}
+            for name, value in env.items():  # AWS_MAX_ATTEMPTS: DCP's own S3 client gives up after seconds
                 mp.setenv(name, value)
+            retry_logger.addHandler(retries)
             started = time.monotonic()
-            with commits:
-                state = sft_on_s3(config_json, return_state=True)
+            try:
+                with commits, driver:
+                    state = sft_on_s3(config_json, return_state=True)
+            finally:
+                retry_logger.removeHandler(retries)
             wall_s = time.monotonic() - started
         flow_run_id = state.state_details.flow_run_id
-        final_store = ObjectStore(store_root, endpoint_url=server.endpoint_url, retries=3)
-        before = server.events[0].notes.get("committed", {}) if server.events else {}
-        after = {uri: final_store.manifest_sha256(uri) for uri in before if final_store.is_committed(uri)}
+        checkpoint = driver.events.get("checkpoint")
+        before = checkpoint.notes.get("committed", {}) if checkpoint else {}
+        after = {uri: watch_store.manifest_sha256(uri) for uri in before if watch_store.is_committed(uri)}
         uris = state.result() if state.is_completed() else {}
         runs = task_runs(flow_run_id)
         return OutageRun(
@@ -442,12 +584,13 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             uris=uris,
             task_runs=runs,
             logs=saved_logs(flow_run_id, root / "flow.log"),
-            outage=server.events[0] if server.events else None,
+            outages=dict(driver.events),
+            task_pid=os.getpid(),
             violations=list(commits.violations),
             committed_before_outage=before,
             committed_after=after,
-            final_manifest_metrics=final_store.read_manifest(uris["sft"]).metrics if uris else {},
-            bucket_dump=_dump_bucket(final_store, root / "bucket"),
+            final_manifest_metrics=watch_store.read_manifest(uris["sft"]).metrics if uris else {},
+            bucket_dump=_dump_bucket(watch_store, root / "bucket"),
             run_dir=root / "runs",
             state_messages=[str(state.message)] + [str(r.state.message) for r in runs.values() if r.state],
             secrets=secrets,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 CONFIG = "configs/tiny_test.yaml"
 ITERATIONS = 2
-ASYNC_1 = [f"grpo.iterations={ITERATIONS}", "grpo.mode=async", "grpo.max_staleness=1"]
+ASYNC_1 = [f"grpo.iterations={ITERATIONS}", "grpo.mode=async", "grpo.max_staleness=1", "grpo.correction.type=tis"]
 ASYNC_0 = [f"grpo.iterations={ITERATIONS}", "grpo.mode=async", "grpo.max_staleness=0"]
 SYNC = [f"grpo.iterations={ITERATIONS}", "grpo.mode=sync"]
 

@@ -135,8 +135,10 @@ def _copy_store(source: FlowRun, root: Path) -> ObjectStore:
 
 
 def _policy_bytes(store: ObjectStore, grpo_uri: str) -> dict[str, bytes]:
-    policy = Path(store.join(grpo_uri, "policy").removeprefix("file://"))
-    return {p.name: p.read_bytes() for p in sorted(policy.glob("*.safetensors"))}
+    policy = store.reader(store.join(grpo_uri, "policy"))
+    weights = {rel: policy.read_bytes(rel) for rel in policy.files() if rel.endswith(".safetensors")}
+    assert weights, f"{grpo_uri}: its policy lists no weights"
+    return weights
 
 
 def _step_metrics(store: ObjectStore, grpo_uri: str) -> list[dict]:

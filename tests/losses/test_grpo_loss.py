@@ -12,11 +12,14 @@ import pytest
 import torch
 from grpo_batches import make_rl_batch
 
-from forge_core.config.schema import LossConfig
+from forge_core.config.schema import CorrectionConfig, LossConfig
 from forge_core.losses.base import ModelOutputs
+from forge_core.losses.correction import IcePop, NoCorrection
 from forge_core.losses.grpo import (
+    CISPOLoss,
     ClipRange,
     FixedHorizonLoss,
+    GSPOLoss,
     KLPenalty,
     SequenceMeanLoss,
     TokenMeanLoss,
@@ -226,7 +229,9 @@ def test_metrics_are_sums_and_summarize_to_means():
     assert logged["policy/ratio_mean"] == pytest.approx(sum(live_ratios) / 5, rel=1e-6)
     assert logged["policy/entropy"] == pytest.approx(3.0)
     assert logged["policy/logprob_gap_mean"] == pytest.approx(sum(gaps) / 5, rel=1e-6)
-    assert loss_fn.max_reduced_metrics == {"ratio_max", "logprob_gap_max"}
+    assert loss_fn.max_reduced_metrics == {
+        "ratio_max", "logprob_gap_max", "mismatch_abs_max", "mismatch_seq_ratio_max"
+    }
     assert loss_fn.needs_entropy
 
 
@@ -236,6 +241,8 @@ def test_metrics_are_sums_and_summarize_to_means():
         ("clipped_token_mean", TokenMeanLoss),
         ("clipped_seq_mean", SequenceMeanLoss),
         ("clipped_fixed_horizon", FixedHorizonLoss),
+        ("gspo", GSPOLoss),
+        ("cispo", CISPOLoss),
     ],
 )
 def test_build_policy_loss_picks_the_class_named_by_config(loss_type, cls):
@@ -243,6 +250,11 @@ def test_build_policy_loss_picks_the_class_named_by_config(loss_type, cls):
     assert type(loss_fn) is cls
     assert loss_fn.clip == ClipRange(0.1, 0.3)
     assert loss_fn.kl is None
+    assert loss_fn.correction == NoCorrection()
+    corrected = build_policy_loss(
+        LossConfig(type=loss_type), 16, CorrectionConfig(type="icepop", icepop_low=0.4, icepop_high=3.0)
+    )
+    assert corrected.correction == IcePop(low=0.4, high=3.0)
 
 
 def test_build_policy_loss_horizon_and_kl():

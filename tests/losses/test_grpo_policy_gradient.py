@@ -6,82 +6,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grpo_batches import make_rl_batch
-from torch import nn
+from grpo_batches import BATCH, HORIZON, policy_outputs, tiny_rollout
 
-from forge_core.config.schema import AdvantageConfig, LossConfig
-from forge_core.losses.base import ModelOutputs, reduce_metric_dicts
+from forge_core.config.schema import LossConfig
+from forge_core.losses.base import reduce_metric_dicts
 from forge_core.losses.grpo import build_policy_loss
-from forge_core.models.logprobs import token_entropy, token_logprobs
-from forge_core.trainers.advantages import compute_advantages
+from forge_core.models.logprobs import token_logprobs
 from forge_core.trainers.rl_batch import plan_minibatches
 
-VOCAB, LENGTH, BATCH, GROUP = 11, 6, 8, 4
-HORIZON = 5
 LOSS_TYPES = ["clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon"]
-
-
-class TinyPolicy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 16)
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids_BL: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(input_ids_BL)))
-
-
-def _rollout(seed: int = 0, off_policy_noise: float = 0.0, with_ref: bool = False):
-    """A policy and a rollout batch of 2 groups x 4 completions with ragged response masks."""
-    torch.manual_seed(seed)
-    policy = TinyPolicy()
-    input_ids = torch.randint(0, VOCAB, (BATCH, LENGTH))
-    targets = torch.randint(0, VOCAB, (BATCH, LENGTH))
-    # Prompt covers the first 2 targets; completions have 1..4 response tokens (then padding).
-    lengths = torch.tensor([4, 1, 3, 2, 4, 4, 2, 3])
-    positions = torch.arange(LENGTH)
-    mask = (positions >= 2) & (positions < 2 + lengths[:, None])
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.25])
-    groups = torch.arange(BATCH) // GROUP
-    advantages, _, _ = compute_advantages(rewards, groups, AdvantageConfig())
-    with torch.no_grad():
-        generator = token_logprobs(policy(input_ids), targets)
-        generator = generator + off_policy_noise * torch.randn(BATCH, LENGTH)
-        ref = generator + 0.3 * torch.randn(BATCH, LENGTH) if with_ref else None
-    batch = make_rl_batch(
-        advantages=advantages,
-        generator_logprobs=generator,
-        response_mask=mask,
-        ref_logprobs=ref,
-        input_ids=input_ids,
-        target_ids=targets,
-    )
-    return policy, batch
-
-
-def _outputs(policy: TinyPolicy, batch) -> ModelOutputs:
-    logits = policy(batch.input_ids_BL)
-    with torch.no_grad():
-        entropy = token_entropy(logits)
-    return ModelOutputs(token_logprobs(logits, batch.target_ids_BL), entropy)
 
 
 def _reinforce_weights(loss_type: str, mask: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """Per-token weight of logp in the REINFORCE-with-baseline objective, normalised like each loss type."""
     weights = mask * advantages[:, None]
     active = mask.any(dim=1).sum()
-    if loss_type == "clipped_token_mean":
+    if loss_type in ("clipped_token_mean", "cispo"):
         return weights / mask.sum()
-    if loss_type == "clipped_seq_mean":
+    if loss_type in ("clipped_seq_mean", "gspo"):
         return weights / mask.sum(dim=1, keepdim=True).clamp(min=1) / active
     return weights / (active * HORIZON)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+# On-policy (every ratio 1) GSPO is the sequence-mean and CISPO the token-mean REINFORCE gradient.
+@pytest.mark.parametrize("loss_type", [*LOSS_TYPES, "gspo", "cispo"])
 def test_on_policy_first_step_is_reinforce_with_group_baseline(loss_type):
-    policy, batch = _rollout()
+    policy, batch = tiny_rollout()
     loss_fn = build_policy_loss(LossConfig(type=loss_type, horizon=_horizon(loss_type)), max_new_tokens=4)
-    out = _outputs(policy, batch)
+    out = policy_outputs(policy, batch)
     result = loss_fn(out, batch, loss_fn.normalizer(batch))
 
     # Trainer and generator logprobs agree bit for bit, so every ratio is exactly 1 and nothing is clipped.
@@ -103,14 +55,14 @@ def test_on_policy_first_step_is_reinforce_with_group_baseline(loss_type):
 
 
 def test_after_an_update_the_ratio_is_against_the_stored_generator_logprobs():
-    policy, batch = _rollout()
+    policy, batch = tiny_rollout()
     loss_fn = build_policy_loss(LossConfig(), max_new_tokens=4)
-    first = loss_fn(_outputs(policy, batch), batch, loss_fn.normalizer(batch))
+    first = loss_fn(policy_outputs(policy, batch), batch, loss_fn.normalizer(batch))
     first.loss.backward()
     with torch.no_grad():
         for p in policy.parameters():
             p -= 20.0 * p.grad
-    second = loss_fn(_outputs(policy, batch), batch, loss_fn.normalizer(batch))
+    second = loss_fn(policy_outputs(policy, batch), batch, loss_fn.normalizer(batch))
     # A `logp - logp.detach()` ratio would still be exactly 1 here and never clip.
     tokens = second.metrics["tokens"].item()
     assert second.metrics["ratio_sum"].item() != pytest.approx(tokens, rel=1e-3)
@@ -130,7 +82,7 @@ def _step_gradients(policy, batch, loss_fn, micro_rows):
     norm = sum(loss_fn.normalizer(mb) for mb in micro)
     total, metrics = 0.0, []
     for mb in micro:
-        result = loss_fn(_outputs(policy, mb), mb, norm)
+        result = loss_fn(policy_outputs(policy, mb), mb, norm)
         result.loss.backward()
         total += result.loss.item()
         metrics.append(result.metrics)
@@ -140,7 +92,7 @@ def _step_gradients(policy, batch, loss_fn, micro_rows):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_one_micro_batch_of_8_equals_8_shuffled_micro_batches_of_1(loss_type):
-    policy, batch = _rollout(off_policy_noise=0.3, with_ref=True)
+    policy, batch = tiny_rollout(off_policy_noise=0.3, with_ref=True)
     cfg = LossConfig(type=loss_type, horizon=_horizon(loss_type), kl_coef=0.1, kl_estimator="k3")
     loss_fn = build_policy_loss(cfg, max_new_tokens=4)
 
@@ -162,7 +114,7 @@ def test_one_micro_batch_of_8_equals_8_shuffled_micro_batches_of_1(loss_type):
 def test_two_ranks_of_two_micro_batches_equal_one_rank_of_eight(loss_type):
     """Data parallelism without processes: each rank's normalizer share is summed over ranks (the all-reduce
     SUM in TitanTrainer.global_normalizer) and gradients are summed over ranks (FSDP, division off)."""
-    policy, batch = _rollout(off_policy_noise=0.3, with_ref=True)
+    policy, batch = tiny_rollout(off_policy_noise=0.3, with_ref=True)
     cfg = LossConfig(type=loss_type, horizon=_horizon(loss_type), kl_coef=0.1)
     loss_fn = build_policy_loss(cfg, max_new_tokens=4)
     ranks = [plan_minibatches(BATCH, BATCH, 2, epochs=1, seed=5, dp_rank=r, dp_size=2)[0] for r in range(2)]
@@ -172,7 +124,7 @@ def test_two_ranks_of_two_micro_batches_equal_one_rank_of_eight(loss_type):
     for micro in micro_per_rank:
         policy.zero_grad()
         for mb in micro:
-            loss_fn(_outputs(policy, mb), mb, norm).loss.backward()
+            loss_fn(policy_outputs(policy, mb), mb, norm).loss.backward()
         rank_grads.append([p.grad.clone() for p in policy.parameters()])
     summed = [a + b for a, b in zip(*rank_grads, strict=True)]
 

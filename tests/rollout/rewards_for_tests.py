@@ -4,6 +4,32 @@ An untrained policy never gets the demo answer right; this reward passes about h
 rates and accuracies in the stage tests are not trivially zero.
 """
 
+import ctypes
+import os
+import time
+
 
 def contains_digit(completion: str, ground_truth: str) -> float:
     return float(any(ch.isdigit() for ch in completion))
+
+
+# Unruly rewards, for the isolation tests: each misbehaves on the one sample whose ground truth is `truth`.
+
+
+def hangs_on(completion: str, ground_truth: str, *, truth: str) -> float:
+    """1.0, but never returns on the sample with ground truth `truth` (a reward stuck in a loop or a call)."""
+    if ground_truth == truth:
+        time.sleep(3600)
+    return 1.0
+
+
+def segfaults_on(completion: str, ground_truth: str, *, truth: str) -> float:
+    """1.0, but crashes its process with SIGSEGV on the sample with ground truth `truth` (a broken C extension)."""
+    if ground_truth == truth:
+        ctypes.string_at(0)
+    return 1.0
+
+
+def exits_always(completion: str, ground_truth: str) -> float:
+    """Ends its process on every sample (os._exit), as a reward with a stray sys.exit-like call would."""
+    os._exit(7)

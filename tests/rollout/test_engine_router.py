@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,7 +24,7 @@ from forge_core.launch import registry
 from forge_core.launch.errors import RetryableStageError
 from forge_core.launch.process_tree import is_alive, processes_with_launch_id
 from forge_core.rollout import fetch_policy, prompts_from_table
-from forge_core.rollout.lifetime import stage_generator, stop_flow_engines
+from forge_core.rollout.lifetime import engine_state_dir, stage_generator, stop_flow_engines
 from forge_core.rollout.service import (
     EngineService,
     EngineServiceError,
@@ -87,7 +86,7 @@ def test_two_flow_engines_reroute_a_killed_engines_prompts_and_stop_with_the_flo
     world, flow_cfg, tmp_path, caplog
 ):
     rollout = flow_cfg.rollout
-    state_dir = Path(rollout.engine_state_dir)
+    state_dir = engine_state_dir(flow_cfg)  # this run's folder inside rollout.engine_state_dir
     policy = fetch_policy(world.store, world.stage_uri, cache_root=tmp_path / "cache")
     prompts = prompts_from_table(world.store.reader(world.data_uri).read_table("rl_prompts.parquet"))
     assert len(prompts) == 40

@@ -25,6 +25,7 @@ from forge_core.launch import LaunchSpec, launch, registry
 from forge_core.launch.process_tree import ProcessTree, is_alive, processes_with_launch_id
 from forge_core.launch.spec import LAUNCH_ID_ENV
 from forge_core.rollout import ROLLOUTS_TABLE, fetch_policy, prompts_from_table
+from forge_core.rollout.lifetime import engine_state_dir, stop_flow_engines
 from forge_core.rollout.policy import weights_version
 from forge_core.rollout.service import (
     EngineService,
@@ -64,9 +65,25 @@ def policies(world, tmp_path_factory):
     )
 
 
+# The flow run the module's stages belong to: its engines live in engine_state_dir(run_cfg(...)).
+RUN_ID = "test-engine-service-run"
+
+
+def flow_run_config(store_root: str, engines_root, run_id: str = RUN_ID) -> dict:
+    """A stage config with flow engines under `engines_root`, in flow run `run_id`."""
+    config = run_config_dict(store_root, engine_lifetime="flow", engine_state_dir=str(engines_root))
+    return {**config, "launch": {"run_id": run_id}}
+
+
 @pytest.fixture(scope="module")
-def state_dir(tmp_path_factory, registry_dir):
-    folder = tmp_path_factory.mktemp("engines")
+def engines_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="module")
+def state_dir(world, engines_root, registry_dir):
+    """The module's flow run's engine folder (`<rollout.engine_state_dir>/run-<hash>`)."""
+    folder = engine_state_dir(config_from_dict(flow_run_config(world.store_root, engines_root)))
     yield folder
     stop_services(folder)
 
@@ -194,8 +211,8 @@ def test_version_mismatch_is_rejected(state_dir, rollout_cfg, policies, prompts)
         assert len(client.generate(prompts, 0, GREEDY, expected_version=policy_a.version)) == len(prompts)
 
 
-def stage_spec(world, state_dir, stage: str, policy_stage_uri: str, key: str) -> StageSpec:
-    config = run_config_dict(world.store_root, engine_lifetime="flow", engine_state_dir=str(state_dir))
+def stage_spec(world, engines_root, stage: str, policy_stage_uri: str, key: str) -> StageSpec:
+    config = flow_run_config(world.store_root, engines_root)
     kind = "rollouts" if stage == "rollout" else "eval"
     return StageSpec(
         stage=stage,
@@ -217,7 +234,7 @@ def run_worker(world, spec: StageSpec, policy_cache) -> dict:
 
 @pytest.mark.integration
 def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_next_stage(
-    world, state_dir, rollout_cfg, policies, prompts, tmp_path, monkeypatch
+    world, engines_root, state_dir, rollout_cfg, policies, prompts, tmp_path, monkeypatch
 ):
     """Load B in place, SIGKILL the service, then run the rollout worker (engine_lifetime=flow) under the real
     launcher: it finds the engine dead and starts a fresh one on B, which samples what the killed one sampled
@@ -226,7 +243,7 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
     policy_a, policy_b = policies
     policy_b_stage = world.store.artifact_uri("sft", "test-policy-b")
     monkeypatch.setenv("FORGE_POLICY_CACHE", str(tmp_path / "policy-cache"))
-    rollout_spec = stage_spec(world, state_dir, "rollout", policy_b_stage, "flow-engine-rollout")
+    rollout_spec = stage_spec(world, engines_root, "rollout", policy_b_stage, "flow-engine-rollout")
     plan = plan_rollout(rollout_spec)  # this iteration's prompts and seed, as the worker will pick them
 
     with EngineService.ensure(state_dir, rollout_cfg, policy_a.local_dir, policy_a.version) as client:
@@ -262,7 +279,7 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
         assert fresh.response_logprobs == pytest.approx(reloaded.response_logprobs, abs=1e-5)
 
     # The evaluate stage as a flow task runs it with flow engines: in this process (forge_core.run.in_process).
-    eval_spec = stage_spec(world, state_dir, "evaluate", policy_b_stage, "flow-engine-eval")
+    eval_spec = stage_spec(world, engines_root, "evaluate", policy_b_stage, "flow-engine-eval")
     write_spec(world.store, eval_spec)
     eval_plan = StagePlan("evaluate", "flow-engine-eval", eval_spec.output_uri, eval_spec, eval_spec.inputs)
     relayed: list[str] = []
@@ -273,6 +290,36 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
     assert eval_metrics["engine_startup_s"] == 0.0 and read_record(ServicePaths(state_dir)).pid == record.pid
     # The service belongs to the process that launched the workers (the flow; here pytest).
     assert registry.launch_owner(record.launch_id) == (os.getpid(), psutil.Process().create_time())
+
+
+@pytest.mark.integration
+def test_concurrent_runs_of_one_config_never_share_engines_or_trainer_jobs(
+    world, engines_root, state_dir, rollout_cfg, policies
+):
+    """Two flow runs of one config (same name, store, folder, rollout.engine_state_dir) differ only in their
+    run id: each gets its own engine and trainer folders, and one run's stop leaves the other's engine serving."""
+    from forge_core.run.trainer_job import trainer_state_dir
+
+    run_a = config_from_dict(flow_run_config(world.store_root, engines_root))
+    run_b = config_from_dict(flow_run_config(world.store_root, engines_root, run_id="another-run-of-it"))
+    assert engine_state_dir(run_a) == state_dir != engine_state_dir(run_b)
+    assert trainer_state_dir(run_a) != trainer_state_dir(run_b)
+    defaults = [
+        config_from_dict(
+            {**run_config_dict(world.store_root, engine_lifetime="flow"), "launch": {"run_id": run}}
+        )
+        for run in ("run-a", "run-b")
+    ]
+    assert engine_state_dir(defaults[0]) != engine_state_dir(defaults[1])  # the temp-dir default too
+
+    policy_a, _ = policies
+    with EngineService.ensure(state_dir, rollout_cfg, policy_a.local_dir, policy_a.version) as client:
+        pid = client.pid
+    assert stop_flow_engines(run_b) == []  # run B's end: nothing of run A is touched
+    client = healthy_client(ServicePaths(state_dir))
+    assert client is not None, "run A's engine no longer answers after run B stopped its own"
+    with client:
+        assert client.pid == pid and client.ping()["policy_version"] == policy_a.version
 
 
 @pytest.mark.integration
@@ -305,3 +352,54 @@ def test_engine_lifetime_is_not_part_of_the_artifact_keys(tmp_path):
         ValueError, match=r"rollout.engine_lifetime='forever': expected one of 'stage', 'flow'"
     ):
         config_from_dict(run_config_dict(f"file://{tmp_path}/store", engine_lifetime="forever"))
+
+
+# ---- a wedged engine (real service) -------------------------------------------------------------------
+
+
+def _wait_for_line(path, text: str, offset: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_bytes()[offset:].decode(errors="replace"):
+        assert time.monotonic() < deadline, f"{path} never logged {text!r}"
+        time.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_a_second_sigterm_kills_a_service_whose_engine_is_wedged(
+    rollout_cfg, policies, tmp_path, registry_dir
+):
+    """The service's vLLM engine core process is stopped (SIGSTOP: a wedged engine), so the clean-up of the
+    first SIGTERM cannot finish (vLLM waits 5 s for the core, then the service's own STOP_GRACE_S escalation
+    would fire); the second SIGTERM SIGKILLs the service and its engine core at once."""
+    policy_a, _ = policies
+    folder = tmp_path / "wedged"
+    separate_core = dataclasses.replace(rollout_cfg, engine_in_process=False)
+    with EngineService.ensure(folder, separate_core, policy_a.local_dir, policy_a.version) as client:
+        pid, launch_id = client.pid, client.info["launch_id"]
+    paths = ServicePaths(folder)
+    try:
+        cores = [p for p in processes_with_launch_id(launch_id) if p.pid != pid]
+        assert cores, "no engine core process of its own to wedge"
+        for core in cores:
+            core.suspend()
+        offset = paths.log.stat().st_size
+        os.kill(pid, signal.SIGTERM)
+        _wait_for_line(paths.log, "SIGTERM: stopping", offset)  # counted: the next one is a second signal
+        second = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        left = [p for p in [psutil.Process(pid), *cores] if is_alive(p)]
+        deadline = time.monotonic() + 60
+        while left and time.monotonic() < deadline:
+            time.sleep(0.02)
+            left = [p for p in left if is_alive(p)]
+        gone_s = time.monotonic() - second
+        assert left == [], f"still running after the second SIGTERM: {left}"
+        log_text = paths.log.read_bytes()[offset:].decode(errors="replace")
+        killed = [
+            line for line in log_text.splitlines() if "SIGTERM again during the clean-up: SIGKILL" in line
+        ]
+        assert killed and all(str(core.pid) in killed[0] for core in cores), log_text[-2000:]
+        assert f"engine service pid {pid} stopped" not in log_text  # no graceful end: it was killed
+        print(f"service and wedged engine core gone {gone_s:.2f} s after the second SIGTERM")
+    finally:
+        end_stale_service(paths)

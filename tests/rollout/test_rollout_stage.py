@@ -82,7 +82,9 @@ def test_rollout_stage_commits_scored_rollouts_with_lineage(world, generator):
     # Lineage on every row.
     policy_uri = store.join(world.stage_uri, "policy")
     assert {r["policy_uri"] for r in rows} == {policy_uri}
-    version = weights_version(store.read_manifest(policy_uri))  # the checksum of the weights the engine served
+    version = weights_version(
+        store.read_manifest(policy_uri)
+    )  # the checksum of the weights the engine served
     assert {r["policy_version"] for r in rows} == {version}
     assert {(r["iteration"], r["seed"]) for r in rows} == {(1, 3)}
     sampling = json.loads(rows[0]["sampling_params"])
@@ -176,6 +178,7 @@ def test_evaluate_stage_greedy_accuracy(world, generator):
     totals = [t[0] for t in results.column("reward").to_pylist()]
     assert metrics["mean_reward"] == pytest.approx(sum(totals) / 8)
     assert (metrics["n"], metrics["k"], metrics["temperature"]) == (8, 1, 0.0)
+    assert (metrics["reward/timeouts"], metrics["reward/crashes"], metrics["reward/zeroed"]) == (0, 0, 0)
     # Greedy: a second evaluation under another key gives the same answers.
     again = run_evaluation(plan_evaluation(stage_spec(world, "evaluate", "greedy-again")), generator)
     assert again.table.column("responses").to_pylist() == results.column("responses").to_pylist()
@@ -190,6 +193,48 @@ def test_evaluate_stage_pass_at_k(world, generator):
         assert row["passed"] == any(x == 1.0 for x in row["reward_contains_digit"])
     metrics = world.store.read_manifest(spec.output_uri).metrics
     assert metrics["k"] == 3 and metrics["accuracy"] == pytest.approx(sum(r["passed"] for r in results) / 5)
+
+
+def test_a_hanging_and_a_crashing_reward_cost_their_samples_and_the_stage_completes(world, generator):
+    """User rewards that hang on one sample and segfault on another (rewards_for_tests.py): the stage, run in
+    this process as a flow task runs it with flow engines, commits; those two samples score 0 after a retry
+    each, the failures are counted in the manifest, every other sample is scored as in-process scoring does."""
+    one_sample = {"group_size": 1, "temperature": 1.0, "max_new_tokens": 12}
+    probe = plan_rollout(
+        stage_spec(world, "rollout", "unruly-probe", {"iteration": 2}, {"sampling": one_sample})
+    )
+    truths = [p.ground_truth for p in probe.prompts]
+    hang_truth, crash_truth = [t for t in truths if truths.count(t) == 1][:2]  # one sample each
+    rewards = [
+        {"name": USER_REWARD, "weight": 1.0},
+        {"name": "tests.rollout.rewards_for_tests:hangs_on", "weight": 1.0, "kwargs": {"truth": hang_truth}},
+        {
+            "name": "tests.rollout.rewards_for_tests:segfaults_on",
+            "weight": 1.0,
+            "kwargs": {"truth": crash_truth},
+        },
+    ]
+    config = run_config_dict(world.store_root, rewards=rewards, sampling=one_sample, reward_timeout_s=5.0)
+    spec = StageSpec(
+        "rollout",
+        config_to_dict(config_from_dict(config)),
+        {"policy": world.stage_uri, "data": world.data_uri},
+        world.store.artifact_uri("rollouts", "unruly-rewards"),
+        {"iteration": 2},
+    )
+    run_rollout(plan_rollout(spec), generator)
+
+    metrics = world.store.read_manifest(spec.output_uri).metrics
+    assert (metrics["reward/timeouts"], metrics["reward/crashes"], metrics["reward/zeroed"]) == (2, 2, 2)
+    rows = world.store.reader(spec.output_uri).read_table(ROLLOUTS_TABLE).to_pylist()
+    assert len(rows) == PER_ITERATION
+    columns = ["reward_contains_digit", "reward_hangs_on", "reward_segfaults_on", "reward"]
+    for row in rows:
+        if row["ground_truth"] in (hang_truth, crash_truth):
+            assert [row[c] for c in columns] == [0.0] * 4, row
+        else:
+            digit = float(any(ch.isdigit() for ch in row["response_text"]))
+            assert [row[c] for c in columns] == [digit, 1.0, 1.0, digit + 2.0], row
 
 
 def test_rollout_worker_end_to_end_matches_the_in_process_stage(world, generator, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from forge_core.config import load_config
 from forge_core.run.plan import launch_spec_for, plan_stage
 from forge_core.storage import ObjectStore
@@ -75,3 +77,185 @@ def test_prepare_key_follows_source_file_contents(tmp_path):
     source.write_text('{"prompt": "1+1=", "completion": "3"}\n')
     second = plan_stage(_cfg(tmp_path, *overrides), store, "prepare")
     assert first.key != second.key
+
+
+# ---- complete keys: what a stage reads from outside the store, its rewards, its environment, its world size
+
+
+def _folder(path, files: dict[str, bytes]):
+    for rel, data in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+    return path
+
+
+MODEL_FILES = {"config.json": b'{"vocab_size": 64}', "model.safetensors": b"W" * 4096}
+
+
+def test_sft_key_follows_the_model_folders_contents_not_its_path(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/store")
+    data = _committed_input(store, "data", "a", b"a")
+    model = _folder(tmp_path / "model", MODEL_FILES)
+    copy = _folder(tmp_path / "elsewhere" / "model-copy", MODEL_FILES)
+
+    def sft_key(folder) -> str:
+        return plan_stage(_cfg(tmp_path, f"model.hf_path={folder}"), store, "sft", {"data": data}).key
+
+    first = sft_key(model)
+    assert sft_key(copy) == first  # the same bytes elsewhere are the same starting point
+    _folder(model, {".cache/download.lock": b"x", "_SUCCESS": b""})  # metadata, not content
+    assert sft_key(model) == first
+    _folder(model, {"model.safetensors": b"V" + b"W" * 4095})  # one weight file rewritten, same size
+    rewritten = sft_key(model)
+    assert rewritten != first
+    assert plan_stage(_cfg(tmp_path), store, "sft", {"data": data}).key not in (first, rewritten)
+    # GRPO trains the policy it is given: the starting checkpoint reaches it through that input only.
+    grpo = [
+        plan_stage(_cfg(tmp_path, *extra), store, "grpo", {"policy": data, "rollouts": data}, {"iteration": 0}).key
+        for extra in ([], [f"model.hf_path={model}"])
+    ]
+    assert grpo[0] == grpo[1]
+
+
+def test_sft_key_of_a_committed_model_artifact_comes_from_its_manifest(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/store")
+    data = _committed_input(store, "data", "a", b"a")
+    model_uri = store.artifact_uri("sft", "model")
+    writer = store.writer(model_uri, kind="sft", stage="test")
+    for rel, payload in MODEL_FILES.items():
+        writer.write_bytes(rel, payload)
+    writer.commit(config={}, inputs={}, metrics={})
+    local = _folder(tmp_path / "model", MODEL_FILES)
+
+    from_manifest = plan_stage(_cfg(tmp_path, f"model.hf_path={model_uri}"), store, "sft", {"data": data})
+    from_files = plan_stage(_cfg(tmp_path, f"model.hf_path={local}"), store, "sft", {"data": data})
+
+    assert from_manifest.key == from_files.key  # the manifest's hashes are the files' hashes
+    assert from_manifest.spec.fingerprints == from_files.spec.fingerprints
+
+
+TOKENIZER_FILES = {
+    "tokenizer.json": b'{"model": {"vocab": {"a": 0}}}',
+    "tokenizer_config.json": b'{"eos_token": "a"}',
+    "model.safetensors": b"W" * 64,  # a tokenizer folder is often the model folder too
+}
+
+
+def test_prepare_key_follows_the_tokenizer_files_it_reads(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/store")
+    folder = _folder(tmp_path / "tok", TOKENIZER_FILES)
+
+    def prepare_key(path) -> str:
+        return plan_stage(_cfg(tmp_path, f"data.tokenizer.path={path}"), store, "prepare").key
+
+    first = prepare_key(folder)
+    assert prepare_key(_folder(tmp_path / "moved", TOKENIZER_FILES)) == first
+    _folder(folder, {"model.safetensors": b"V" * 64})  # prepare never reads the weights
+    assert prepare_key(folder) == first
+    _folder(folder, {"tokenizer_config.json": b'{"eos_token": "b"}'})
+    assert prepare_key(folder) != first
+
+
+_REWARD_MODULE = '''
+THRESHOLD = {threshold}
+
+
+def _passes(text):
+    return len(text) <= THRESHOLD
+
+
+def short(completion, ground_truth, **kwargs):
+    return float(_passes(completion))
+'''
+
+
+def test_scoring_keys_follow_the_user_reward_source(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "forge_plan_test_reward.py"
+    module.write_text(_REWARD_MODULE.format(threshold=4))
+    store = ObjectStore(f"file://{tmp_path}/store")
+    policy = _committed_input(store, "sft", "p", b"p")
+    data = _committed_input(store, "data", "d", b"d")
+    rollouts = _committed_input(store, "rollouts", "r", b"r")
+    reward = 'rollout.rewards=[{"name": "forge_plan_test_reward:short"}]'
+
+    def keys() -> dict[str, str]:
+        cfg = _cfg(tmp_path, reward)
+        return {
+            "rollout": plan_stage(cfg, store, "rollout", {"policy": policy, "data": data}, {"iteration": 0}).key,
+            "evaluate": plan_stage(cfg, store, "evaluate", {"policy": policy, "data": data}).key,
+            "grpo": plan_stage(cfg, store, "grpo", {"policy": policy, "rollouts": rollouts}, {"iteration": 0}).key,
+        }
+
+    before = keys()
+    assert keys() == before
+    module.write_text(_REWARD_MODULE.format(threshold=5))  # only a constant the function uses changes
+    after = keys()
+
+    assert after["rollout"] != before["rollout"]
+    assert after["evaluate"] != before["evaluate"]
+    assert after["grpo"] == before["grpo"]  # GRPO reads the scores from its rollouts input
+
+
+def test_code_version_moves_with_every_package_that_shapes_results():
+    from forge_core.storage.keys import RESULT_PACKAGES, code_version, installed_package_versions
+
+    installed = installed_package_versions()
+    assert set(installed) == set(RESULT_PACKAGES)
+    assert installed["torch"] != "absent" and installed["pyarrow"] != "absent"
+    baseline = code_version()
+    assert code_version(installed) == baseline
+    bumped = {code_version({**installed, name: installed[name] + ".post1"}) for name in RESULT_PACKAGES}
+    assert baseline not in bumped and len(bumped) == len(RESULT_PACKAGES)
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo"])
+def test_training_keys_follow_the_world_size_and_nothing_else_of_launch(tmp_path, stage):
+    store = ObjectStore(f"file://{tmp_path}/store")
+    data = _committed_input(store, "data", "a", b"a")
+    inputs, params = ({"data": data}, {}) if stage == "sft" else ({"policy": data, "rollouts": data}, {"iteration": 0})
+
+    def key(*overrides: str) -> str:
+        return plan_stage(_cfg(tmp_path, *overrides), store, stage, inputs, params).key
+
+    base = key(f"launch.{stage}.nproc_per_node=2")
+    assert key(f"launch.{stage}.nproc_per_node=4") != base
+    two_nodes = (f"launch.{stage}.nnodes=2", f"launch.{stage}.rdzv_endpoint=host:29400")
+    assert key(f"launch.{stage}.nproc_per_node=1", *two_nodes) == base  # 2 x 1 ranks = 1 x 2 ranks
+    operational = (f"launch.{stage}.deadline_s=7", f"launch.{stage}.pool=gpu-b", f"launch.{stage}.retries=9")
+    assert key(f"launch.{stage}.nproc_per_node=2", *operational, "logging.wandb_project=elsewhere") == base
+    # A stage that is not distributed does not care how many ranks training used.
+    rollouts = {
+        plan_stage(_cfg(tmp_path, f"launch.{stage}.nproc_per_node={n}"), store, "rollout", {"policy": data},
+                   {"iteration": 0}).key
+        for n in (1, 4)
+    }
+    assert len(rollouts) == 1
+
+
+@pytest.mark.integration
+def test_the_worker_refuses_a_source_rewritten_after_planning_and_the_retry_plans_anew(tmp_path):
+    from forge_core.launch import Outcome, launch
+    from forge_core.run.spec import write_spec
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    source = tmp_path / "train.jsonl"
+    rows = "".join(f'{{"prompt": "{i}+1=", "completion": "{i + 1}"}}\n' for i in range(40))
+    source.write_text(rows)
+    cfg = _cfg(tmp_path, f"data.source={source}", "data.format=jsonl", "data.tokenizer.vocab_size=300")
+    stale = plan_stage(cfg, store, "prepare")
+    write_spec(store, stale.spec)
+    source.write_text(rows.replace('"1+1="', '"one+1="'))  # rewritten between planning and running
+
+    refused = launch(launch_spec_for(stale, cfg), log=lambda line: None)
+
+    assert refused.outcome is Outcome.RETRYABLE, refused.reason
+    assert "SourceChanged" in refused.reason and "data.source=" in refused.reason
+    assert "changed after it was planned" in refused.reason
+    assert not store.is_committed(stale.output_uri)
+    fresh = plan_stage(cfg, store, "prepare")  # what the task's retry does
+    assert fresh.key != stale.key
+    write_spec(store, fresh.spec)
+    done = launch(launch_spec_for(fresh, cfg), log=lambda line: None)
+    assert done.outcome is Outcome.SUCCESS, done.reason
+    assert store.is_committed(fresh.output_uri)

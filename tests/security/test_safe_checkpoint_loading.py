@@ -46,9 +46,11 @@ def _checkpointer(store: ObjectStore) -> Checkpointer:
 
 
 def _recommit(store: ObjectStore, uri: str) -> None:
-    """What an attacker with bucket access does after editing files: drop the manifest and commit anew."""
+    """What an attacker with bucket access does after editing files: drop the manifest and commit anew (the
+    edited files stay where they are: under the committed attempt's prefix)."""
+    attempt = store.read_manifest(uri).attempt
     os.remove(store.local_path(store.manifest_uri(uri)))
-    writer = store.writer(uri, kind="checkpoint", stage="sft")
+    writer = store.writer(uri, kind="checkpoint", stage="sft", attempt=attempt)
     writer.adopt_existing()
     writer.commit(config={}, inputs={}, metrics={"step": 1})
 
@@ -75,7 +77,7 @@ def test_tampered_metadata_is_refused_before_its_code_runs(tmp_path):
             store, checkpointer.output_uri
         )
     ]
-    metadata = Path(store.local_path(ref.uri)) / ".metadata"
+    metadata = Path(store.local_path(store.reader(ref.uri).file_uri(".metadata")))
     marker = tmp_path / "code-ran"
     metadata.write_bytes(pickle.dumps(_Payload(marker)))
     _recommit(store, ref.uri)
@@ -85,7 +87,7 @@ def test_tampered_metadata_is_refused_before_its_code_runs(tmp_path):
     assert not marker.exists()
 
     with contextlib.suppress(Exception):  # control: torch's own reader runs the payload (then chokes)
-        FsspecReader(ref.uri).read_metadata()
+        FsspecReader(store.reader(ref.uri).files_uri).read_metadata()
     assert marker.exists()
 
 

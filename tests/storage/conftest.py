@@ -36,3 +36,30 @@ def overwrite_object():
             store.fs.pipe_file(path, data)
 
     return overwrite
+
+
+@pytest.fixture(scope="session")
+def atomic_s3_endpoint(fake_aws_env):
+    """A moto S3 server (a child process) whose PutObject is atomic like S3's (atomic_moto_process.py)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(__file__).with_name("atomic_moto_process.py")
+    server = subprocess.Popen(
+        [sys.executable, str(script), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout.readline().strip() == "up", "the atomic moto server did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

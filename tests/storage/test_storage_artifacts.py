@@ -14,6 +14,7 @@ from forge_core.storage import (
     ArtifactAlreadyCommitted,
     ArtifactCorrupted,
     ArtifactNotCommitted,
+    PointerConflict,
     code_version,
 )
 
@@ -76,7 +77,7 @@ def test_multipart_stream_upload_round_trip(store):
         for _ in range(17):  # 17 MiB = two 8 MiB parts + a 1 MiB tail
             f.write(chunk)
     w.commit(config={}, inputs={}, metrics={})
-    assert store.size_of(store.join(uri, "shard.bin")) == 17 * len(chunk)
+    assert store.size_of(store.reader(uri).file_uri("shard.bin")) == 17 * len(chunk)
     assert store.reader(uri).read_bytes("shard.bin") == chunk * 17
 
 
@@ -116,16 +117,24 @@ def test_committed_artifact_is_immutable(store):
         store.writer(uri, kind="data", stage="prepare")
 
 
-def test_two_writers_racing_keep_the_first_commit(store):
+def test_two_writers_of_the_same_files_keep_the_first_commit_intact(store):
+    """In one process, in a fixed order (tests/storage/test_commit_race.py races real processes): the second
+    writer writes the same file names after the first committed, commits, aborts; the first stays whole."""
     uri = store.artifact_uri("data", "race")
     first = store.writer(uri, kind="data", stage="prepare")
     second = store.writer(uri, kind="data", stage="prepare")
     first.write_bytes("a.bin", b"first")
-    second.write_bytes("b.bin", b"second")
     first.commit(config={}, inputs={}, metrics={})
-    with pytest.raises(ArtifactAlreadyCommitted):
+    second.write_bytes("a.bin", b"second, longer")  # same name, after the commit: its own attempt's object
+    with pytest.raises(
+        ArtifactAlreadyCommitted, match=f"already committed by attempt {first.attempt}"
+    ) as info:
         second.commit(config={}, inputs={}, metrics={})
-    assert set(store.reader(uri).manifest.files) == {"a.bin"}
+    assert (info.value.uri, info.value.attempt) == (uri, first.attempt)
+    assert second.abort() == 1
+    reader = store.reader(uri)
+    assert reader.manifest.attempt == first.attempt and reader.read_bytes("a.bin") == b"first"
+    assert sorted(store.list_files(uri)) == [store.manifest_uri(uri), first.file_uri("a.bin")]
 
 
 def test_commit_requires_committed_inputs(store):
@@ -148,7 +157,9 @@ def test_writer_rejects_reserved_and_escaping_names(store, rel):
 
 def test_corrupted_file_is_detected_naming_uri_and_file(store, overwrite_object):
     uri, _ = _write_simple(store, payload=b"0123456789")
-    overwrite_object(store, store.join(uri, "blob.bin"), b"0123456788")  # same size, one byte differs
+    overwrite_object(
+        store, store.reader(uri).file_uri("blob.bin"), b"0123456788"
+    )  # same size, one byte differs
     r = store.reader(uri)
     with pytest.raises(ArtifactCorrupted, match="sha256") as info:
         r.read_bytes("blob.bin")
@@ -159,7 +170,7 @@ def test_corrupted_file_is_detected_naming_uri_and_file(store, overwrite_object)
 
 def test_truncated_file_is_detected(store, overwrite_object):
     uri, _ = _write_simple(store, payload=b"0123456789")
-    overwrite_object(store, store.join(uri, "blob.bin"), b"01234")
+    overwrite_object(store, store.reader(uri).file_uri("blob.bin"), b"01234")
     with pytest.raises(ArtifactCorrupted, match=r"'blob.bin' is corrupted: truncated") as info:
         store.reader(uri).read_bytes("blob.bin")
     assert info.value.file == "blob.bin"
@@ -167,7 +178,7 @@ def test_truncated_file_is_detected(store, overwrite_object):
 
 def test_missing_file_is_detected(store, overwrite_object, tmp_path):
     uri, _ = _write_simple(store)
-    overwrite_object(store, store.join(uri, "meta/info.json"), None)
+    overwrite_object(store, store.reader(uri).file_uri("meta/info.json"), None)
     r = store.reader(uri)
     with pytest.raises(ArtifactCorrupted, match=r"'meta/info.json' is corrupted: missing"):
         r.read_json("meta/info.json")
@@ -276,20 +287,20 @@ def test_nested_checkpoint_is_an_independent_artifact(store):
     assert store.list_committed("sft") == [parent]
 
 
-def test_adopt_existing_hashes_foreign_files_and_skips_nested_artifacts(store, overwrite_object):
+def test_adopt_existing_hashes_foreign_files_of_its_own_attempt_only(store, overwrite_object):
     uri = store.artifact_uri("sft", "adopt")
-    for rel, data in {
-        "dcp/__0_0.distcp": b"a" * 5000,
-        "dcp/.metadata": b"m",
-        "_checkpoints/step-1/x": b"c",
-    }.items():
-        overwrite_object(store, store.join(uri, rel), data)
-    nested = store.join(uri, "dcp", "inner")
-    inner = store.writer(nested, kind="checkpoint", stage="sft")
+    w = store.writer(uri, kind="sft", stage="sft")
+    # What another tool (DCP) wrote where it was told: under the writer's attempt prefix...
+    for rel, data in {"dcp/__0_0.distcp": b"a" * 5000, "dcp/.metadata": b"m"}.items():
+        overwrite_object(store, w.file_uri(rel), data)
+    # ...and what must never be adopted: files at the artifact root, another attempt's, a nested artifact.
+    overwrite_object(store, store.join(uri, "dcp", "root.bin"), b"r")
+    other = store.writer(uri, kind="sft", stage="sft")
+    overwrite_object(store, other.file_uri("dcp/__0_0.distcp"), b"other attempt")
+    inner = store.writer(store.join(uri, "dcp", "inner"), kind="checkpoint", stage="sft")
     inner.write_bytes("y.bin", b"y")
     inner.commit(config={}, inputs={}, metrics={})
 
-    w = store.writer(uri, kind="sft", stage="sft")
     assert w.adopt_existing("dcp") == ["dcp/.metadata", "dcp/__0_0.distcp"]
     manifest = w.commit(config={}, inputs={}, metrics={})
     assert set(manifest.files) == {"dcp/.metadata", "dcp/__0_0.distcp"}
@@ -298,19 +309,52 @@ def test_adopt_existing_hashes_foreign_files_and_skips_nested_artifacts(store, o
         store.writer(store.artifact_uri("sft", "empty"), kind="sft", stage="sft").adopt_existing("")
 
 
-def test_pointer_write_read(store):
+def test_pointer_compare_and_swap(store):
     assert store.pointer_read("promoted-policy") is None
+    assert store.pointer_state("promoted-policy").version == 0
     first, _ = _write_simple(store, key="v1")
     second, _ = _write_simple(store, key="v2")
-    store.pointer_write("promoted-policy", first)
-    assert store.pointer_read("promoted-policy") == first
-    store.pointer_write("promoted-policy", second)
+    state = store.pointer_write("promoted-policy", first, expected_version=0)
+    assert (state.uri, state.version) == (first, 1) and store.pointer_state("promoted-policy") == state
+    assert state.manifest_sha256 == store.manifest_sha256(first)
+    store.pointer_write("promoted-policy", second, expected_version=1)
     assert store.pointer_read("promoted-policy") == second
+    # A writer that decided on version 1 lost: the pointer moved to version 2 since.
+    with pytest.raises(PointerConflict, match="expected version 1, but it is at version 2") as info:
+        store.pointer_write("promoted-policy", first, expected_version=1)
+    assert info.value.current == store.pointer_state("promoted-policy")
+    with pytest.raises(PointerConflict):
+        store.pointer_write("promoted-policy", first, expected_version=7)  # a version it never had
     with pytest.raises(ArtifactNotCommitted):
-        store.pointer_write("promoted-policy", store.artifact_uri("data", "never"))
+        store.pointer_write("promoted-policy", store.artifact_uri("data", "never"), expected_version=2)
     with pytest.raises(ValueError):
-        store.pointer_write("../escape", first)
-    assert store.pointer_read("promoted-policy") == second
+        store.pointer_write("../escape", first, expected_version=0)
+    assert store.pointer_state("promoted-policy").uri == second
+
+
+def test_a_format_1_pointer_is_read_and_swapped(store):
+    """Pointers written before compare-and-swap (one object, `_pointers/<name>.json`) stay readable."""
+    old, _ = _write_simple(store, key="old")
+    new, _ = _write_simple(store, key="new")
+    store.put_bytes(store.pointer_uri("legacy"), json.dumps({"name": "legacy", "uri": old}).encode())
+    assert (store.pointer_read("legacy"), store.pointer_state("legacy").version) == (old, 0)
+    store.pointer_write("legacy", new, expected_version=0)
+    assert store.pointer_state("legacy").uri == new
+
+
+def test_a_format_1_manifest_with_files_at_the_root_is_read(store, overwrite_object):
+    """Artifacts committed before attempt prefixes (format_version 1) keep verifying and reading."""
+    uri = store.artifact_uri("data", "v1")
+    overwrite_object(store, store.join(uri, "a.bin"), b"payload")
+    w = store.writer(store.artifact_uri("data", "template"), kind="data", stage="prepare")
+    w.write_bytes("a.bin", b"payload")
+    raw = json.loads(w.commit(config={}, inputs={}, metrics={}).to_json_bytes())
+    del raw["attempt"]
+    raw["format_version"] = 1
+    store.put_bytes(store.manifest_uri(uri), json.dumps(raw).encode())
+    reader = store.reader(uri)
+    assert reader.manifest.attempt is None and reader.files_uri == uri
+    assert reader.read_bytes("a.bin") == b"payload"
 
 
 def test_artifact_without_files_commits(store):
@@ -337,3 +381,25 @@ def test_store_from_config_section(tmp_path):
     store = ObjectStore.from_config(cfg)
     assert store.root == f"file://{tmp_path}/s"
     assert (store.retrier.retries, store.retrier.backoff_s) == (2, 0.25)
+
+
+def test_sweeping_stale_attempts_spares_the_committed_one_and_young_ones(store):
+    uri = store.artifact_uri("data", "swept")
+    old = "20200101T000000Z-{}"  # attempt ids start with their creation time
+    winner = store.writer(uri, kind="data", stage="prepare", attempt=old.format("a" * 12))
+    crashed = store.writer(uri, kind="data", stage="prepare", attempt=old.format("b" * 12))
+    young = store.writer(uri, kind="data", stage="prepare")  # a new id: may still be writing
+    for writer in (winner, crashed, young):
+        writer.write_bytes("part.bin", writer.attempt.encode())
+    winner.commit(config={}, inputs={}, metrics={})
+    never_committed = store.writer(
+        store.artifact_uri("data", "crashed"), kind="data", stage="prepare", attempt=old.format("c" * 12)
+    )
+    never_committed.write_bytes("part.bin", b"x")
+
+    swept = store.sweep_stale_attempts(older_than_s=86400)
+
+    assert sorted(swept) == sorted([crashed.files_uri, never_committed.files_uri])
+    assert store.reader(uri).read_bytes("part.bin") == winner.attempt.encode()
+    assert store.list_files(young.files_uri) and not store.list_files(crashed.files_uri)
+    assert store.sweep_stale_attempts(older_than_s=86400) == []

@@ -18,10 +18,11 @@ def test_dcp_checkpoint_through_fsspec_is_adopted_committed_and_reloaded(store):
     parent = store.artifact_uri("sft", "dcp-run")
     checkpoint = store.join(parent, CHECKPOINTS_DIR, "step-1")
     state = {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(4)}}
-    # Single process, no process group: DCP runs with no_dist.
-    dcp.save(state, storage_writer=FsspecWriter(store.fsspec_path(checkpoint), **store.storage_options))
-
+    # Single process, no process group: DCP runs with no_dist, into the writer's attempt prefix.
     ckpt_writer = store.writer(checkpoint, kind="checkpoint", stage="sft")
+    shards_uri = store.fsspec_path(ckpt_writer.files_uri)
+    dcp.save(state, storage_writer=FsspecWriter(shards_uri, **store.storage_options))
+
     adopted = ckpt_writer.adopt_existing()
     assert ".metadata" in adopted and any(name.endswith(".distcp") for name in adopted)
     ckpt_writer.commit(config={}, inputs={}, metrics={"step": 1})
@@ -34,11 +35,13 @@ def test_dcp_checkpoint_through_fsspec_is_adopted_committed_and_reloaded(store):
     reader = store.reader(checkpoint)
     assert reader.verify() == sorted(adopted)
     restored = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}}
-    dcp.load(restored, storage_reader=FsspecReader(store.fsspec_path(checkpoint), **store.storage_options))
+    dcp.load(
+        restored, storage_reader=FsspecReader(store.fsspec_path(reader.files_uri), **store.storage_options)
+    )
     assert torch.equal(restored["model"]["w"], state["model"]["w"])
     assert torch.equal(restored["model"]["b"], state["model"]["b"])
 
     shard = next(name for name in adopted if name.endswith(".distcp"))
-    store.fs.pipe_file(store.path_of(store.join(checkpoint, shard)), b"garbage")
+    store.fs.pipe_file(store.path_of(reader.file_uri(shard)), b"garbage")
     with pytest.raises(ArtifactCorrupted, match=shard):
         store.reader(checkpoint).verify()

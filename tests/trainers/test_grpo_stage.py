@@ -46,6 +46,9 @@ REQUIRED_METRICS = (
     "reward/mean", "reward/std", "advantage/mean", "advantage/std", "policy/loss", "policy/kl",
     "policy/clip_low_frac", "policy/clip_high_frac", "policy/ratio_mean", "policy/ratio_max", "policy/entropy",
     "generator_gap/mean", "generator_gap/max", "grad_norm", "tokens_per_s", "train/time_s", "train/fit_s",
+    "mismatch/logprob_diff_mean", "mismatch/logprob_diff_max", "mismatch/kl_k3", "mismatch/seq_ratio_p05",
+    "mismatch/seq_ratio_p50", "mismatch/seq_ratio_p95", "correction/masked_token_frac",
+    "correction/truncated_seq_frac", "train/score_logprobs_s",
 )
 
 
@@ -115,6 +118,11 @@ def test_stage_commits_policy_with_lineage_and_metrics(setup):
     first = setup.summary("two-ranks")["steps"][0]
     assert first["policy/kl"] == pytest.approx(0.0, abs=1e-9)
     assert manifest.metrics["generator_gap/max"] < 1e-5
+    # Sync: the extra forward scores the rows with the input policy's weights (the sampler's), on two ranks
+    # that each score half and all-gather: trainer and sampler agree up to fp32 noise, on every row.
+    assert manifest.metrics["mismatch/logprob_diff_max"] < 1e-5
+    assert manifest.metrics["mismatch/seq_ratio_p50"] == pytest.approx(1.0, abs=1e-5)
+    assert first["mismatch/logprob_diff_max"] < 1e-5 and manifest.metrics["correction"] == "none"
     # Later steps are off-policy against the stored generator logprobs: the ratio moves away from 1.
     assert manifest.metrics["policy/ratio_max"] > 1.0
     # Step 2 only: after the last step (4) the stage exports its policy instead of checkpointing.

@@ -165,3 +165,21 @@ def test_bad_rollout_rows_name_the_problem(tmp_path, column, values, message):
         rollouts_to_rl_batch(pa.table(columns), cfg.grpo.advantage, source="s3://b/rollouts/x/rollouts.parquet")
     with pytest.raises(ValueError, match="missing columns \\['reward'\\]"):
         rollouts_to_rl_batch(pa.table({k: v for k, v in columns.items() if k != "reward"}), cfg.grpo.advantage)
+
+
+def test_grpo_trains_on_the_rows_dynamic_sampling_kept(tmp_path):
+    cfg = grpo_test_config(tmp_path)
+    table = pa.table({
+        "prompt_ids": [[5, 6], [5, 6], [7, 8], [7, 8]],
+        "response_ids": [[8, 9], [10], [11, 12, 13], [9]],
+        "response_logprobs": [[-0.5, -0.25], [-1.0], [-1.0, -2.0, -3.0], [-0.1]],
+        "group_id": [0, 0, 1, 1],
+        "reward": [1.0, 0.0, 0.0, 0.0],
+        "finish_reason": ["stop"] * 4,
+        "kept": [True, True, False, False],
+    })
+    rollouts = rollouts_to_rl_batch(table, cfg.grpo.advantage, pad_id=0)
+    assert rollouts.batch.input_ids_BL.tolist() == [[5, 6, 8], [5, 6, 0]]
+    assert (rollouts.stats["rollout/samples"], rollouts.stats["rollout/generated_samples"]) == (2.0, 4.0)
+    with pytest.raises(ValueError, match="no row is flagged kept"):
+        rollouts_to_rl_batch(table.set_column(6, "kept", pa.array([False] * 4)), cfg.grpo.advantage)

@@ -83,7 +83,7 @@ def _lineage_table(iterations: list[int], samplers: list[int]) -> pa.Table:
 
 
 def test_staleness_metrics_and_bound(tmp_path):
-    async_1 = grpo_test_config(tmp_path, "grpo.mode=async", "grpo.max_staleness=1").grpo
+    async_1 = grpo_test_config(tmp_path, "grpo.mode=async", "grpo.max_staleness=1", "grpo.correction.type=tis").grpo
     metrics = check_staleness(_lineage_table([3, 3, 3, 3], [2, 2, 3, 3]), async_1, source="rollouts.parquet")
     assert metrics == {STALENESS_MEAN: 0.5, STALENESS_MAX: 1.0}
 
@@ -113,6 +113,25 @@ def test_config_rules_for_mode_and_max_staleness():
         load_config(None, ["grpo.mode=async", "grpo.max_staleness=-1"])
 
 
+def test_async_with_staleness_needs_a_correction_or_an_explicit_override():
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["grpo.mode=async", "grpo.max_staleness=2", "grpo.correction.tis_cap=0"])
+    assert len(refused.value.errors) == 2  # both problems at once, as the loader reports everything
+    message = str(refused.value)
+    for expected in ("grpo.correction.type='none' with grpo.mode=async, grpo.max_staleness=2",
+                     "grpo.correction.type to one of ['tis', 'mis', 'geo_mask', 'icepop']",
+                     "grpo.allow_uncorrected_async=true", "grpo.correction.tis_cap=0.0: must be > 0"):
+        assert expected in message, message
+    for correction in ("tis", "mis", "geo_mask", "icepop"):
+        cfg = load_config(None, ["grpo.mode=async", "grpo.max_staleness=2", f"grpo.correction.type={correction}"])
+        assert cfg.grpo.correction.type == correction
+    overridden = load_config(None, ["grpo.mode=async", "grpo.max_staleness=2", "grpo.allow_uncorrected_async=true"])
+    assert overridden.grpo.correction.type == "none"
+    # Staleness 0 (sync, or async with a bound of 0) has nothing stale to correct.
+    assert load_config(None, ["grpo.mode=async", "grpo.max_staleness=0"]).grpo.correction.type == "none"
+    assert load_config(None).grpo.correction.type == "none"
+
+
 def test_mode_is_not_part_of_the_grpo_key(tmp_path):
     """Sync and async with any bound plan the same GRPO artifact for the same inputs: async S=0 re-uses (and
     reproduces) sync's artifacts, and switching mode re-uses every iteration whose rollouts are the same."""
@@ -125,7 +144,11 @@ def test_mode_is_not_part_of_the_grpo_key(tmp_path):
         inputs[name] = store.artifact_uri(name, name)
     keys = {
         plan_stage(load_config(None, overrides), store, "grpo", inputs, {"iteration": 1}).key
-        for overrides in ([], ["grpo.mode=async", "grpo.max_staleness=0"], ["grpo.mode=async", "grpo.max_staleness=2"])
+        for overrides in (
+            [],
+            ["grpo.mode=async", "grpo.max_staleness=0"],
+            ["grpo.mode=async", "grpo.max_staleness=2", "grpo.allow_uncorrected_async=true"],
+        )
     }
     assert len(keys) == 1
 
@@ -138,7 +161,7 @@ def _with_lineage(table: pa.Table, iteration: int, sampler: int) -> pa.Table:
 
 
 def test_grpo_stage_reads_staleness_into_its_metrics_and_refuses_too_stale_rows(tmp_path):
-    cfg = grpo_test_config(tmp_path, "grpo.mode=async", "grpo.max_staleness=1")
+    cfg = grpo_test_config(tmp_path, "grpo.mode=async", "grpo.max_staleness=1", "grpo.correction.type=tis")
     store = ObjectStore.from_config(cfg.storage)
     tokenizer = demo_tokenizer(tmp_path)
     table = rollout_table(plain_policy(cfg, tokenizer.vocab_size, seed=3), tokenizer, "file:///policy-1/policy")

@@ -42,10 +42,11 @@ State folder `<state_dir>` (one flow run's engines; several services by `name`):
 
 Process ownership: the service runs in its own session with its own FORGE_LAUNCH_ID and writes a launch
 registry record (forge_core.launch.registry) whose owner is the process that bounds its life: the flow
-process that launched the stage worker calling `ensure` (found through the worker's own FORGE_LAUNCH_ID),
-else the caller. So `reap_orphaned_launches()` ends a service whose flow died, the stage's launcher leaves it
-alone (process_tree skips descendants of another launch), and the service also exits by itself when its
-owner is gone. vLLM's processes started by the service carry its launch id, so `stop_services` finds them.
+process that launched the stage worker calling `ensure` (the worker's FORGE_LAUNCH_OWNER), else the caller.
+So the service stops by itself within about a second of its owner's death (forge_core.launch.owner; the stop
+is bounded: server.py), `reap_orphaned_launches()` ends what is left of it, and the stage's launcher leaves it
+alone (process_tree skips descendants of another launch). vLLM's processes started by the service carry its
+launch id, so `stop_services` finds them.
 
 Requests touching the engine run one at a time on the service's main thread (vLLM is not shared across
 threads); `ping` is answered by the connection's thread, also while a generation runs. After an unexpected

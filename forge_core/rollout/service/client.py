@@ -31,6 +31,7 @@ import psutil
 
 from forge_core.config.schema import RolloutConfig, SamplingConfig
 from forge_core.launch import registry
+from forge_core.launch.owner import OWNER_ENV, Owner, owner_from_environment
 from forge_core.launch.process_tree import end_processes, is_alive, processes_with_launch_id
 from forge_core.launch.spec import ERROR_FILE_ENV, LAUNCH_ID_ENV, LOG_PREFIX_TEMPLATE_ENV
 from forge_core.rollout.engine import EngineOptions
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # How often a client waiting for a reply checks that the service process still lives.
 REPLY_POLL_S = 0.5
+# Between the SIGTERM and the SIGKILL of a service that did not stop when asked.
+KILL_GRACE_S = 2.0
 
 # Services this process started: kept so their exit status is collected (no zombies while we live).
 _children: dict[int, subprocess.Popen] = {}
@@ -387,26 +390,18 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _owner() -> tuple[int, float]:
-    """The process whose life bounds a service started now (module docstring: process ownership)."""
-    launch_id = os.environ.get(LAUNCH_ID_ENV)
-    if launch_id:
-        owner = registry.launch_owner(launch_id)
-        if owner is not None:
-            return owner
-        log.warning(
-            "%s=%s has no launch registry record; the engine service will end with this process",
-            LAUNCH_ID_ENV,
-            launch_id,
-        )
-    this = psutil.Process()
-    return this.pid, this.create_time()
+def _owner() -> Owner:
+    """The process whose life bounds a service started now (package docstring: process ownership): the
+    launcher of this worker (FORGE_LAUNCH_OWNER), else this process."""
+    return owner_from_environment() or Owner.this_process()
 
 
-def service_environment(launch_id: str) -> dict[str, str]:
-    """Our environment minus what ties a process to the caller's launch, plus the service's own launch id."""
+def service_environment(launch_id: str, owner: Owner) -> dict[str, str]:
+    """Our environment minus what ties a process to the caller's launch, plus the service's own launch id
+    and owner."""
     env = {k: v for k, v in os.environ.items() if k not in (ERROR_FILE_ENV, LOG_PREFIX_TEMPLATE_ENV)}
     env[LAUNCH_ID_ENV] = launch_id
+    env[OWNER_ENV] = str(owner)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -422,7 +417,7 @@ def _start_service(
 ) -> EngineClient:
     started = time.monotonic()
     launch_id = f"engine-{uuid.uuid4().hex[:16]}"
-    owner_pid, owner_create_time = _owner()
+    owner = _owner()
     command = [
         sys.executable,
         "-m",
@@ -442,7 +437,7 @@ def _start_service(
         "--sampling",
         json.dumps(dataclasses.asdict(rollout.sampling)),
         "--owner",
-        f"{owner_pid}:{owner_create_time!r}",
+        str(owner),
     ]
     log_offset = paths.log.stat().st_size if paths.log.exists() else 0
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -452,7 +447,7 @@ def _start_service(
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env=service_environment(launch_id),
+            env=service_environment(launch_id, owner),
             # Its own session: signals to the caller's process group (Ctrl-C, a stage's kill) skip it.
             start_new_session=True,
         )
@@ -533,18 +528,20 @@ def end_stale_service(paths: ServicePaths, grace_s: float = 10.0) -> list[int]:
 
 
 def _stop_service(paths: ServicePaths, client: EngineClient | None, grace_s: float = 30.0) -> list[int]:
-    """Ask the service to shut down, wait `grace_s` for it to exit, then end what is left."""
+    """Ask the service to shut down and give it `grace_s` in all (the reply and its exit), then end what is
+    left (SIGTERM, KILL_GRACE_S, SIGKILL): done within about grace_s + KILL_GRACE_S."""
+    deadline = time.monotonic() + grace_s
     record = read_record(paths)
     asked = False
     if client is not None:
         with contextlib.suppress(EngineServiceError, OSError):
-            client.shutdown()
+            client.shutdown(timeout_s=max(0.1, deadline - time.monotonic()))
             asked = True
     proc = record.process() if record is not None else None
     if proc is not None and asked:
         with contextlib.suppress(psutil.Error):
-            _wait_exit(proc, grace_s)
-    return sorted({*end_stale_service(paths, grace_s=5.0), *([record.pid] if record else [])})
+            _wait_exit(proc, deadline - time.monotonic())
+    return sorted({*end_stale_service(paths, grace_s=KILL_GRACE_S), *([record.pid] if record else [])})
 
 
 def _wait_exit(proc: psutil.Process, timeout_s: float) -> None:
@@ -558,8 +555,9 @@ def _wait_exit(proc: psutil.Process, timeout_s: float) -> None:
 def stop_services(state_dir: str | os.PathLike, grace_s: float = 30.0) -> list[int]:
     """Stop every engine service recorded under `state_dir`; returns the pids that were stopped or ended.
 
-    Each gets a `shutdown` request, `grace_s` to exit, then SIGTERM/SIGKILL (with its vLLM processes);
-    records, sockets and registry records are removed. A missing folder is fine (nothing to stop).
+    Each gets a `shutdown` request and `grace_s` in all to answer and exit, then SIGTERM and, KILL_GRACE_S
+    later, SIGKILL (with its vLLM processes); all concurrently, so this ends within about grace_s +
+    KILL_GRACE_S. Records, sockets and registry records are removed. A missing folder is fine.
     """
     return _stop_services_except(Path(state_dir).expanduser().absolute(), set(), grace_s)
 
@@ -573,8 +571,10 @@ def _stop_services_except(folder: Path, keep: set[str], grace_s: float = 30.0) -
 
     def stop(name: str) -> list[int]:
         paths = ServicePaths(folder, name)
+        started = time.monotonic()
         with _exclusive(paths.lock):
-            return _stop_service(paths, healthy_client(paths, timeout_s=5.0), grace_s)
+            client = healthy_client(paths, timeout_s=min(PING_TIMEOUT_S, grace_s))
+            return _stop_service(paths, client, max(0.0, grace_s - (time.monotonic() - started)))
 
     # Concurrently: a flow with N engines (or a cancelled one) waits for the slowest, not for the sum.
     with ThreadPoolExecutor(len(names), thread_name_prefix="forge-engine-stop") as pool:

@@ -3,6 +3,12 @@
     python -m forge_core.rollout.service --state-dir D --policy-dir P --policy-version V ...
 
 (what `EngineService.ensure` runs; the package docstring has the whole picture.)
+
+Stopping: a `shutdown` request, SIGTERM or its owner's death (forge_core.launch.owner, checked every
+OWNER_POLL_S = 1 s, then a SIGTERM to itself) runs the clean-up (engine closed, socket, record and registry
+record removed). A clean-up still running STOP_GRACE_S after a SIGTERM, or a second SIGTERM, ends in SIGKILL of
+the service and every process carrying its launch id (its vLLM processes): a SIGTERMed service is gone
+within STOP_GRACE_S.
 """
 
 from __future__ import annotations
@@ -29,18 +35,19 @@ import psutil
 
 from forge_core.config.schema import SamplingConfig
 from forge_core.launch import registry
-from forge_core.launch.process_tree import is_alive
+from forge_core.launch.owner import Owner, watch_owner
+from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.launch.spec import LAUNCH_ID_ENV
 from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.generator import model_fingerprint
+from forge_core.rollout.policy import PolicyLease
 from forge_core.rollout.service.state import (
-    CREATE_TIME_TOLERANCE_S,
     DEFAULT_NAME,
     FAILED,
     MODULE,
-    OWNER_POLL_S,
     READY,
     STARTING,
+    STOP_GRACE_S,
     PolicyVersionMismatch,
     ServicePaths,
     ServiceRecord,
@@ -61,6 +68,7 @@ class _EngineState:
     ):
         self.generator = generator
         self.policy_dir = policy_dir
+        self.lease = PolicyLease(policy_dir)  # the policy cache keeps what we serve (an engine restart reads it)
         self.policy_version = policy_version
         self.options = options
         self.layout = layout
@@ -87,12 +95,14 @@ class _EngineState:
 
     def load(self, policy_dir: str, policy_version: str) -> dict:
         new_dir = Path(policy_dir)
+        lease = PolicyLease(new_dir)
         if policy_version == self.policy_version:
             reload_s = 0.0  # the version is the weights' checksum: these weights are loaded already
         else:
             reload_s = self.generator.reload(new_dir)
             log.info("loaded policy version %s from %s in %.3f s", policy_version[:16], new_dir, reload_s)
-        self.policy_dir, self.policy_version = new_dir, policy_version
+        self.lease.release()
+        self.policy_dir, self.policy_version, self.lease = new_dir, policy_version, lease
         return {"reload_s": reload_s, "info": self.info()}
 
     def generate(self, prompts, seed: int, sampling: SamplingConfig, expected_version: str) -> dict:
@@ -201,24 +211,69 @@ def _run_jobs(state: _EngineState, jobs: queue.Queue) -> None:
             return
 
 
-def _watch_owner(owner_pid: int, owner_create_time: float) -> None:
-    """End this service (SIGTERM to ourselves: the normal clean-up) once the owning process is gone."""
-    while True:
-        try:
-            owner = psutil.Process(owner_pid)
-            alive = abs(owner.create_time() - owner_create_time) < CREATE_TIME_TOLERANCE_S and is_alive(owner)
-        except psutil.Error:
-            alive = False
-        if not alive:
-            print(f"[forge.engine] owner pid {owner_pid} is gone; stopping", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        time.sleep(OWNER_POLL_S)
+def _stop_when_owner_is_gone(owner: Owner) -> None:
+    print(f"[forge.engine] owner pid {owner.pid} is gone; stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the normal clean-up, bounded like any SIGTERM
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean-up; a later SIGKILL ends a stuck one
-    raise SystemExit(128 + signum)
+def _kill_own_tree(why: str) -> None:
+    """SIGKILL every process of this service (its vLLM processes carry its FORGE_LAUNCH_ID), then itself."""
+    others = processes_with_launch_id(os.environ.get(LAUNCH_ID_ENV, ""))
+    print(
+        f"[forge.engine] {why}: SIGKILL of pids {sorted(p.pid for p in others)} and {os.getpid()}",
+        file=sys.stderr,
+        flush=True,
+    )
+    for proc in others:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _SigtermPolicy:
+    """SIGTERM handling (module docstring): the first SIGTERM raises SystemExit on the main thread (the
+    clean-up) and starts a STOP_GRACE_S timer that ends in SIGKILL of the tree; a second SIGTERM kills the tree
+    at once. Signals are counted on a thread of their own, woken through `signal.set_wakeup_fd`, so the bound
+    holds even when the main thread is stuck in a C call (a wedged engine) and never runs a Python handler."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._exiting = False
+
+    def install(self) -> None:
+        """Main thread only (set_wakeup_fd)."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.signal(signal.SIGTERM, self._exit_main_thread)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._count, args=(read_fd,), name="forge-engine-sigterm", daemon=True).start()
+
+    def _exit_main_thread(self, signum, frame) -> None:
+        if not self._exiting:  # one clean-up; the counting thread escalates
+            self._exiting = True
+            raise SystemExit(128 + signum)
+
+    def _count(self, read_fd: int) -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if signum == signal.SIGTERM:
+                    self._on_sigterm()
+
+    def _on_sigterm(self) -> None:
+        self.received += 1
+        if self.received > 1:
+            _kill_own_tree("SIGTERM again during the clean-up")
+        print(
+            f"[forge.engine] SIGTERM: stopping (SIGKILL of the service's processes after {STOP_GRACE_S:g} s, "
+            "or at a second SIGTERM)",
+            file=sys.stderr,
+            flush=True,
+        )
+        timer = threading.Timer(
+            STOP_GRACE_S, _kill_own_tree, args=(f"still stopping {STOP_GRACE_S:g} s after SIGTERM",)
+        )
+        timer.daemon = True
+        timer.start()
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -247,23 +302,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.umask(0o077)  # the socket file too: this user only
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _SigtermPolicy().install()
     launch_id = os.environ.setdefault(LAUNCH_ID_ENV, f"engine-{uuid.uuid4().hex[:16]}")  # vLLM's children too
     paths = prepare_state_dir(args.state_dir, args.name)
-    owner = _parse_owner(args.owner)
+    owner = Owner.parse(args.owner, "--owner") if args.owner else None
     this = psutil.Process()
     record = ServiceRecord(
         pid=this.pid,
         create_time=this.create_time(),
         launch_id=launch_id,
         status=STARTING,
-        owner_pid=owner[0] if owner else None,
+        owner_pid=owner.pid if owner else None,
         started_at=time.time(),
     )
     write_record(paths, record)
-    registry.record_launch(launch_id, this.pid, MODULE, owner)
+    registry.record_launch(launch_id, this.pid, MODULE, (owner.pid, owner.create_time) if owner else None)
     if owner is not None:
-        threading.Thread(target=_watch_owner, args=owner, name="forge-engine-owner", daemon=True).start()
+        watch_owner(owner, lambda: _stop_when_owner_is_gone(owner), name="forge-engine-owner")
     listener = None
     state = None
     try:
@@ -279,13 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         _clean_up(paths, record, listener, state)
-
-
-def _parse_owner(value: str | None) -> tuple[int, float] | None:
-    if not value:
-        return None
-    pid, create_time = value.split(":", 1)
-    return int(pid), float(create_time)
 
 
 def _start_engine(args: argparse.Namespace, paths: ServicePaths, record: ServiceRecord) -> _EngineState:

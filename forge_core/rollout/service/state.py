@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 
 from forge_core.launch.errors import RetryableStageError
-from forge_core.launch.process_tree import is_alive
+from forge_core.launch.owner import Owner
+from forge_core.launch.registry import check_private
 from forge_core.rollout.engine import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ AUTHKEY_FILE = "authkey"
 UNIX_SOCKET_PATH_MAX = 107  # bytes; sun_path holds 108 with the terminating NUL
 STARTING, READY, FAILED = "starting", "ready", "failed"
 PING_TIMEOUT_S = 30.0
-OWNER_POLL_S = 2.0
-CREATE_TIME_TOLERANCE_S = 0.01
+# After a SIGTERM, how long the service's clean-up may take before it SIGKILLs its own processes (server.py):
+# a healthy engine closes in well under a second; shorter than vLLM's own 5 s wait for an engine core process
+# that ignores SIGTERM, so a wedged core never holds the service.
+STOP_GRACE_S = 3.0
 
 
 class EngineServiceError(RetryableStageError):
@@ -95,20 +98,6 @@ def prepare_state_dir(state_dir: str | os.PathLike, name: str = DEFAULT_NAME) ->
     return paths
 
 
-def check_private(path: Path, what: str) -> None:
-    """ValueError unless `path` belongs to this user and gives group/others no access."""
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise ValueError(
-            f"{what}={path}: owned by uid {info.st_uid}, not by this user ({os.getuid()}); use a folder of your own"
-        )
-    if info.st_mode & 0o077:
-        raise ValueError(
-            f"{what}={path}: mode {oct(info.st_mode & 0o777)} lets other users reach the engine service; "
-            f"run `chmod go-rwx {path}` or choose another folder"
-        )
-
-
 def _create_authkey(path: Path) -> None:
     if path.exists():
         return
@@ -137,12 +126,12 @@ class ServiceRecord:
 
     def process(self) -> psutil.Process | None:
         """The service process if it still runs (same pid AND start time: pids are reused)."""
+        if not Owner(self.pid, self.create_time).alive():
+            return None
         try:
-            proc = psutil.Process(self.pid)
-            same = abs(proc.create_time() - self.create_time) < CREATE_TIME_TOLERANCE_S
+            return psutil.Process(self.pid)
         except psutil.Error:
             return None
-        return proc if same and is_alive(proc) else None
 
 
 def read_record(paths: ServicePaths) -> ServiceRecord | None:

@@ -3,6 +3,11 @@
 Every rank joins a gloo group and all-reduces (so the group is really up), prints `--lines` numbered
 lines, then the target rank(s) behave as `--mode` says while the others wait at a barrier.
 Pids of every process it creates go to `--pid-dir` so tests can check that nothing survives.
+
+`--mode stall` runs like a trainer instead: the group comes from forge_core's `init_distributed` (its
+collectives time out after `--pg-timeout-s`, default: above the launch's deadline), every rank sends the
+heartbeats of one optimizer step, then the target rank stops while the others send "step 2" and wait for it
+in an all-reduce.
 """
 
 import argparse
@@ -20,7 +25,10 @@ from forge_core.launch import record_errors
 
 def parse_args(argv):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["success", "raise-value", "sigkill", "hang"], default="success")
+    parser.add_argument(
+        "--mode", choices=["success", "raise-value", "sigkill", "hang", "stall"], default="success"
+    )
+    parser.add_argument("--pg-timeout-s", type=float, default=None, help="stall mode's collective timeout")
     parser.add_argument("--target-rank", type=int, default=-1, help="-1 = every rank")
     parser.add_argument("--lines", type=int, default=0)
     parser.add_argument("--pid-dir", default=None)
@@ -44,12 +52,30 @@ def spawn_descendants(pid_dir, rank):
     write_pid(pid_dir, f"rank{rank}-orphan", int(out.stdout.strip()))
 
 
+def stall(args, rank):
+    from forge_core.engine.distributed import init_distributed, process_group_timeout_s
+    from forge_core.launch.heartbeat import beat
+
+    init_distributed("cpu", timeout_s=args.pg_timeout_s)
+    print(f"collectives time out after {args.pg_timeout_s or process_group_timeout_s():g} s", flush=True)
+    beat(rank, 0, "step 1")
+    beat(rank, 1, "step 1 done")
+    if args.target_rank in (-1, rank):
+        print(f"stalling rank={rank}", flush=True)
+        while True:
+            time.sleep(1)
+    beat(rank, 1, "step 2")
+    dist.all_reduce(torch.ones(1))
+
+
 @record_errors
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     write_pid(args.pid_dir, f"rank{rank}", os.getpid())
+    if args.mode == "stall":
+        return stall(args, rank)
     dist.init_process_group("gloo")
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)

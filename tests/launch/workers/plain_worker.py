@@ -1,7 +1,9 @@
 """A single-process worker for the launcher's plain-python path: `python -m plain_worker <mode> [n]`.
 
 Modes: `success` prints n numbered lines; `raise-value` raises ValueError under record_errors (imports
-torch); `hang` writes its pid to $PLAIN_WORKER_PID_FILE and sleeps.
+torch); `disk-full` raises the OSError a write to a full disk raises (ENOSPC), under record_errors;
+`pg-timeout` prints the collectives' timeout forge_core would give this launch; `hang` writes its pid to
+$PLAIN_WORKER_PID_FILE and sleeps.
 """
 
 import os
@@ -25,6 +27,24 @@ def run_raise_value():
     main()
 
 
+def run_disk_full():
+    import errno
+
+    from forge_core.launch import record_errors
+
+    @record_errors
+    def main():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/store/sft/abc/_attempts/x/model.bin")
+
+    main()
+
+
+def run_pg_timeout():
+    from forge_core.engine.distributed import process_group_timeout_s
+
+    print(f"process group timeout {process_group_timeout_s():g}")
+
+
 def run_hang():
     with open(os.environ["PLAIN_WORKER_PID_FILE"], "w") as f:
         f.write(str(os.getpid()))
@@ -39,6 +59,10 @@ if __name__ == "__main__":
         run_success(int(sys.argv[2]))
     elif mode == "raise-value":
         run_raise_value()
+    elif mode == "disk-full":
+        run_disk_full()
+    elif mode == "pg-timeout":
+        run_pg_timeout()
     elif mode == "hang":
         run_hang()
     else:

@@ -1,0 +1,304 @@
+"""Reward functions run in worker processes, each call bounded in time, so user code cannot hang or crash the
+stage (or, with in-process stages, the flow process).
+
+    rewards = RewardSet.from_config(cfg.rollout.rewards, isolation=RewardIsolation.from_config(cfg.rollout))
+    scored = rewards.score(completions, ground_truths, refs)     # scored in the workers of this process's pool
+    scored.failures       # {"reward/timeouts": 0, "reward/crashes": 0, "reward/zeroed": 0}
+
+The samples are split into `workers` contiguous slices; each slice is scored in order by one worker process
+(`python -m forge_core.rewards.worker`, started once per process and reused: the flow process keeps its
+workers across its in-process stages). A worker answers sample by sample; the parent waits `timeout_s` for
+each answer:
+
+- an answer: the sample's component values (exactly what `RewardComponent.score` returns in-process, so with
+  no failure the rewards equal in-process scoring bit for bit, whatever `workers` is);
+- a Python exception or a non-finite value: RewardFunctionError (a ValueError: the stage fails fatally with
+  the function, the sample and the fix), as in-process scoring does;
+- no answer within `timeout_s` (a hang), or the worker died (segfault, os._exit, the OOM killer): the worker
+  is ended, a fresh one starts and scores the slice again from that sample (the ones before it are kept).
+  A sample that fails twice (MAX_ATTEMPTS) gets reward 0 in every component and the stage goes on; the
+  counts go into the stage's metrics: `reward/timeouts` and `reward/crashes` (failed attempts),
+  `reward/zeroed` (samples scored 0). More zeroed samples than `failure_limit` (max(3, 10 %) of the batch)
+  fail the stage as a RewardFunctionError: a reward that hangs or crashes on everything is a bug to fix (or
+  a `rollout.reward_timeout_s` too small for it), not a policy that got worse.
+
+A worker watches its parent (forge_core.launch.owner) and exits with it; an idle one exits when its parent
+closes the channel.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from forge_core.launch.errors import RetryableStageError
+from forge_core.launch.owner import Owner
+
+if TYPE_CHECKING:
+    from forge_core.config.schema import RolloutConfig
+    from forge_core.rewards.scoring import RewardSet
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "forge_core.rewards.worker"
+MAX_ATTEMPTS = 2
+FAILURE_FRACTION = 0.1
+FAILURE_FLOOR = 3
+# A fresh worker imports forge_core.rewards and the user's reward modules before its first answer.
+STARTUP_TIMEOUT_S = 120.0
+TIMEOUTS, CRASHES, ZEROED = "reward/timeouts", "reward/crashes", "reward/zeroed"
+
+
+def no_failures() -> dict[str, int]:
+    return {TIMEOUTS: 0, CRASHES: 0, ZEROED: 0}
+
+
+def failure_limit(samples: int) -> int:
+    """The most samples a batch may score 0 (after MAX_ATTEMPTS each) before the stage fails."""
+    return max(FAILURE_FLOOR, math.floor(FAILURE_FRACTION * samples))
+
+
+@dataclass(frozen=True)
+class RewardIsolation:
+    """How rewards are scored outside the calling process: the per-sample timeout and the worker count."""
+
+    timeout_s: float = 30.0
+    workers: int = 1
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> RewardIsolation:
+        return cls(timeout_s=float(rollout.reward_timeout_s), workers=int(rollout.reward_workers))
+
+
+class RewardWorkerError(RetryableStageError):
+    """A reward worker could not start (or build the rewards) in time: the machine, not the samples."""
+
+
+class _Failed(Exception):
+    """One attempt at a sample failed: the worker timed out or died."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+class _Worker:
+    """One reward worker process and our end of its channel."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        # The parent's import path, so the worker imports the same reward modules the parent resolved.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        owner = str(Owner.this_process())
+        command = [sys.executable, "-m", WORKER_MODULE, "--fd", str(theirs.fileno()), "--owner", owner]
+        try:
+            self.proc = subprocess.Popen(
+                command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+
+    def request(self, message: dict) -> None:
+        """Send a score request and wait until the worker has its rewards built (imports included)."""
+        self.conn.send(("score", message))
+        kind, _, payload = self.next_answer(STARTUP_TIMEOUT_S, "to build the rewards")
+        if kind == "error":
+            raise _reward_function_error(payload)
+        assert kind == "ready", kind
+
+    def next_answer(self, timeout_s: float, what: str = "per sample (rollout.reward_timeout_s)") -> tuple:
+        """The worker's next message; _Failed when none comes within `timeout_s` or the worker died."""
+        try:
+            if not self.conn.poll(timeout_s):
+                raise _Failed(TIMEOUTS, f"no answer within {timeout_s:g} s {what}")
+            return self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.proc.wait()
+            raise _Failed(CRASHES, f"the reward worker died ({_exit_text(self.proc.returncode)})") from exc
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
+
+
+def _exit_text(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class RewardPool:
+    """This process's reward workers (one slot per worker; a slot's process is replaced when it fails)."""
+
+    def __init__(self) -> None:
+        self._slots: list[_Worker | None] = []
+        self._lock = threading.Lock()  # one scoring at a time: the workers are not shared between batches
+
+    def score(
+        self, rewards: RewardSet, items: Sequence[tuple], isolation: RewardIsolation
+    ) -> tuple[list[list[float]], dict[str, int]]:
+        """Per-sample component values (in `rewards.components` order) and the failure counts; `items` are
+        `RewardSet.score_sample`'s arguments, one tuple per sample."""
+        assert rewards.configs is not None, "isolated scoring needs a RewardSet built by from_config"
+        with self._lock:
+            slots = max(1, min(isolation.workers, len(items)))
+            self._slots += [None] * (slots - len(self._slots))
+            batch = _Batch(rewards, items, isolation, failure_limit(len(items)))
+            bounds = [len(items) * k // slots for k in range(slots + 1)]
+            jobs = [(slot, list(range(bounds[slot], bounds[slot + 1]))) for slot in range(slots)]
+            if slots == 1:
+                self._score_slice(batch, *jobs[0])
+            else:
+                threads = [
+                    threading.Thread(
+                        target=self._score_slice_safely, args=(batch, *job), name=f"forge-reward-{job[0]}"
+                    )
+                    for job in jobs
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            if batch.error is not None:
+                raise batch.error
+            return batch.values, batch.failures
+
+    def _score_slice_safely(self, batch: _Batch, slot: int, indices: list[int]) -> None:
+        try:
+            self._score_slice(batch, slot, indices)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by score() on the caller's thread
+            batch.fail(exc)
+
+    def _score_slice(self, batch: _Batch, slot: int, indices: list[int]) -> None:
+        todo = indices
+        while todo and batch.error is None:
+            worker = self._worker(slot)
+            try:
+                worker.request(batch.request(todo))
+            except _Failed as failure:  # the worker could not even start: not the samples' fault
+                self._replace(slot)
+                raise RewardWorkerError(
+                    f"reward worker pid {worker.proc.pid} did not start: {failure}"
+                ) from None
+            todo = self._collect(batch, slot, worker, todo)
+
+    def _collect(self, batch: _Batch, slot: int, worker: _Worker, todo: list[int]) -> list[int]:
+        """Read the answers to one request; returns what is left to score (empty when done)."""
+        for position, index in enumerate(todo):
+            try:
+                kind, answered, payload = worker.next_answer(batch.isolation.timeout_s)
+            except _Failed as failure:
+                self._replace(slot)
+                retry = batch.attempt_failed(index, failure, worker.proc.pid)
+                return todo[position:] if retry else todo[position + 1 :]
+            assert answered == position, f"reward worker answered sample {answered}, expected {position}"
+            if kind == "error":
+                batch.fail(_reward_function_error(payload))
+                return []
+            batch.values[index] = payload
+        try:
+            assert worker.next_answer(batch.isolation.timeout_s)[0] == "done"
+        except _Failed:  # every sample was answered; only the worker is lost
+            self._replace(slot)
+        return []
+
+    def _worker(self, slot: int) -> _Worker:
+        worker = self._slots[slot]
+        if worker is None or worker.proc.poll() is not None:
+            worker = self._slots[slot] = _Worker()
+        return worker
+
+    def _replace(self, slot: int) -> None:
+        worker, self._slots[slot] = self._slots[slot], None
+        if worker is not None:
+            worker.end()
+
+    def close(self) -> None:
+        """End every worker (they would also exit when this process does)."""
+        for slot in range(len(self._slots)):
+            self._replace(slot)
+
+
+def _reward_function_error(message: str) -> Exception:
+    from forge_core.rewards.scoring import RewardFunctionError
+
+    return RewardFunctionError(message)
+
+
+class _Batch:
+    """One scoring call's shared state (slices may run on threads of their own)."""
+
+    def __init__(self, rewards: RewardSet, items, isolation: RewardIsolation, limit: int) -> None:
+        self.rewards = rewards
+        self.items = items
+        self.isolation = isolation
+        self.limit = limit
+        self.values: list[list[float] | None] = [None] * len(items)
+        self.failures = no_failures()
+        self.error: BaseException | None = None
+        self._attempts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def request(self, indices: list[int]) -> dict:
+        return {
+            "configs": self.rewards.configs,
+            "section": self.rewards.section,
+            "items": [self.items[i] for i in indices],
+        }
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            self.error = self.error or error
+
+    def attempt_failed(self, index: int, failure: _Failed, pid: int) -> bool:
+        """Count a failed attempt at sample `index`; True when it gets another one, False when it is scored 0."""
+        ref = self.items[index][2]
+        with self._lock:
+            self.failures[failure.kind] += 1
+            attempts = self._attempts[index] = self._attempts.get(index, 0) + 1
+            retry = attempts < MAX_ATTEMPTS
+            if not retry:
+                self.values[index] = [0.0] * len(self.rewards.components)
+                self.failures[ZEROED] += 1
+            zeroed = self.failures[ZEROED]
+        log.warning(
+            "reward scoring of sample %s (attempt %d of %d, worker pid %d): %s; %s",
+            ref, attempts, MAX_ATTEMPTS, pid, failure, "retrying in a fresh worker" if retry else "scored 0",
+        )  # fmt: skip
+        if zeroed > self.limit:
+            self.fail(
+                _reward_function_error(
+                    f"rewards {list(self.rewards.versions())}: {zeroed} of {len(self.items)} samples could not be "
+                    f"scored (each timed out or crashed its worker {MAX_ATTEMPTS} times; the last: sample {ref}, "
+                    f"{failure}); more than the {self.limit} allowed. Fix the reward function, or raise "
+                    f"rollout.reward_timeout_s (now {self.isolation.timeout_s:g}) if it is merely slow"
+                )
+            )
+        return retry
+
+
+_pool: RewardPool | None = None
+_pool_lock = threading.Lock()
+
+
+def process_pool() -> RewardPool:
+    """This process's reward pool, started on first use and closed at exit."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = RewardPool()
+            atexit.register(_pool.close)
+        return _pool

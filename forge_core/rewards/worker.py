@@ -1,0 +1,75 @@
+"""A reward worker process: scores samples for its parent's RewardPool (forge_core.rewards.isolation).
+
+    python -m forge_core.rewards.worker --fd N --owner <pid>:<create time>
+
+(started by the pool, never by hand). It serves score requests on the socket `--fd`, answering sample by
+sample: ("ready"), then ("value", i, [component values]) per sample and ("done", n); a reward function's
+Python error becomes ("error", i, message) and ends that request. It exits when the parent closes the socket
+or is gone (forge_core.launch.owner); a hang or a crash in a reward function is the parent's to notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+from forge_core.launch.owner import Owner, watch_owner
+from forge_core.rewards.scoring import RewardFunctionError, RewardSet
+
+_EXIT_OWNER_GONE = 3
+
+
+def serve(conn: Connection) -> None:
+    """Answer score requests until the parent closes the channel."""
+    built: dict[str, RewardSet] = {}
+    while True:
+        try:
+            op, request = conn.recv()
+        except EOFError:
+            return
+        assert op == "score", op
+        key = repr((request["configs"], request["section"]))
+        if key not in built:
+            try:
+                built[key] = RewardSet.from_config(request["configs"], request["section"])
+            except ValueError as exc:
+                conn.send(("error", None, str(exc)))
+                continue
+        conn.send(("ready", None, None))
+        _score(conn, built[key], request["items"])
+
+
+def _score(conn: Connection, rewards: RewardSet, items: list[tuple]) -> None:
+    for position, item in enumerate(items):
+        try:
+            values = rewards.score_sample(*item)
+        except RewardFunctionError as exc:
+            conn.send(("error", position, str(exc)))
+            return
+        conn.send(("value", position, values))
+    conn.send(("done", len(items), None))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve the parent until it closes the channel or dies (module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_core.rewards.worker", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--fd", type=int, required=True, help="our end of the parent's socketpair")
+    parser.add_argument("--owner", required=True, help="<pid>:<create time> of the parent (exit with it)")
+    args = parser.parse_args(argv)
+    owner = Owner.parse(args.owner, "--owner")
+    watch_owner(owner, lambda: os._exit(_EXIT_OWNER_GONE), name="forge-reward-owner")
+    conn = Connection(args.fd)
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

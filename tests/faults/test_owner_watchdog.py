@@ -1,0 +1,104 @@
+"""The flow process SIGKILLed mid-SFT: the launch ends itself (forge_core.launch.owner), nobody reaps it.
+
+A real flow process (`python -m flows.post_train`, on the session's Prefect API) runs the tiny pipeline with an
+SFT far longer than the test; once the SFT's first in-stage checkpoint is committed the flow process is
+SIGKILLed. Its torchrun agent and both ranks must then end by themselves (no later flow runs, no reaper: the
+launch registry keeps the dead flow's record), and nothing may be committed on the dead flow's behalf: every
+manifest in the store was stamped (`committed_at`, set before the pre-commit owner check) before the kill.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fault_kit import wait_until_gone, worker_processes_under
+from scenarios import REPO, STAGE_WAIT_S, TINY_CONFIG, file_overrides
+
+from forge_core.launch import reap_orphaned_launches
+from forge_core.storage import ObjectStore
+
+pytestmark = pytest.mark.integration
+
+# Generous: the launch ends ~2 s after its owner (OWNER_POLL_S plus a process scan) on an idle machine.
+GONE_WAIT_S = 120.0
+
+
+def _wait_for_first_checkpoint(store_dir: Path, flow: subprocess.Popen, log_path: Path) -> Path:
+    deadline = time.monotonic() + STAGE_WAIT_S
+    while time.monotonic() < deadline and flow.poll() is None:
+        found = sorted(store_dir.glob("sft/*/_checkpoints/step-*/_MANIFEST.json"))
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(
+        f"no SFT checkpoint was committed (flow exit code {flow.poll()}); its output:\n"
+        + log_path.read_text()[-4000:]
+    )
+
+
+@pytest.mark.fault(
+    fault="flow process SIGKILLed mid-SFT (after its first in-stage checkpoint)",
+    where="`python -m flows.post_train` (own process); no later flow and no reaper runs",
+    checked="torchrun's agent and both ranks end by themselves (owner watchdog); the dead flow's registry "
+    "record is still there (nobody reaped); no manifest was committed after the kill (pre-commit owner check), "
+    "the SFT output is not committed",
+)
+def test_a_sigkilled_flow_s_sft_launch_ends_itself_and_commits_nothing(prefect_api, tmp_path, fault_row):
+    registry = tmp_path / "launches"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "FORGE_LAUNCH_REGISTRY": str(registry)}
+    overrides = file_overrides(tmp_path, "sft.steps=100000", "grpo.iterations=0")
+    log_path = tmp_path / "flow.log"
+    with log_path.open("w") as log:
+        flow = subprocess.Popen(
+            [sys.executable, "-m", "flows.post_train", TINY_CONFIG, *overrides],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    try:
+        first_checkpoint = _wait_for_first_checkpoint(tmp_path / "store", flow, log_path)
+        workers = worker_processes_under(flow.pid)
+        flow.send_signal(signal.SIGKILL)
+        flow.wait()
+        killed_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
+        killed = time.monotonic()
+        assert any("torch.distributed.run" in p.cmdline for p in workers), workers
+        assert (
+            sum(
+                "forge_core.run sft" in p.cmdline and "torch.distributed.run" not in p.cmdline
+                for p in workers
+            )
+            == 2
+        )
+
+        left = wait_until_gone(workers, timeout_s=GONE_WAIT_S)
+        gone_s = time.monotonic() - killed
+        assert left == [], f"still running {GONE_WAIT_S:g} s after the flow's SIGKILL: {left}"
+        records = sorted(p.stem for p in registry.glob("*.json"))
+        assert records, "the dead flow's launch record is gone: something reaped it"
+
+        manifests = [json.loads(path.read_text()) for path in (tmp_path / "store").rglob("_MANIFEST.json")]
+        late = [(m["stage"], m["key"], m["committed_at"]) for m in manifests if m["committed_at"] > killed_at]
+        assert late == [], f"committed after the flow process was killed at {killed_at}: {late}"
+        assert ObjectStore(f"file://{tmp_path}/store").list_committed("sft") == []
+        checkpoints = sum(m["kind"] == "checkpoint" for m in manifests)
+        assert checkpoints >= 1
+        fault_row.fact(f"{len(workers)} processes ended {gone_s:.1f} s after the kill, unreaped")
+        fault_row.fact(f"{checkpoints} checkpoints committed before the kill, none after")
+        print(
+            f"first checkpoint {first_checkpoint.parent.name}; launch gone {gone_s:.2f} s after the SIGKILL"
+        )
+    finally:
+        if flow.poll() is None:
+            flow.kill()
+            flow.wait()
+        reap_orphaned_launches(registry, grace_s=2)  # only now: whatever a failed check left running
