@@ -35,6 +35,8 @@ import errno
 import json
 import os
 import re
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -317,30 +319,29 @@ def _classification_recording_handler():
 
     class ClassificationRecordingErrorHandler(ErrorHandler):
         def record_exception(self, e: BaseException) -> None:
-            super().record_exception(e)
+            # torch's own handler writes the file in place: torchrun SIGTERMs the surviving ranks of a failed
+            # one, and a rank ended mid-write leaves a truncated file on which torchrun's agent itself crashes
+            # (JSONDecodeError), losing which rank failed how. So the whole record is written atomically here.
             path = self._get_error_file_path()
-            if path and os.path.isfile(path):
-                found = classify_exception(e)
-                _add_extra_info(
-                    path,
-                    {
-                        MRO_KEY: exception_mro(e),
-                        RANK_KEY: os.environ.get("RANK"),
-                        CATEGORY_KEY: found.category.value,
-                        FIX_KEY: found.fix,
-                    },
-                )
+            if not path:
+                super().record_exception(e)  # no file configured: torch logs what it would have written
+                return
+            found = classify_exception(e)
+            extra = {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+                MRO_KEY: exception_mro(e),
+                RANK_KEY: os.environ.get("RANK"),
+                CATEGORY_KEY: found.category.value,
+                FIX_KEY: found.fix,
+            }
+            _write_json_atomically(path, {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": extra}})
 
     return ClassificationRecordingErrorHandler()
 
 
-def _add_extra_info(path: str, extra: dict[str, Any]) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    message = data.get("message")
-    if isinstance(message, dict):
-        message.setdefault("extraInfo", {}).update(extra)
-    tmp = f"{path}.tmp"
+def _write_json_atomically(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
