@@ -10,7 +10,7 @@ tokens, temperature 1, per-prompt seeds: one demo rollout batch), alternating ca
             prompts and samples, the engine in another process);
 - baseline: `Generator.generate` in this process (what `engine_lifetime: stage` runs): target <= 1.10x.
 `details` also holds the same comparison for a single-prompt call (the fixed per-call cost), the service's
-start-up (process start, imports, engine) and its in-place reload time (`load` of another version).
+start-up (process start, imports, engine) and its in-place reload time (`reload` to another version).
 """
 
 from __future__ import annotations
@@ -74,18 +74,18 @@ def main() -> None:
             for round_index in range(repeats):
                 target, version = (policy_b, "version-b") if round_index % 2 == 0 else (policy_a, "version-a")
                 start = time.perf_counter()
-                client.load(target, version)
+                client.reload(target, version)
                 reloads.append({"load_call_s": time.perf_counter() - start, "reload_s": client.reload_s})
-            client.load(policy_a, "version-a")
+            client.reload(policy_a, "version-a")
 
-            local = Generator(policy_a, sampling, EngineOptions.from_config(rollout))
+            local = Generator(policy_a, EngineOptions.from_config(rollout), policy_version="version-a")
             seeds = iter(range(10**6))
 
             def through_service(batch):
-                return lambda: client.generate(batch, next(seeds), sampling, "version-a")
+                return lambda: client.generate(batch, sampling, next(seeds))
 
             def in_process(batch):
-                return lambda: local.generate(batch, seed=next(seeds), sampling=sampling)
+                return lambda: local.generate(batch, sampling, next(seeds))
 
             batch_service, batch_local = alternate(
                 through_service(prompts), in_process(prompts), warmup=1, repeats=repeats

@@ -9,8 +9,8 @@ that every stage really launches. A trivial flow first starts the API server and
 and task engine (once-per-process costs); `--warmup N` adds N untimed full runs. Each measured run's wall
 time (around the `post_train` call) splits into:
 
-- stage work: the workers' own body time, `wall_s` in each committed stage manifest (from the stage's
-  `main` to its commit, so without interpreter and torch/vLLM import start-up);
+- stage work: the workers' own body time, `wall_s` in each committed stage manifest (from the worker
+  scaffold's start of the stage to its commit, so without interpreter and torch/vLLM import start-up);
 - process start-up: per stage, the launcher's duration minus that body time (torchrun, interpreter and
   imports, rendezvous, process exit); the launch duration is read back from the stage task's own log line
   (`<stage>: SUCCESS in <s>s`) through the Prefect API;
@@ -42,7 +42,8 @@ from bench.harness import write_result
 BENCH_NAME = "orchestration_overhead"
 TARGET = "<=0.05"
 DEFAULT_CONFIG = "configs/tiny_test.yaml"
-_LAUNCH_START = re.compile(r"^(?P<stage>\w+): launching -> (?P<uri>\S+)$")
+# tasks/stages.py's line before a stage runs: "<stage>: running in <runner> -> <uri> (attempt <id>)".
+_LAUNCH_START = re.compile(r"^(?P<stage>\w+): running in .+ -> (?P<uri>\S+) \(attempt \S+\)$")
 _LAUNCH_END = re.compile(r"^(?P<stage>\w+): SUCCESS in (?P<seconds>[0-9.]+)s$")
 LOG_WAIT_S = 60.0
 
@@ -159,7 +160,7 @@ def read_stage_runs(flow_run_id: str) -> tuple[list, dict]:
             return task_runs, launches
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"flow run {flow_run_id}: after {LOG_WAIT_S:.0f}s still no 'launching -> <uri>' and "
+                f"flow run {flow_run_id}: after {LOG_WAIT_S:.0f}s still no 'running in ... -> <uri>' and "
                 f"'SUCCESS in <s>s' log lines for task runs {missing}; a stage was skipped (the store is "
                 "fresh, so it should not be) or tasks/stages.py changed those lines"
             )

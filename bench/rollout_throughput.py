@@ -122,7 +122,7 @@ def stage_side(generator, prompts, counter: Counter):
     seeds = iter(range(10**6))
 
     def run() -> None:
-        samples = generator.generate(prompts, seed=next(seeds))
+        samples = generator.generate(prompts, sampling_config(), seed=next(seeds))
         counter.add(sum(s.response_len for s in samples))
 
     return run
@@ -131,7 +131,7 @@ def stage_side(generator, prompts, counter: Counter):
 def raw_vllm_side(generator, prompts, counter: Counter, seeded: bool):
     from vllm import SamplingParams
 
-    from forge_core.rollout.sampling import request_seed, vllm_sampling_params
+    from forge_core.rollout.sampling import request_seed
 
     llm = generator._llm  # the same engine, so the difference is the Generator's own work
     requests = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
@@ -142,7 +142,7 @@ def raw_vllm_side(generator, prompts, counter: Counter, seeded: bool):
         call = next(calls)
         if seeded:
             params = [
-                vllm_sampling_params(sampling, request_seed(call, p.group_id, p.prompt_id)) for p in prompts
+                sampling.build(request_seed(call, p.group_id, p.prompt_id)) for p in prompts
             ]
         else:
             params = SamplingParams(
@@ -212,7 +212,7 @@ def start_generator(model_dir: Path, **engine_overrides):
     from forge_core.rollout import EngineOptions, Generator
 
     engine = dataclasses.replace(EngineOptions(kv_cache_gib=1), **engine_overrides)
-    return Generator(model_dir, sampling_config(), engine)
+    return Generator(model_dir, engine, policy_version="bench")
 
 
 def measure_variant(name: str, model_dir: Path, prompts, repeats: int, **engine_overrides) -> dict:

@@ -10,14 +10,16 @@ lane (one at a time, in iteration order) so that with `grpo.mode: async` the rol
 by policy max(0, k - grpo.max_staleness), are generated while the iterations before k train. Sync is the same
 code with staleness 0 (each rollout is awaited as soon as it is submitted). A cancelled or killed flow still
 takes every launch down with it: the launcher's registry is per process, whichever thread launched.
+
+The config is loaded and validated once, here; the tasks get the RunConfig object. The run's long-lived
+engines and trainer job (the default lifetimes) belong to its FlowResources (forge_core.run.resources), which
+ends them when the flow ends, fails or is cancelled.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,11 +29,11 @@ from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
 from flows.report import StageRecord, format_table, plot_curves, stage_table
-from forge_core.config import RunConfig, config_to_json, load_config
+from forge_core.config import RunConfig, load_config
 from forge_core.credentials import hide_credentials_in_overrides
-from forge_core.launch import install_sigterm_handler, reap_orphaned_launches, terminate_all_live
-from forge_core.rollout.lifetime import stop_flow_engines, with_run_id
-from forge_core.run.trainer_job import stop_flow_trainers
+from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
+from forge_core.rollout.lifetime import with_run_id
+from forge_core.run.resources import FlowResources
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
@@ -85,33 +87,15 @@ class StageTasks:
     evaluate: Task
 
 
-# The cancel/crash path must end inside Prefect's grace: a process worker SIGKILLs a cancelled flow run 30 s
-# after its SIGTERM (prefect 3.7: runner/_cancellation_manager.py, grace_seconds = 30.0). The SIGTERM handler's
-# terminate_all_live takes at most max(launch.*.kill_grace_s) + 10 s (20 s by default), the engines below at
-# most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s, the trainer job is a launch ended with the others: ~25 s in all.
-# Whatever a SIGKILL still catches ends itself within ~2 s (forge_core.launch.owner).
-ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
-
-
 def flow_config(config: str, overrides: list[str] | None, run_id: str | None) -> RunConfig:
     """The flow's resolved config, tagged with its flow run id (`launch.run_id`: its own engines and trainer
     job, never another run's; forge_core.rollout.lifetime)."""
     return with_run_id(load_config(config, list(overrides or [])), run_id)
 
 
-def stop_run_processes(cfg: RunConfig, failing: bool) -> tuple[list[int], list[int]]:
-    """Stop the run's GRPO trainer job and rollout engine services (only this run's); returns their pids.
-    A failing run (cancel, crash, error) does not wait for the job's current order and gives the engines
-    ENGINE_STOP_GRACE_ON_FAILURE_S to shut down."""
-    if failing:
-        return stop_flow_trainers(cfg, timeout_s=0.0), stop_flow_engines(cfg, ENGINE_STOP_GRACE_ON_FAILURE_S)
-    return stop_flow_trainers(cfg), stop_flow_engines(cfg)
-
-
 def kill_launches(flow, flow_run, state) -> None:
     """Cancellation/crash hook: take down every process tree this flow run launched (its trainer job too), and
-    its rollout engines (bounded: see ENGINE_STOP_GRACE_ON_FAILURE_S)."""
-    terminate_all_live()
+    its rollout engines, within Prefect's grace (forge_core.run.resources.FlowResources.abort)."""
     parameters = flow_run.parameters or {}
     try:
         cfg = flow_config(
@@ -119,24 +103,13 @@ def kill_launches(flow, flow_run, state) -> None:
         )
     except ValueError:
         return  # the flow failed on its config before it could start anything
-    stop_run_processes(cfg, failing=True)
+    FlowResources.of(cfg).abort(f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}")
 
 
-@contextmanager
-def flow_engines(cfg: RunConfig) -> Iterator[None]:
-    """The flow run's long-lived rollout engines (`rollout.engine_lifetime: flow`) and GRPO trainer job
-    (`grpo.trainer_lifetime: flow`) end with it, also when it fails: the first rollout/evaluate or GRPO stage
-    starts them, nothing else would stop them."""
-    failing = True
-    try:
-        yield
-        failing = False
-    finally:
-        trainers, engines = stop_run_processes(cfg, failing)
-        if trainers:
-            get_run_logger().info("stopped the run's GRPO trainer job: pids %s", trainers)
-        if engines:
-            get_run_logger().info("stopped the run's rollout engine services: pids %s", engines)
+def flow_resources(cfg: RunConfig) -> FlowResources:
+    """The run's long-lived engines and trainer job, ended with the flow (`with flow_resources(cfg): ...`);
+    what they stop is logged to the flow run."""
+    return FlowResources.of(cfg, log_line=get_run_logger().info)
 
 
 def end_orphaned_launches() -> list[int]:
@@ -159,11 +132,11 @@ def _eval_point(store: ObjectStore, label: str, policy_uri: str, eval_uri: str) 
 def stage_tasks(cfg: RunConfig) -> StageTasks:
     """The stage tasks with each stage's retry budget from `launch.<stage>.retries`."""
     return StageTasks(
-        prepare=prepare_data.with_options(retries=cfg.launch.prepare.retries),
-        sft=train_sft.with_options(retries=cfg.launch.sft.retries),
-        rollout=generate_rollouts.with_options(retries=cfg.launch.rollout.retries),
-        grpo=train_grpo.with_options(retries=cfg.launch.grpo.retries),
-        evaluate=evaluate.with_options(retries=cfg.launch.evaluate.retries),
+        prepare=prepare_data.with_options(retries=cfg.launch.for_stage("prepare").retries),
+        sft=train_sft.with_options(retries=cfg.launch.for_stage("sft").retries),
+        rollout=generate_rollouts.with_options(retries=cfg.launch.for_stage("rollout").retries),
+        grpo=train_grpo.with_options(retries=cfg.launch.for_stage("grpo").retries),
+        evaluate=evaluate.with_options(retries=cfg.launch.for_stage("evaluate").retries),
     )
 
 
@@ -209,11 +182,13 @@ class _RolloutLane:
     k + bound, sampled by policy max(0, j - bound) <= k. With bound 0 (sync, or async with max_staleness 0)
     that is rollout k alone, awaited at once: today's sequential flow."""
 
-    def __init__(self, clock: _StageClock, task: Task, cfg: RunConfig, config_json: str, data_uri: str):
+    def __init__(
+        self, clock: _StageClock, task: Task, cfg: RunConfig, resources: FlowResources, data_uri: str
+    ):
         self._clock = clock
         self._cfg = cfg
         self._task = task
-        self._config_json = config_json
+        self._resources = resources
         self._data_uri = data_uri
         self._mode = cfg.grpo.mode
         self._max_staleness = cfg.grpo.max_staleness
@@ -231,7 +206,7 @@ class _RolloutLane:
         after = self._submitted[-1] if self._submitted else None
         get_run_logger().info("stage %s: start (submitted; sampled by policy %d)", label, sampler)
         future = self._task.submit(
-            self._config_json, policy_uri, self._data_uri, iteration, sampler,
+            self._cfg, policy_uri, self._data_uri, iteration, sampler,
             wait_for=[after.future] if after else None,
         )
         stage = _SubmittedStage(label, future, time.monotonic(), after)
@@ -256,46 +231,44 @@ class _RolloutLane:
         in_flight = [stage for stage in self._submitted if stage.done_at is None]
         while in_flight:
             # Again each round: a rollout waiting on its predecessor may launch right after a cancel.
-            terminate_all_live(reason="the flow failed while rollouts were in flight")
             # Rollouts on the flow's engines run in this process (forge_core.run.in_process): they end when
-            # their engines do.
-            stop_flow_engines(self._cfg, ENGINE_STOP_GRACE_ON_FAILURE_S)
+            # their engines do; launched ones with their launch.
+            self._resources.abort("the flow failed while rollouts were in flight")
             for stage in in_flight:
                 stage.future.wait(timeout=1.0)
             in_flight = [stage for stage in in_flight if stage.done_at is None]
 
 
-def run_pipeline(cfg: RunConfig) -> PipelineSummary:
+def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
     """The stage graph; called inside a flow so every stage is a task run."""
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
-    config_json = config_to_json(cfg)
     t = stage_tasks(cfg)
     run = _StageClock(logger)
 
-    data_uri = run("prepare", t.prepare, config_json)
-    sft_uri = run("sft", t.sft, config_json, data_uri)
+    data_uri = run("prepare", t.prepare, cfg)
+    sft_uri = run("sft", t.sft, cfg, data_uri)
     summary = PipelineSummary(
         flow_run_id=str(flow_run.get_id() or "local"),
         data_uri=data_uri,
         sft_uri=sft_uri,
         final_policy_uri=sft_uri,
     )
-    eval_uri = run("eval-sft", t.evaluate, config_json, sft_uri, data_uri)
+    eval_uri = run("eval-sft", t.evaluate, cfg, sft_uri, data_uri)
     summary.evals.append(_eval_point(store, "sft", sft_uri, eval_uri))
     logger.info("after SFT: accuracy %.3f", summary.evals[-1].accuracy)
 
     policies = [sft_uri]  # by policy index: SFT = 0, after GRPO iteration k = k+1
-    lane = _RolloutLane(run, t.rollout, cfg, config_json, data_uri)
+    lane = _RolloutLane(run, t.rollout, cfg, resources, data_uri)
     try:
         for iteration in range(cfg.grpo.iterations):
             n = iteration + 1
             lane.submit_ready(policies)
             rollouts_uri = lane.result(iteration)
-            policies.append(run(f"grpo-{n}", t.grpo, config_json, policies[iteration], rollouts_uri, iteration))
+            policies.append(run(f"grpo-{n}", t.grpo, cfg, policies[iteration], rollouts_uri, iteration))
             summary.rollouts.append(rollouts_uri)
             lane.drain()
-            eval_uri = run(f"eval-grpo-{n}", t.evaluate, config_json, policies[n], data_uri)
+            eval_uri = run(f"eval-grpo-{n}", t.evaluate, cfg, policies[n], data_uri)
             summary.evals.append(_eval_point(store, f"grpo-{n}", policies[n], eval_uri))
             logger.info("after GRPO iteration %d: accuracy %.3f", n, summary.evals[-1].accuracy)
     except BaseException:
@@ -349,8 +322,8 @@ def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | Non
     # A SIGTERM to the flow process (worker cancel) must take the launched process trees down with it.
     install_sigterm_handler()
     end_orphaned_launches()
-    with flow_engines(cfg):
-        return asdict(run_pipeline(cfg))
+    with flow_resources(cfg) as resources:
+        return asdict(run_pipeline(cfg, resources))
 
 
 if __name__ == "__main__":

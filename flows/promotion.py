@@ -13,8 +13,8 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from forge_core.artifacts.policy import POLICY_DIR
 from forge_core.config import RunConfig, select_sections
-from forge_core.rollout.policy import POLICY_DIR
 from forge_core.storage import ObjectStore, PointerConflict, PointerState, canonical_json
 
 # What a promoted policy is comparable on: its architecture (model), its task, tokenizer and held-out split

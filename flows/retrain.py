@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows.post_train import end_orphaned_launches, flow_config, flow_engines, kill_launches, stage_tasks
+from flows.post_train import end_orphaned_launches, flow_config, flow_resources, kill_launches, stage_tasks
 from flows.promotion import check_same_tokenizer, promote_if_better, promotion_pointer
-from forge_core.config import config_to_json
 from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
@@ -53,32 +52,31 @@ def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None =
     cfg = flow_config(config, overrides, flow_run.get_id())
     install_sigterm_handler()
     end_orphaned_launches()
-    with flow_engines(cfg):
+    with flow_resources(cfg):
         return _retrain(cfg)
 
 
 def _retrain(cfg) -> dict:
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
-    config_json = config_to_json(cfg)
     pointer = promotion_pointer(cfg)
     t = stage_tasks(cfg)
 
-    data_uri = t.prepare(config_json)
+    data_uri = t.prepare(cfg)
 
     def accuracy_of(policy_uri: str) -> float:
         """An incumbent's held-out accuracy on this run's data (same tokenizer required)."""
         check_same_tokenizer(store, policy_uri, data_uri)
-        return _accuracy(store, t.evaluate(config_json, policy_uri, data_uri))
+        return _accuracy(store, t.evaluate(cfg, policy_uri, data_uri))
 
     incumbent = store.pointer_state(pointer)
     # Both policies are scored on the same, current held-out split.
     incumbent_accuracy = accuracy_of(incumbent.uri) if incumbent.uri else None
-    policy_uri = incumbent.uri or t.sft(config_json, data_uri)
+    policy_uri = incumbent.uri or t.sft(cfg, data_uri)
     for iteration in range(cfg.grpo.iterations):
-        rollouts_uri = t.rollout(config_json, policy_uri, data_uri, iteration)
-        policy_uri = t.grpo(config_json, policy_uri, rollouts_uri, iteration)
-    candidate_accuracy = _accuracy(store, t.evaluate(config_json, policy_uri, data_uri))
+        rollouts_uri = t.rollout(cfg, policy_uri, data_uri, iteration)
+        policy_uri = t.grpo(cfg, policy_uri, rollouts_uri, iteration)
+    candidate_accuracy = _accuracy(store, t.evaluate(cfg, policy_uri, data_uri))
 
     decision = promote_if_better(
         store, pointer, policy_uri, candidate_accuracy, incumbent, incumbent_accuracy, accuracy_of

@@ -23,9 +23,9 @@ Examples: `FORGE_FAULT=kill_rank:1:3@sft`, `FORGE_FAULT=hang_rank:1:2@grpo,kill_
 
 Hooks: trainers call `maybe_inject_fault(rank, step)` after each optimizer step and before that step's
 checkpoint, so a fault at step N loses step N's update and resume restarts from the last checkpoint before N;
-`forge_core.run` names the stage (`set_current_stage`); the vLLM generator passes `engine_kill_progress()` as
-vLLM's progress callback; `forge_core.storage.retry.Retrier` calls `maybe_fail_storage_call` before every
-storage call.
+`forge_core.run` names the stage (`set_current_stage`); the vLLM generator passes
+`engine_kill_progress(engine_core_processes)` as vLLM's progress callback (the lookup passed in: faults sits
+below rollout); `forge_core.storage.retry.Retrier` calls `maybe_fail_storage_call` before every storage call.
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ def _parse_entry(spec: str, entry: str) -> Fault:
     if "@" in entry and not stage.strip():
         raise bad(": empty stage after '@'")
     stage_name = stage.strip() or None
-    from forge_core.config.schema import STAGES  # here: storage imports this module, keep it a leaf
+    from forge_core.stages import is_stage, stage_names  # the registry: a leaf, like this module
 
-    if stage_name is not None and stage_name not in STAGES:
-        raise bad(f": unknown stage {stage_name!r} (stages: {', '.join(STAGES)})")
+    if stage_name is not None and not is_stage(stage_name):
+        raise bad(f": unknown stage {stage_name!r} (stages: {', '.join(stage_names())})")
     action = parts[0]
     if action in RANK_ACTIONS:
         if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):
@@ -185,12 +185,13 @@ def maybe_inject_fault(rank: int, step: int) -> None:
 _completed_samples = 0
 
 
-def engine_kill_progress() -> Callable[..., object] | None:
-    """A progress-bar factory for vLLM's `LLM.generate(use_tqdm=...)` that SIGKILLs the engine core when a
-    kill_vllm fault is due; None when none is configured for this stage (pass `... or False`)."""
+def engine_kill_progress(find_engines: Callable[[], list]) -> Callable[..., object] | None:
+    """A progress-bar factory for vLLM's `LLM.generate(use_tqdm=...)` that SIGKILLs the engine core processes
+    (`find_engines()`: psutil processes, the generator's own lookup) when a kill_vllm fault is due; None when
+    none is configured for this stage (pass `... or False`)."""
     if not _active_faults((KILL_VLLM,)):
         return None
-    return _EngineKillProgress
+    return functools.partial(_EngineKillProgress, find_engines=find_engines)
 
 
 class _EngineKillProgress:
@@ -199,14 +200,17 @@ class _EngineKillProgress:
     vLLM builds one around the prompts while rendering them (an iterable: passed through untouched) and one
     with `total=` once the requests are queued; the engine is killed only from the latter."""
 
-    def __init__(self, iterable=None, total: int | None = None, **_: object) -> None:
+    def __init__(
+        self, iterable=None, total: int | None = None, *, find_engines: Callable[[], list], **_: object
+    ) -> None:
         self.iterable = iterable
         self.total = total
+        self.find_engines = find_engines
         self.n = 0
         self.postfix = ""
         self._started = time.monotonic()
         if iterable is None:
-            _kill_engine_if_due()  # the requests are queued: a kill now lands mid-generation
+            _kill_engine_if_due(find_engines)  # the requests are queued: a kill now lands mid-generation
 
     def __iter__(self):
         return iter(self.iterable)
@@ -219,7 +223,7 @@ class _EngineKillProgress:
         global _completed_samples
         self.n += n
         _completed_samples += n
-        _kill_engine_if_due()
+        _kill_engine_if_due(self.find_engines)
 
     def refresh(self) -> None:
         return None
@@ -228,19 +232,18 @@ class _EngineKillProgress:
         return None
 
 
-def _kill_engine_if_due() -> None:
+def _kill_engine_if_due(find_engines: Callable[[], list]) -> None:
     for index, fault in _active_faults((KILL_VLLM,)):
         if _completed_samples >= fault.samples and _claim_once(index):
-            kill_vllm_engine(f"after {_completed_samples} completed samples")
+            kill_vllm_engine(f"after {_completed_samples} completed samples", find_engines)
 
 
-def kill_vllm_engine(why: str) -> list[int]:
-    """SIGKILL this process's vLLM engine core process(es); with none (an in-process engine), this process."""
+def kill_vllm_engine(why: str, find_engines: Callable[[], list]) -> list[int]:
+    """SIGKILL this process's vLLM engine core process(es) (`find_engines()`); with none (an in-process
+    engine), this process."""
     import psutil
 
-    from forge_core.rollout.engine_watch import engine_core_processes
-
-    engines = engine_core_processes()
+    engines = find_engines()
     if not engines:
         _announce(f"kill_vllm {why}: the engine runs in this process; SIGKILL pid {os.getpid()}")
         os.kill(os.getpid(), signal.SIGKILL)

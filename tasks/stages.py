@@ -1,28 +1,28 @@
-"""Prefect tasks, one per pipeline stage.
+"""Prefect tasks, one per pipeline stage, and one generic task for any stage of the registry.
 
 Each task: plan the stage (content-addressed output), return at once if that output is committed (a re-run
-after a failure resumes at the failed stage), otherwise write the spec, take the pool's capacity, launch the
-worker through forge_core's launcher, verify the committed output and publish UI artifacts. Only URIs go in
-and out, never tensors or tables.
+after a failure resumes at the failed stage), otherwise write the spec, take the pool's capacity, run the
+stage through its runner (forge_core.run.runners.runner_for: its own worker launch, the task's process or the
+flow's trainer job), verify the committed output and publish UI artifacts. The typed RunConfig comes in as the
+flow validated it (a task parameter is an in-process object; the tasks cache nothing); only URIs go out,
+never tensors or tables.
 
-Retries: retryable failures (a rank killed, the launcher's deadline, a lost node, transient storage) are
+Retries: retryable failures (a rank killed, the stage's deadline, a lost node, transient storage) are
 retried with exponential backoff and jitter; fatal ones (bad config or data) fail at once with the worker's
 message. A retried SFT/GRPO stage resumes from its last committed in-stage checkpoint (the worker does that).
 
-    from tasks import train_sft
-    sft_uri = train_sft(config_json, data_uri)          # inside a flow
-    sft_uri = train_sft.fn(config_json, data_uri)       # plain call, no Prefect API needed
+    from tasks import stage_task, train_sft
+    sft_uri = train_sft(cfg, data_uri)                           # inside a flow
+    out_uri = stage_task(cfg, "dedupe")(cfg, "dedupe", {"data": data_uri})   # any registered stage
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
-from collections.abc import Callable
 
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -35,15 +35,14 @@ from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 from tqdm import tqdm
 
-from forge_core.config import RunConfig, config_from_dict
-from forge_core.launch import LaunchResult, Outcome, launch, live_handles
+from forge_core.config import RunConfig
+from forge_core.launch import LaunchResult, Outcome
 from forge_core.launch.errors import Category, classify_exception
 from forge_core.metrics.progress import parse_progress_line
-from forge_core.run.in_process import run_in_task_process, runs_in_task_process
-from forge_core.run.plan import StagePlan, launch_spec_for, plan_stage
+from forge_core.run.plan import StagePlan, plan_stage
+from forge_core.run.runner import Cancel, Runner
+from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
-from forge_core.run.trainer_job import FLOW as TRAINER_FLOW
-from forge_core.run.trainer_job import run_in_flow_trainer
 from forge_core.storage import ObjectStore, new_attempt_id
 
 STAGE_RETRIES = 2
@@ -128,34 +127,27 @@ def _publish_stage_artifacts(plan: StagePlan, store: ObjectStore) -> None:
     )
 
 
-def launch_stage_worker(plan: StagePlan, cfg: RunConfig, log) -> LaunchResult:
-    """The default way to run a planned stage: its own worker launch (torchrun for training stages)."""
-    return launch(launch_spec_for(plan, cfg), log=log)
-
-
 def run_stage(
-    config_json: str,
+    cfg: RunConfig,
     stage: str,
     inputs: dict[str, str],
     params: dict | None = None,
-    run_worker: Callable[[StagePlan, RunConfig, Callable[[str], None]], LaunchResult] | None = None,
+    runner: Runner | None = None,
 ) -> str:
-    """Plan, skip-if-committed, take the output key's lease, launch, verify. Returns the committed output URI.
+    """Plan, skip-if-committed, take the output key's lease, run, verify. Returns the committed output URI.
 
-    `run_worker(plan, cfg, log)` runs the planned stage (spec written) and returns its LaunchResult; by
-    default its own worker launch, or, for rollout/evaluate with the flow's long-lived engines, this process
-    (forge_core.run.in_process: a thin engine client is not worth a process start per stage).
+    `runner` runs the planned stage (spec written) and returns its LaunchResult; by default the stage's own
+    (forge_core.run.runners.runner_for): its own worker launch, or, with the flow lifetimes, this process
+    (rollout/evaluate on the flow's engines) or the flow's trainer job (GRPO).
 
     Two runs of one config at the same stage (two deployment runs, a retry next to a zombie): the first takes
     the lease on the output key (forge_core.storage.lease) and computes; the other waits without holding pool
     capacity until the output is committed (then returns it) or the lease goes stale (then computes). Each
     attempt writes its own spec (`<output_uri>/_specs/<attempt>.json`). Whoever commits first owns the
     artifact; an attempt that lost the commit race, or whose worker failed while another attempt committed,
-    returns the committed URI (artifacts are content-addressed: it is the same computation)."""
+    returns the committed URI (artifacts are content-addressed: it is the same computation). A holder that
+    finds on renewal that it lost the lease cancels its own attempt, whichever runner runs it."""
     logger = get_run_logger()
-    cfg: RunConfig = config_from_dict(json.loads(config_json))
-    if run_worker is None:
-        run_worker = run_in_task_process if runs_in_task_process(stage, cfg) else launch_stage_worker
     store = ObjectStore.from_config(cfg.storage)
     plan = plan_stage(cfg, store, stage, inputs=inputs, params=params)
     if store.is_committed(plan.output_uri):
@@ -188,8 +180,10 @@ def run_stage(
             lease.release()
         logger.info("%s: output already committed at %s by another run; skipping", stage, plan.output_uri)
         return plan.output_uri
-    with lease.kept_alive(on_lost=lambda lost: _cancel_launches_of(plan, str(lost))):
-        result = _run_planned(plan, cfg, store, run_worker, logger)
+    runner = runner or runner_for(cfg, stage)
+    cancel = Cancel()
+    with lease.kept_alive(on_lost=lambda lost: cancel.request(str(lost))):
+        result = _run_planned(plan, cfg, store, runner, logger, cancel)
     logger.info("%s: %s in %.1fs", stage, result.outcome.name, result.duration_s)
 
     if not committed():
@@ -211,30 +205,25 @@ def run_stage(
     return plan.output_uri
 
 
-def _run_planned(plan: StagePlan, cfg: RunConfig, store: ObjectStore, run_worker, logger) -> LaunchResult:
-    """Write the attempt's spec, take the pool's capacity and run the worker with a progress reporter."""
+def _run_planned(
+    plan: StagePlan, cfg: RunConfig, store: ObjectStore, runner: Runner, logger, cancel: Cancel
+) -> LaunchResult:
+    """Write the attempt's spec, take the pool's capacity and run it with a progress reporter."""
     write_spec(store, plan.spec)
-    resources = getattr(cfg.launch, plan.stage)
+    resources = cfg.launch.for_stage(plan.stage)
     gpus = resources.gpus_per_node * resources.nnodes
-    logger.info("%s: launching -> %s (attempt %s)", plan.stage, plan.output_uri, plan.spec.attempt)
+    attempt = plan.spec.attempt
+    logger.info("%s: running in %s -> %s (attempt %s)", plan.stage, runner.where, plan.output_uri, attempt)
     reporter = _ProgressReporter(plan, logger)
     try:
         if gpus > 0:
             # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a
             # missing limit is an error instead of an unbounded oversubscription of the GPUs.
             with concurrency(resources.pool, occupy=gpus, strict=True):
-                return run_worker(plan, cfg, reporter)
-        return run_worker(plan, cfg, reporter)
+                return runner.run(plan, reporter, cancel)
+        return runner.run(plan, reporter, cancel)
     finally:
         reporter.close()
-
-
-def _cancel_launches_of(plan: StagePlan, reason: str) -> None:
-    """The stage's lease was taken over: end this attempt's own launch (its args name the attempt's spec).
-    A stage running in this process or in the flow's trainer job finishes; the lease check then fails it."""
-    for handle in live_handles():
-        if plan.spec_uri in handle.spec.args:
-            handle.cancel(reason)
 
 
 _stage_task = task(
@@ -247,28 +236,40 @@ _stage_task = task(
 )
 
 
+@_stage_task(name="run_stage")
+def run_stage_task(cfg: RunConfig, stage: str, inputs: dict[str, str] | None = None, params: dict | None = None) -> str:
+    """Any stage of the registry (forge_core.stages) as a task: a stage added through the registry alone needs
+    no task of its own. Name it after its stage with `stage_task`."""
+    return run_stage(cfg, stage, dict(inputs or {}), params)
+
+
+def stage_task(cfg: RunConfig, stage: str) -> Task:
+    """The generic task named after `stage`, with its retry budget `launch.<stage>.retries`."""
+    return run_stage_task.with_options(name=stage, retries=cfg.launch.for_stage(stage).retries)
+
+
 @_stage_task(name="prepare_data")
-def prepare_data(config_json: str) -> str:
+def prepare_data(cfg: RunConfig) -> str:
     """Data prep: sources -> tokenized sft / rl_prompts / eval tables + tokenizer."""
-    return run_stage(config_json, "prepare", inputs={})
+    return run_stage(cfg, "prepare", inputs={})
 
 
 @_stage_task(name="train_sft")
-def train_sft(config_json: str, data_uri: str) -> str:
+def train_sft(cfg: RunConfig, data_uri: str) -> str:
     """Supervised fine-tuning under torchrun; resumes from its last committed checkpoint."""
-    return run_stage(config_json, "sft", inputs={"data": data_uri})
+    return run_stage(cfg, "sft", inputs={"data": data_uri})
 
 
 @_stage_task(name="generate_rollouts")
 def generate_rollouts(
-    config_json: str, policy_uri: str, data_uri: str, iteration: int, policy_iteration: int | None = None
+    cfg: RunConfig, policy_uri: str, data_uri: str, iteration: int, policy_iteration: int | None = None
 ) -> str:
     """vLLM rollouts for GRPO iteration `iteration`, sampled by `policy_uri` whose policy index is
     `policy_iteration` (SFT = 0, after GRPO iteration k = k+1; None = `iteration`, on-policy), scored by the
     reward functions. Every row records the index, for the GRPO stage's staleness check."""
     sampler = iteration if policy_iteration is None else policy_iteration
     return run_stage(
-        config_json,
+        cfg,
         "rollout",
         inputs={"policy": policy_uri, "data": data_uri},
         params={"iteration": iteration, "policy_iteration": sampler},
@@ -276,20 +277,15 @@ def generate_rollouts(
 
 
 @_stage_task(name="train_grpo")
-def train_grpo(config_json: str, policy_uri: str, rollouts_uri: str, iteration: int) -> str:
+def train_grpo(cfg: RunConfig, policy_uri: str, rollouts_uri: str, iteration: int) -> str:
     """One GRPO update on a committed rollout batch under torchrun: its own launch, or an order to the flow
-    run's long-lived trainer job with `grpo.trainer_lifetime: flow` (forge_core.run.trainer_job)."""
-    lifetime = json.loads(config_json).get("grpo", {}).get("trainer_lifetime", "stage")
+    run's long-lived trainer job with `grpo.trainer_lifetime: flow` (forge_core.run.runners chooses)."""
     return run_stage(
-        config_json,
-        "grpo",
-        inputs={"policy": policy_uri, "rollouts": rollouts_uri},
-        params={"iteration": iteration},
-        run_worker=run_in_flow_trainer if lifetime == TRAINER_FLOW else launch_stage_worker,
+        cfg, "grpo", inputs={"policy": policy_uri, "rollouts": rollouts_uri}, params={"iteration": iteration}
     )
 
 
 @_stage_task(name="evaluate")
-def evaluate(config_json: str, policy_uri: str, data_uri: str) -> str:
+def evaluate(cfg: RunConfig, policy_uri: str, data_uri: str) -> str:
     """Greedy (or pass@k) evaluation of a policy on the held-out split."""
-    return run_stage(config_json, "evaluate", inputs={"policy": policy_uri, "data": data_uri})
+    return run_stage(cfg, "evaluate", inputs={"policy": policy_uri, "data": data_uri})

@@ -17,10 +17,9 @@ from forge_core.config.loader import (
     select_sections,
     validate_config,
 )
-from forge_core.config.schema import STAGES, RunConfig
+from forge_core.config.schema import RunConfig
 
 __all__ = [
-    "STAGES",
     "ConfigError",
     "RunConfig",
     "config_from_dict",

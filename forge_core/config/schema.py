@@ -15,11 +15,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from forge_core.credentials import has_credentials, hide_credentials, redact_url
-
-STAGES = ("prepare", "sft", "rollout", "grpo", "evaluate")
 
 
 @dataclass
@@ -111,8 +109,8 @@ class ModelConfig:
     max_seq_len: int = 256
 
     def check(self) -> list[str]:
-        # The flavor catalog is plain Python: validating names does not import torch or torchtitan.
-        from forge_core.models.catalog import flavor_errors
+        # The flavor catalog is config's own data (forge_core.models builds what it names).
+        from forge_core.config.catalog import flavor_errors
 
         errors = flavor_errors(self.family, self.flavor)
         if self.max_seq_len < 1:
@@ -262,6 +260,39 @@ class OptimizerConfig:
             errors.append(f"optimizer.warmup_steps={self.warmup_steps}: must be >= 0")
         return errors
 
+    def build(self, model: Any, device_type: str, total_steps: int) -> tuple[Any, Any]:
+        """AdamW over every trainable parameter of `model` (call after parallelize + materialisation) and its
+        LR schedule stepped once per optimizer step: torchtitan's `OptimizersContainer` and
+        `LRSchedulersContainer`, both `Stateful` (DCP checkpoints them directly).
+
+        The schedule is linear warmup for `warmup_steps`, then `decay` ("cosine", "linear" or "constant") down
+        to `min_lr_ratio * lr` at `total_steps`."""
+        from torchtitan.components.optimizer import (
+            LRSchedulersContainer,
+            OptimizersContainer,
+            ParamGroupConfig,
+        )
+
+        if total_steps < 1:
+            raise ValueError(f"total_steps={total_steps}: the LR schedule needs at least one step")
+        adamw = {
+            "lr": self.lr, "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay
+        }
+        optimizers = OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=adamw)],
+            # Fused AdamW has CPU and CUDA kernels in torch 2.13 and accepts FSDP's DTensor parameters.
+            implementation="fused" if device_type in ("cpu", "cuda") else "foreach",
+        ).build(model_parts=[model])
+        schedulers = LRSchedulersContainer.Config(
+            warmup_steps=min(self.warmup_steps, total_steps),
+            total_steps=total_steps,
+            # decay_ratio=0 keeps the LR flat after warmup; None decays over all post-warmup steps.
+            decay_ratio=0.0 if self.decay == "constant" else None,
+            decay_type="linear" if self.decay == "constant" else self.decay,
+            min_lr_factor=self.min_lr_ratio,
+        ).build(optimizers=optimizers, training_steps=total_steps)
+        return optimizers, schedulers
+
 
 @dataclass
 class ParallelismConfig:
@@ -351,6 +382,23 @@ class SamplingConfig:
             errors.append(f"rollout.sampling.stop={self.stop!r}: every stop string must be a non-empty string")
         return errors
 
+    def build(self, seed: int | None) -> Any:
+        """vLLM `SamplingParams` for one prompt: `group_size` samples drawn with `seed` (a per-prompt seed:
+        forge_core.rollout.sampling.request_seed), the sampled token's logprob each."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=self.group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            # forgeflow's -1 (and vLLM's 0) mean no top-k cut.
+            top_k=0 if self.top_k in (-1, 0) else self.top_k,
+            max_tokens=self.max_new_tokens,
+            stop=list(self.stop) or None,
+            seed=seed,
+            logprobs=0,
+        )
+
 
 @dataclass
 class RewardComponentConfig:
@@ -400,15 +448,22 @@ class RolloutConfig:
     # (CPU) or tensor_parallel_size GPUs; tensor parallel is vLLM's own.
     num_engines: int = 1
     tensor_parallel_size: int = 1
-    # KV cache per engine (vLLM's kv_cache_memory_bytes), on CPU and GPU alike.
-    kv_cache_gib: int = 1
+    # KV cache per engine in GiB (vLLM's kv_cache_memory_bytes). null = on GPU vLLM sizes it from
+    # gpu_memory_utilization (whatever is left after weights, activations and CUDA graphs: ~60 GB, ~500k tokens
+    # of Qwen3-1.7B on an 80 GB GPU at 0.85), on CPU 1 GiB. A number pins it; on GPU vLLM still checks at start
+    # that gpu_memory_utilization x the GPU's memory is free.
+    kv_cache_gib: float | None = None
+    # GPU only: the share of the GPU's memory one engine may take (weights + activations + KV cache). vLLM
+    # refuses to start when less than this share is free, so leave room for anything else on the GPU.
+    gpu_memory_utilization: float = 0.85
     # Most sequences one engine step holds; samples per iteration above it are queued by vLLM.
     max_num_seqs: int = 256
     # Tokens per engine step (prefill chunking); None = vLLM's default.
     max_num_batched_tokens: int | None = None
     # "auto" = float32 on CPU (parity with the fp32 CPU trainer), the checkpoint's dtype on GPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # No CUDA graphs / torch.compile: fast start-up; turn off on GPU for long rollouts.
+    # No CUDA graphs / torch.compile: fast start-up (and nothing to capture on CPU); set false on GPU, where
+    # CUDA graphs make decoding several times faster for a minute of start-up (configs/qwen3_1_7b_gsm8k.yaml).
     enforce_eager: bool = True
     # CPU only: cores for vLLM's worker threads. "auto" = vLLM's default: every core but one, which is left
     # to its scheduler process; "all" = every core this process may use (oversubscribed by the scheduler:
@@ -417,12 +472,13 @@ class RolloutConfig:
     # Run vLLM's engine core and worker inside the stage process (tensor_parallel_size=1 only): start-up in
     # seconds instead of tens of seconds on CPU, no scheduler process competing for the cores.
     engine_in_process: bool = True
-    # How long a vLLM engine lives. "stage": each rollout/evaluate stage starts its own and stops it when it
-    # ends. "flow": the stages share the flow run's long-lived engine services (forge_core.rollout.service;
-    # num_engines of them, prompts re-routed from a dead one to the live ones) that load each new policy in
-    # place (milliseconds instead of an engine start-up); the flow stops them at its end.
+    # How long a vLLM engine lives. "flow" (the fast path): the rollout and evaluate stages share the flow
+    # run's long-lived engine services (forge_core.rollout.service; num_engines of them, prompts re-routed from
+    # a dead one to the live ones) that load each new policy in place (milliseconds instead of an engine
+    # start-up), and run in their task's process as thin clients; the flow stops them at its end. "stage": each
+    # rollout/evaluate stage is a worker process that starts its own engine and stops it when it ends.
     # Samples do not depend on it (per-prompt seeds), so it is not part of the rollout artifacts' key.
-    engine_lifetime: Literal["stage", "flow"] = "stage"
+    engine_lifetime: Literal["stage", "flow"] = "flow"
     # Folder of the flow's engine services (Unix socket, key, log; made mode 0700); each flow run gets its own
     # run-<hash> folder inside it. null = a folder under the temp dir keyed by run name, storage root, working
     # directory and flow run (forge_core.rollout.lifetime). Not part of the artifacts' key either. Its socket
@@ -456,10 +512,20 @@ class RolloutConfig:
             )
         if not self.rewards:
             errors.append("rollout.rewards=[]: name at least one reward component, e.g. exact_answer")
-        positive = ("num_engines", "tensor_parallel_size", "kv_cache_gib", "max_num_seqs", "reward_workers")
+        positive = ("num_engines", "tensor_parallel_size", "max_num_seqs", "reward_workers")
         for name in positive:
             if getattr(self, name) < 1:
                 errors.append(f"rollout.{name}={getattr(self, name)}: must be >= 1")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            errors.append(
+                f"rollout.kv_cache_gib={self.kv_cache_gib}: must be > 0, or null (GPU: sized from "
+                "rollout.gpu_memory_utilization; CPU: 1 GiB)"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            errors.append(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1], the share of "
+                "the GPU's memory an engine may take (e.g. 0.85)"
+            )
         if not self.reward_timeout_s > 0:
             errors.append(f"rollout.reward_timeout_s={self.reward_timeout_s}: must be > 0 (seconds per reward call)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -632,11 +698,12 @@ class GRPOConfig:
     micro_batch_size: int = 64
     # In-stage checkpoint every N optimizer steps (and always after the last one).
     checkpoint_every: int = 16
-    # "stage": every GRPO iteration launches its own torchrun job. "flow": the first GRPO task of a flow run
-    # starts one torchrun job that trains every iteration in order (forge_core.run.trainer_job), saving
-    # torchrun + interpreter + import start-up per iteration; each iteration is still a task that waits on
-    # its committed artifact, and a retry restarts the job. Same results; not part of the artifacts' key.
-    trainer_lifetime: Literal["stage", "flow"] = "stage"
+    # "flow" (the fast path): the first GRPO task of a flow run starts one torchrun job that trains every
+    # iteration in order (forge_core.run.trainer_job), saving torchrun + interpreter + import start-up per
+    # iteration; each iteration is still a task that waits on its committed artifact, and a retry restarts
+    # the job. Needs launch.grpo.nnodes=1. "stage": every GRPO iteration launches its own torchrun job.
+    # Same results; not part of the artifacts' key.
+    trainer_lifetime: Literal["stage", "flow"] = "flow"
     # How rollouts and training interleave. Policy index v: SFT = 0, after GRPO iteration k (0-based) = k+1;
     # iteration k trains policy k on rollouts sampled by policy k - s (s = staleness, recorded per row).
     # "sync": s = 0; each iteration's rollouts come from the policy it trains (rollout, GRPO, eval in turn).
@@ -755,6 +822,12 @@ class LaunchConfig:
     # the run's engine and trainer state folders, so concurrent runs of one config never share an engine or a
     # trainer job (forge_core.rollout.lifetime); null = a fresh id per process. Not part of any key.
     run_id: str | None = None
+
+    def for_stage(self, stage: str) -> ResourceConfig:
+        """The resources of `stage`: its `launch.<stage>` section, or the defaults for a stage that has none
+        (a stage registered outside forge_core: forge_core.stages)."""
+        resources = getattr(self, stage, None)
+        return resources if isinstance(resources, ResourceConfig) else ResourceConfig()
 
 
 @dataclass

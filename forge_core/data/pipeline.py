@@ -37,6 +37,7 @@ from forge_core.data.tokenizer import (
     train_demo_tokenizer,
     train_text_tokenizer,
 )
+from forge_core.stages import stage_named
 from forge_core.storage import Manifest, ObjectStore
 from forge_core.storage.uris import split_scheme
 
@@ -46,8 +47,6 @@ DEMO_SOURCE = "demo"
 TRAIN_DESTINATIONS = ("sft", "rl_prompts")
 EVAL_DESTINATIONS = ("eval",)
 DEMO_DESTINATIONS = {"sft": ("sft",), "rl": ("rl_prompts",), "eval": ("eval",)}
-# Config sections that determine a data artifact (the same slice forge_core.run.plan keys it by).
-STAGE_CONFIG_SECTIONS = ("seed", "data", "model")
 
 
 @dataclass
@@ -137,7 +136,8 @@ def _write_splits(writer, chunks: Iterable[Chunk], tokenizer: HFTokenizer, adds_
 def stage_config(cfg: RunConfig) -> dict:
     """The config slice recorded in a data artifact's manifest."""
     full = config_to_dict(cfg)
-    return {section: full[section] for section in STAGE_CONFIG_SECTIONS}
+    # The config sections that determine a data artifact: the slice its key is made of (forge_core.stages).
+    return {section: full[section] for section in stage_named("prepare").key_sections}
 
 
 def storage_options_for(uri: str, store: ObjectStore) -> dict:

@@ -4,7 +4,8 @@ through fsspec straight into the object store, each committed as its own artifac
 Layout: `<output_uri>/_checkpoints/step-<N>/` holds `_MANIFEST.json` (kind "checkpoint") and, under
 `_attempts/<attempt>/`, DCP's files (`.metadata`, `__<rank>_0.distcp`). Rank 0 opens the checkpoint's writer
 (one attempt: its own prefix, so a zombie or concurrent writer of the same step never mixes shards with this
-one), every rank writes its shards there, and rank 0 creates the manifest exclusively once all have finished.
+one), every rank writes its shards there, hashing them as they stream out (hashing_dcp.py), and rank 0
+gathers the hashes and creates the manifest exclusively once all have finished: no shard is read back.
 A checkpoint without a manifest does not exist; one whose files do not match their manifest is refused, and
 resume falls back to the previous committed one (with a warning naming the corrupt file).
 
@@ -28,11 +29,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from forge_core.engine.distributed import DistContext, barrier, broadcast_object
+from forge_core.engine.distributed import DistContext, barrier, broadcast_object, gather_objects
+from forge_core.engine.hashing_dcp import HashingFsspecWriter
 from forge_core.engine.rng import capture_rng_state, restore_rng_state
 from forge_core.engine.safe_dcp import SafeFsspecReader, SafeLoadPlanner
 from forge_core.launch.errors import RetryableStageError
@@ -41,6 +42,7 @@ from forge_core.storage import (
     ArtifactAlreadyCommitted,
     ArtifactCorrupted,
     ArtifactWriter,
+    FileEntry,
     ObjectStore,
     StorageError,
     StorageUnavailable,
@@ -201,14 +203,16 @@ class Checkpointer:
         if self.dist.is_rank0:
             self._writer = ArtifactWriter(self.store, ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
         files_uri = broadcast_object(self._writer.files_uri if self.dist.is_rank0 else None)
-        writer = FsspecWriter(self.store.fsspec_path(files_uri), **self.store.storage_options)
+        # Every rank hashes its own shards as it writes them: nothing is read back to commit them.
+        writer = HashingFsspecWriter(self.store.fsspec_path(files_uri), **self.store.storage_options)
         try:
             dcp.save(state, storage_writer=writer)
         except CheckpointException as exc:
             if any(_storage_may_recover(failure) for failure, _ in exc.failures.values()):
                 raise RetryableStageError(f"checkpoint {ref.uri}: writing shards failed: {exc}") from exc
             raise
-        failure = broadcast_object(self._commit(ref) if self.dist.is_rank0 else None)
+        per_rank = gather_objects(writer.written_files)
+        failure = broadcast_object(self._commit(ref, per_rank) if self.dist.is_rank0 else None)
         if failure:
             message, retryable = failure
             # A storage outage at the commit point is worth a retry (it resumes from the previous checkpoint).
@@ -220,11 +224,12 @@ class Checkpointer:
         barrier()
         return ref
 
-    def _commit(self, ref: CheckpointRef) -> tuple[str, bool] | None:
-        """Rank 0: None, or (what failed, whether a retry may succeed)."""
+    def _commit(self, ref: CheckpointRef, per_rank: list[dict[str, FileEntry]]) -> tuple[str, bool] | None:
+        """Rank 0: commit the files every rank hashed while writing. None, or (what failed, whether a retry
+        may succeed)."""
         writer = self._writer
         try:
-            writer.adopt_existing()
+            writer.adopt_hashed({rel: entry for files in per_rank for rel, entry in files.items()})
             writer.commit(config=self.config, inputs=self.inputs, metrics={"step": ref.step})
         except ArtifactAlreadyCommitted as exc:
             # Another attempt (a zombie or concurrent run) committed this step first: its checkpoint is as good.

@@ -1,7 +1,7 @@
 """Device and process-group setup: one code path for a plain `python` process (world size 1) and for N ranks
 under torchrun (or any launcher that sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT).
 
-    dist_ctx = init_distributed("auto")        # CUDA + NCCL when a GPU is visible, else CPU + gloo
+    dist_ctx = init_distributed("auto")        # CUDA + NCCL when a GPU is usable, else CPU + gloo (logged why)
     total = all_reduce_sum(3.0, dist_ctx.world_group)
 
 We deliberately do not use `torchtitan.tools.utils.device_type`/`device_module`: on a CPU-only host they
@@ -10,6 +10,7 @@ fall back to "cuda", and `device_module.set_device` would fail there.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,10 @@ from typing import Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from forge_core.engine.preflight import HostDevices
 from forge_core.launch.spec import DEADLINE_ENV
+
+log = logging.getLogger(__name__)
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 T = TypeVar("T")
@@ -46,16 +50,40 @@ class DistContext:
 
 
 def resolve_device_type(choice: DeviceChoice) -> str:
-    """ "auto" -> "cuda" when a GPU is visible, else "cpu". Asking for "cuda" without a GPU is a user error."""
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "training.device='cuda': no CUDA device is visible on this host; use training.device=auto or cpu"
-        )
-    if choice not in ("cpu", "cuda"):
+    """ "auto" -> "cuda" when a GPU is usable, else "cpu" (logged with the reason on every rank). Asking for
+    "cuda" without a usable GPU is a user error naming what was found."""
+    if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f"training.device={choice!r}: unknown; use 'auto', 'cpu' or 'cuda'")
-    return choice
+    if choice == "cpu":
+        return "cpu"
+    unusable = HostDevices.probe().gpu_unusable_reason()
+    if choice == "cuda" and unusable is not None:
+        raise ValueError(f"training.device='cuda' asks for a GPU, but {unusable}; or set training.device=cpu")
+    if choice == "auto":
+        rank = os.environ.get("RANK", "0")
+        if unusable is None:
+            log.info(
+                "rank %s: training.device=auto chose cuda: torch %s (CUDA %s) sees %d device(s), "
+                "CUDA_VISIBLE_DEVICES=%s",
+                rank, torch.__version__, torch.version.cuda, torch.cuda.device_count(),
+                os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
+            )  # fmt: skip
+        else:
+            log.info("rank %s: training.device=auto chose cpu: %s", rank, unusable)
+    return "cpu" if unusable is not None else "cuda"
+
+
+def cuda_device_for(local_rank: int) -> torch.device:
+    """This rank's GPU: one per local rank, so a node needs at least nproc_per_node visible devices (ranks
+    sharing a GPU would fail later inside NCCL with a duplicate-GPU error that names neither setting)."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank}: this node sees {count} CUDA device(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); launch.<stage>.nproc_per_node must not exceed "
+            "the GPUs visible to the stage"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def _launched_by_torchrun() -> bool:
@@ -105,8 +133,8 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float | None = No
     device_type = resolve_device_type(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        torch_device = torch.device("cuda", torch.cuda.current_device())
+        torch_device = cuda_device_for(local_rank)
+        torch.cuda.set_device(torch_device)
     else:
         torch_device = torch.device("cpu")
 
@@ -114,6 +142,7 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float | None = No
     if not dist.is_initialized():
         _group_created_here = True
         timeout = timedelta(seconds=process_group_timeout_s() if timeout_s is None else timeout_s)
+        _default_timeout_for_new_groups(timeout)
         if _launched_by_torchrun():
             dist.init_process_group(backend=_backend_for(device_type), timeout=timeout)
         else:
@@ -127,6 +156,20 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float | None = No
     return DistContext(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=torch_device
     )
+
+
+def _default_timeout_for_new_groups(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group this process creates later, NCCL's included.
+
+    init_process_group's timeout covers the default group (gloo and NCCL alike), but groups created without
+    a timeout (torchtitan's device-mesh dimensions when there are two or more: HSDP, TP x FSDP) take torch's
+    defaults instead, 10 min for NCCL and 30 min for gloo, read from these module globals at creation time.
+    Without this, a rank that hangs in such a collective ends the stage with an NCCL watchdog timeout before
+    the launch deadline names it."""
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    if c10d.default_pg_nccl_timeout is not None:  # None when torch is built without NCCL (CPU wheels)
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def destroy_distributed() -> None:
@@ -191,6 +234,15 @@ def run_on_rank0(fn: Callable[[], T], dist_ctx: DistContext) -> T | None:
         is_value_error, message = failure
         raise (ValueError if is_value_error else RuntimeError)(f"rank 0 failed: {message}")
     return result
+
+
+def gather_objects(obj: T) -> list[T] | None:
+    """Collective: every rank's picklable `obj`, in rank order, on rank 0; None on the other ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[T] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

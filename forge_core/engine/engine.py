@@ -25,7 +25,7 @@ from torchtitan.config import Configurable
 from forge_core.config.schema import ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
 from forge_core.engine.checkpoint import ModelState
 from forge_core.engine.distributed import DistContext, init_distributed, run_on_rank0
-from forge_core.engine.optim import build_lr_schedule, build_optimizer, clip_gradients, current_lr
+from forge_core.engine.optim import clip_gradients, current_lr
 from forge_core.engine.parallel import (
     ParallelPlan,
     add_tp_sharding,
@@ -34,12 +34,14 @@ from forge_core.engine.parallel import (
     dp_mesh_info,
     parallelize_model,
 )
+from forge_core.engine.preflight import HostDevices, training_device_problems
 from forge_core.engine.rng import seed_everything
 from forge_core.models import (
-    attention_for_device,
+    attention_choice,
     build_model_config,
     flops_per_token,
     init_weights,
+    length_bucket,
     load_hf_folder,
     num_params,
 )
@@ -105,6 +107,14 @@ class Engine(Configurable):
         self.config = config
         self.dist: DistContext = init_distributed(config.training.device)
         self.device = self.dist.device
+        if self.dist.device_type == "cpu":
+            # bf16 with training.device=auto would otherwise train on CPU in bf16 without a word.
+            problems = training_device_problems(config.training, HostDevices.probe())
+            if problems:
+                raise ValueError("; ".join(problems))
+        self.attention, self.attention_reason = attention_choice(self.dist.device_type)
+        if self.dist.is_rank0:
+            log.info("attention: %s (%s)", self.attention, self.attention_reason)
         seed_everything(config.seed, self.dist.rank)
         self.parallel_dims = build_parallel_dims(
             config.training.parallelism, self.dist.world_size, self.dist.device_type
@@ -120,17 +130,16 @@ class Engine(Configurable):
         self.model_config = self._build_model_config()
         self.model = self._build_model()
         self.num_params = num_params(self.model)
-        self.optimizers = build_optimizer(self.model, config.optimizer, self.dist.device_type)
-        self.lr_schedulers = build_lr_schedule(self.optimizers, config.optimizer, config.total_steps)
+        self.optimizers, self.lr_schedulers = config.optimizer.build(
+            self.model, self.dist.device_type, config.total_steps
+        )
         self.peak_flops = _gpu_peak_flops(self.device)
 
     # ---- build steps --------------------------------------------------------------------------------------
 
     def _build_model_config(self):
         cfg = self.config
-        model_config = build_model_config(
-            cfg.model, cfg.vocab_size, attention=attention_for_device(self.dist.device_type)
-        )
+        model_config = build_model_config(cfg.model, cfg.vocab_size, attention=self.attention)
         if self.parallel_dims.tp_enabled:
             add_tp_sharding(model_config, cfg.model.family)
         return model_config
@@ -190,6 +199,19 @@ class Engine(Configurable):
     def flops_per_token(self, seq_len: int) -> int:
         return flops_per_token(self.model_config, seq_len)
 
+    def padded_length(self, length: int) -> int:
+        """The length to run a batch of `length` positions at: its `length_bucket` when the model is
+        compiled (so compiled kernels meet a few shapes, not one per batch length), else `length` itself."""
+        if not self.plan.compile:
+            return length
+        return length_bucket(length, self.config.model.max_seq_len)
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        """The dtype exported weights are written in: the training compute dtype (bf16 when training is bf16,
+        which is what vLLM serves; the fp32 master weights stay in the checkpoints)."""
+        return self.plan.param_dtype
+
     def checkpoint_components(self) -> dict[str, Stateful]:
         """What a checkpoint holds besides step, data cursor and RNG."""
         return {
@@ -198,15 +220,17 @@ class Engine(Configurable):
             "lr_scheduler": self.lr_schedulers,
         }
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the unsharded state dict (torchtitan keys, master dtype) on CPU, on rank 0 only; other
-        ranks get an empty dict. Tensors are gathered one at a time, so peak memory is one full tensor."""
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded state dict (torchtitan keys; master dtype, or `dtype` such as
+        `self.export_dtype`) on CPU, on rank 0 only; other ranks get an empty dict. Tensors are gathered and
+        cast one at a time, so peak memory is one full tensor."""
         full = {}
         for key, value in self.model.state_dict().items():
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             if self.dist.is_rank0:
-                full[key] = value.detach().to("cpu", copy=True)  # never alias the live parameters
+                # copy=True: never alias the live parameters, whatever the dtype.
+                full[key] = value.detach().to("cpu", dtype=dtype or value.dtype, copy=True)
         return full
 
     def load_full_state_dict(
@@ -240,6 +264,9 @@ class Engine(Configurable):
             "dp_degree": self.dp_degree,
             "tp": self.parallel_dims.tp,
             "param_dtype": str(self.plan.param_dtype).removeprefix("torch."),
+            "attention": self.attention,
+            "attention_reason": self.attention_reason,
+            "compile": self.plan.compile,
             "num_params": self.num_params,
             "model": dataclasses.asdict(self.config.model),
         }

@@ -130,7 +130,8 @@ _OUT_OF_MEMORY_NAMES = frozenset({"builtins.MemoryError", "torch.OutOfMemoryErro
 OUT_OF_MEMORY_FIX = (
     "the same settings would run out of memory again; lower sft.micro_batch_size / grpo.micro_batch_size, "
     "model.max_seq_len (with data.max_seq_len), or set training.activation_checkpoint=true; for rollouts "
-    "lower rollout.kv_cache_gib or rollout.max_num_seqs"
+    "lower rollout.max_num_seqs, and rollout.gpu_memory_utilization on GPU (leaving room for the trainer) or "
+    "rollout.kv_cache_gib on CPU"
 )
 _STORAGE = "forge_core.storage.errors"
 # gloo: "Timed out waiting 3000ms for recv operation", then "Application timeout caused pair closure";

@@ -2,13 +2,13 @@
 
 A launch's owner is the process whose death makes the launch pointless: the launcher (the flow process, for
 a stage's torchrun tree or plain worker); for an engine service, the process that bounds its life
-(forge_core.rollout.service.client); for a reward worker, the stage process that scores with it. The owner
+(forge_core.rollout.service.supervision); for a reward worker, the stage process that scores with it. The owner
 is named by pid AND start time (pids are reused): `Owner(pid, create_time)`, written `<pid>:<create time>`.
 
 - The launcher puts `FORGE_LAUNCH_OWNER=<itself>` into the environment of every launch
   (forge_core.launch.spec.build_env); other processes get theirs as `--owner <pid>:<create time>`.
 - Every stage worker rank (and the GRPO trainer job's ranks) runs `guard_launched_worker()` first thing
-  (forge_core.run.__main__): a daemon thread polls the owner every `OWNER_POLL_S` and, once it is gone,
+  (forge_core.launch.guard, called by forge_core.run.__main__): a daemon thread polls the owner every `OWNER_POLL_S` and, once it is gone,
   SIGKILLs every process of the launch (its `FORGE_LAUNCH_ID`: torchrun's agent, which is an ancestor of
   the rank, the other ranks, vLLM or reward processes the rank started) and then itself. So a launch whose
   flow process was SIGKILLed ends by itself within about `OWNER_POLL_S` plus one process scan (~2 s), with no
@@ -20,14 +20,12 @@ is named by pid AND start time (pids are reused): `Owner(pid, create_time)`, wri
 
     owner = Owner.this_process()                       # what a launcher hands down
     watch_owner(owner, on_gone=lambda: ...)            # any process: a daemon thread
-    guard_launched_worker()                            # a launched worker: watch + end the launch
+    guard_launched_worker()                            # a launched worker: watch + end the launch (guard.py)
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -120,38 +118,3 @@ def check_owner_alive(uri: str = "") -> None:
             f"not committing {uri or 'the artifact'}: the launch's owner (pid {owner.pid}, the flow process "
             "that launched this worker) is gone; this worker ends itself and a new flow run recomputes the stage"
         )
-
-
-def end_this_launch(owner: Owner) -> None:
-    """SIGKILL every process of this process's launch (FORGE_LAUNCH_ID, torchrun's agent included), then this
-    process. Never returns."""
-    # Here, not at the top: spec.py (which process_tree imports) imports this module.
-    from forge_core.launch.process_tree import processes_with_launch_id
-    from forge_core.launch.spec import LAUNCH_ID_ENV
-
-    launch_id = os.environ.get(LAUNCH_ID_ENV)
-    others = processes_with_launch_id(launch_id, include_ancestors=True) if launch_id else []
-    print(
-        f"[forge.owner] owner pid {owner.pid} is gone: ending launch {launch_id or '?'} "
-        f"(pids {sorted(p.pid for p in others)} and {os.getpid()})",
-        file=sys.stderr,
-        flush=True,
-    )
-    for proc in others:
-        try:
-            proc.send_signal(signal.SIGKILL)  # psutil checks pid + start time before signalling
-        except psutil.Error:
-            continue
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def guard_launched_worker() -> Owner | None:
-    """What a launched worker runs first (forge_core.run): end the launch when its owner is gone (module
-    docstring). Returns the owner, None when the process was not launched by forge_core.launch."""
-    owner = owner_from_environment()
-    if owner is None:
-        return None
-    if not owner.alive():
-        end_this_launch(owner)
-    watch_owner(owner, lambda: end_this_launch(owner), name="forge-launch-owner-watch")
-    return owner

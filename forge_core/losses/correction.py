@@ -40,7 +40,7 @@ import torch
 from forge_core.config.schema import CorrectionConfig
 
 if TYPE_CHECKING:  # the trainers import the losses, not the other way round
-    from forge_core.trainers.rl_batch import RLBatch
+    from forge_core.batch import RLBatch
 
 # Sequence log-ratios are clamped to this before exp() in the metrics, so a wild sequence reads as e^50
 # rather than inf (which JSON manifests cannot hold).

@@ -16,7 +16,7 @@ import torch
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs
 
 if TYPE_CHECKING:  # the trainers import the losses, not the other way round
-    from forge_core.trainers.batch import TokenBatch
+    from forge_core.batch import TokenBatch
 
 
 class TokenCrossEntropy(Loss):

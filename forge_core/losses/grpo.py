@@ -10,7 +10,7 @@ the first optimizer step).
 Normalisation. Every loss divides a *sum* over this micro-batch by `global_normalizer`, the sum of
 `loss.normalizer(mb)` over every micro-batch of the mini-batch on every data-parallel rank
 (`TitanTrainer.global_normalizer`). Summing the micro-batch gradients over micro-batches and ranks then gives
-exactly the gradient of the mini-batch loss, however the mini-batch was split (forge_core.trainers.rl_batch).
+exactly the gradient of the mini-batch loss, however the mini-batch was split (forge_core.batch.rl).
 Surrogates, corrections and aggregations only ever combine tokens of one row, so this holds for all of them.
 
 Usage (the trainer runs the forward, the normalizer, backward and the metric reduction):
@@ -44,7 +44,7 @@ from forge_core.losses.correction import (
 
 if TYPE_CHECKING:
     # Type-only: the trainer package imports the losses, so a runtime import here would be circular.
-    from forge_core.trainers.rl_batch import RLBatch
+    from forge_core.batch import RLBatch
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ Exporting for vLLM / transformers:
 Flavors: `FLAVORS[family]` lists every valid flavor name: torchtitan's dense registry flavors (real sizes, for
 GPU) plus forgeflow's CPU flavors `tiny` and `small`.
 
-Names are imported lazily, so `forge_core.models.catalog` (flavor names, used by config validation) does not
-pull in torch and torchtitan.
+Names are imported lazily, so importing the package does not pull in torch and torchtitan (the flavor names
+live in config: `forge_core.config.catalog`).
 """
 
 from __future__ import annotations
@@ -30,15 +30,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# public name -> submodule that defines it
+# public name -> submodule that defines it (a dotted name: a module outside this package)
 _EXPORTS = {
-    "FAMILIES": "catalog",
-    "FLAVORS": "catalog",
-    "flavor_errors": "catalog",
-    "validate_flavor": "catalog",
+    "FAMILIES": "forge_core.config.catalog",
+    "FLAVORS": "forge_core.config.catalog",
+    "flavor_errors": "forge_core.config.catalog",
+    "validate_flavor": "forge_core.config.catalog",
     "ATTENTION_BACKENDS": "flavors",
     "AttentionBackend": "flavors",
     "attention_backend_of": "flavors",
+    "attention_choice": "flavors",
     "attention_for_device": "flavors",
     "build_model_config": "flavors",
     "build_model": "build",
@@ -53,6 +54,7 @@ _EXPORTS = {
     "titan_to_hf_state_dict": "hf",
     "write_hf_folder": "hf",
     "forward_logits": "logprobs",
+    "length_bucket": "logprobs",
     "model_logprobs": "logprobs",
     "token_entropy": "logprobs",
     "token_logprobs": "logprobs",
@@ -65,6 +67,7 @@ __all__ = [
     "AttentionBackend",
     "HFModelInfo",
     "attention_backend_of",
+    "attention_choice",
     "attention_for_device",
     "build_model",
     "build_model_config",
@@ -75,6 +78,7 @@ __all__ = [
     "hf_to_titan_state_dict",
     "init_buffers",
     "init_weights",
+    "length_bucket",
     "load_hf_folder",
     "model_logprobs",
     "num_params",
@@ -86,12 +90,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from forge_core.config.catalog import FAMILIES, FLAVORS, flavor_errors, validate_flavor
     from forge_core.models.build import build_model, flops_per_token, init_buffers, init_weights, num_params
-    from forge_core.models.catalog import FAMILIES, FLAVORS, flavor_errors, validate_flavor
     from forge_core.models.flavors import (
         ATTENTION_BACKENDS,
         AttentionBackend,
         attention_backend_of,
+        attention_choice,
         attention_for_device,
         build_model_config,
     )
@@ -103,13 +108,20 @@ if TYPE_CHECKING:
         titan_to_hf_state_dict,
         write_hf_folder,
     )
-    from forge_core.models.logprobs import forward_logits, model_logprobs, token_entropy, token_logprobs
+    from forge_core.models.logprobs import (
+        forward_logits,
+        length_bucket,
+        model_logprobs,
+        token_entropy,
+        token_logprobs,
+    )
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'forge_core.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"forge_core.models.{_EXPORTS[name]}"), name)
+    module = _EXPORTS[name] if "." in _EXPORTS[name] else f"forge_core.models.{_EXPORTS[name]}"
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -9,7 +9,8 @@ Attention backends:
 - "sdpa": `F.scaled_dot_product_attention` with `is_causal=True`. Works on CPU and GPU, forward and backward.
   Causal only: it cannot separate documents packed into one row, so callers feed one sequence per row.
 - "flex": torchtitan's default for language models (GPU). Needs block masks built from positions
-  (`forge_core.models.forward_logits` builds them). FlexAttention has no CPU backward.
+  (`forge_core.models.forward_logits` builds them). FlexAttention has no CPU backward. forgeflow's trainers
+  use SDPA on GPU too (`attention_choice` says why).
 - "varlen": GPU varlen kernels, also mask-driven.
 """
 
@@ -34,8 +35,8 @@ from torchtitan.models.common import (
     compute_ffn_hidden_dim,
 )
 
+from forge_core.config.catalog import FAMILIES, FLAVORS, FORGE_FLAVORS, validate_flavor
 from forge_core.config.schema import ModelConfig
-from forge_core.models.catalog import FAMILIES, FLAVORS, FORGE_FLAVORS, validate_flavor
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -43,6 +44,7 @@ __all__ = [
     "FLAVORS",
     "AttentionBackend",
     "attention_backend_of",
+    "attention_choice",
     "attention_for_device",
     "build_model_config",
     "validate_flavor",
@@ -167,13 +169,28 @@ _FORGE_FLAVORS: dict[str, dict[str, Callable[[], Decoder.Config]]] = {
 assert {family: tuple(flavors) for family, flavors in _FORGE_FLAVORS.items()} == FORGE_FLAVORS
 
 
-def attention_for_device(device_type: str) -> AttentionBackend:
-    """The attention backend forgeflow uses on a device type: "sdpa" on CPU, "flex" on CUDA."""
+def attention_choice(device_type: str) -> tuple[AttentionBackend, str]:
+    """The attention backend forgeflow uses on a device type, and why (the engine records both).
+
+    SDPA on both: every trainer batch holds one right-padded sequence per row (forge_core.batch.tokens:
+    padding, not packing), for which plain causal attention is exact. Flex attention is only needed for masks
+    inside a row (packed documents), which forgeflow does not build; on GPU torchtitan 0.3.0 compiles it with
+    max-autotune for every distinct sequence length, and past torch's recompile limit it falls back to an
+    unfused path that materialises B x H x L^2 scores.
+    """
     if device_type == "cpu":
-        return "sdpa"
+        return "sdpa", "CPU: FlexAttention has no CPU backward; batches are right-padded, causal SDPA is exact"
     if device_type == "cuda":
-        return "flex"
+        return "sdpa", (
+            "CUDA: batches are right-padded (one sequence per row), so causal SDPA (cuDNN/flash kernels) is exact; "
+            "flex would only be needed for packed documents and recompiles per sequence length"
+        )
     raise ValueError(f"device_type={device_type!r}: unsupported; use 'cpu' or 'cuda'")
+
+
+def attention_for_device(device_type: str) -> AttentionBackend:
+    """The attention backend forgeflow uses on a device type (see `attention_choice` for why)."""
+    return attention_choice(device_type)[0]
 
 
 def _inner_attention_config(attention: str):
@@ -272,8 +289,8 @@ def build_model_config(cfg: ModelConfig, vocab_size: int, *, attention: Attentio
     Attention uses separate wq/wk/wv projections (torchtitan's registry fuses them into `wqkv`; see
     `_separate_qkv` for why forgeflow does not), initialised exactly as torchtitan initialises the fused one.
 
-    `attention` is explicit on purpose: "sdpa" for CPU (FlexAttention has no CPU backward), "flex" on GPU;
-    `attention_for_device(device.type)` gives forgeflow's choice. Raises ValueError for an unknown
+    `attention` is explicit on purpose (FlexAttention has no CPU backward); `attention_choice(device.type)`
+    gives forgeflow's choice and its reason. Raises ValueError for an unknown
     family/flavor/backend or non-positive sizes.
     """
     validate_flavor(cfg.family, cfg.flavor)

@@ -1,7 +1,7 @@
 """Per-token log-probabilities from a torchtitan decoder, shared by the trainers and the rollout parity checks.
 
 logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)      # fp32, grad flows when enabled
-logits_BLV = forward_logits(model, input_ids_BL, positions_BL)
+logits_BLV = forward_logits(model, input_ids_BL, positions_BL)   # pad_to=length_bucket(L, max) when compiled
 logp_BL, entropy_BL = token_logprobs(logits_BLV, target_ids_BL), token_entropy(logits_BLV)
 """
 
@@ -19,15 +19,50 @@ def _decoder_config(model: nn.Module):
     return inner.config, inner
 
 
+# Shortest bucket of `length_bucket`: shorter batches are all padded to it (a few wasted positions at most).
+MIN_BUCKET = 64
+
+
+def length_bucket(length: int, max_len: int) -> int:
+    """The padded length of a batch of `length` positions when the model is compiled: the next power of two
+    (at least MIN_BUCKET), capped at `max_len`. A compiled model then meets about log2(max_len / 64) + 1
+    shapes instead of one per batch length, so it stops recompiling after the first few batches; the price is
+    at most 2x positions on the shortest batches of each bucket."""
+    if length < 1:
+        raise ValueError(f"length={length}: must be >= 1")
+    if length >= max_len:
+        return length
+    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_len)
+
+
 def forward_logits(
-    model: nn.Module, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None = None
+    model: nn.Module,
+    input_ids_BL: torch.Tensor,
+    positions_BL: torch.Tensor | None = None,
+    *,
+    pad_to: int | None = None,
 ) -> torch.Tensor:
-    """Logits of a torchtitan decoder for `input_ids_BL`, in the model's compute dtype.
+    """Logits of a torchtitan decoder for `input_ids_BL`, in the model's compute dtype. Shape [B, L, V].
 
     With SDPA attention the mask is plain causal and `positions_BL` only moves RoPE (e.g. left padding). With
     flex/varlen attention the block masks are built from positions (a position of 0 starts a new document);
     positions default to 0..L-1 in every row.
+
+    `pad_to` > L runs the model on rows right-padded to that length (see `length_bucket`) and returns the
+    first L positions: causal attention keeps every real position blind to the padding after it.
     """
+    length = input_ids_BL.shape[1]
+    if pad_to is None or pad_to <= length:
+        return _forward(model, input_ids_BL, positions_BL)
+    extra = pad_to - length
+    input_ids_BL = torch.nn.functional.pad(input_ids_BL, (0, extra))
+    if positions_BL is not None:
+        tail = torch.arange(1, extra + 1, device=positions_BL.device, dtype=positions_BL.dtype)
+        positions_BL = torch.cat([positions_BL, positions_BL[:, -1:] + tail], dim=1)
+    return _forward(model, input_ids_BL, positions_BL)[:, :length]
+
+
+def _forward(model: nn.Module, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None) -> torch.Tensor:
     config, inner = _decoder_config(model)
     if attention_backend_of(config) == "sdpa":
         return model(input_ids_BL, positions=positions_BL)

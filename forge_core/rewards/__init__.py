@@ -11,18 +11,12 @@ Built-ins: exact_answer, per_digit, numeric_answer, answer_format, overlong (DAP
 """
 
 from forge_core.rewards.answers import final_number, parse_number, tagged_answer
-from forge_core.rewards.registry import (
-    RewardFn,
-    RewardSpec,
-    builtin_reward_names,
-    register_reward,
-    resolve_reward,
-)
+from forge_core.rewards.registry import RewardFn, RewardFunctionError, RewardSpec, register_reward
+from forge_core.rewards.resolve import builtin_reward_names, resolve_reward
 from forge_core.rewards.scoring import (
     COLUMN_PREFIX,
     TOTAL_COLUMN,
     RewardComponent,
-    RewardFunctionError,
     RewardSet,
     ScoredRewards,
     column_key,

@@ -39,14 +39,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from forge_core.launch.errors import RetryableStageError
 from forge_core.launch.owner import Owner
+from forge_core.rewards.registry import RewardFunctionError
 
 if TYPE_CHECKING:
-    from forge_core.config.schema import RolloutConfig
-    from forge_core.rewards.scoring import RewardSet
+    from forge_core.config.schema import RewardComponentConfig, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,17 @@ class RewardIsolation:
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> RewardIsolation:
         return cls(timeout_s=float(rollout.reward_timeout_s), workers=int(rollout.reward_workers))
+
+
+class IsolatedRewards(Protocol):
+    """What the pool needs of a RewardSet (forge_core.rewards.scoring, which calls it): the configs a worker
+    rebuilds it from, its components (their count) and their versions (for messages)."""
+
+    configs: list[RewardComponentConfig] | None
+    section: str
+    components: tuple
+
+    def versions(self) -> dict[str, str]: ...
 
 
 class RewardWorkerError(RetryableStageError):
@@ -114,7 +125,7 @@ class _Worker:
         self.conn.send(("score", message))
         kind, _, payload = self.next_answer(STARTUP_TIMEOUT_S, "to build the rewards")
         if kind == "error":
-            raise _reward_function_error(payload)
+            raise RewardFunctionError(payload)
         assert kind == "ready", kind
 
     def next_answer(self, timeout_s: float, what: str = "per sample (rollout.reward_timeout_s)") -> tuple:
@@ -148,7 +159,7 @@ class RewardPool:
         self._lock = threading.Lock()  # one scoring at a time: the workers are not shared between batches
 
     def score(
-        self, rewards: RewardSet, items: Sequence[tuple], isolation: RewardIsolation
+        self, rewards: IsolatedRewards, items: Sequence[tuple], isolation: RewardIsolation
     ) -> tuple[list[list[float]], dict[str, int]]:
         """Per-sample component values (in `rewards.components` order) and the failure counts; `items` are
         `RewardSet.score_sample`'s arguments, one tuple per sample."""
@@ -206,7 +217,7 @@ class RewardPool:
                 return todo[position:] if retry else todo[position + 1 :]
             assert answered == position, f"reward worker answered sample {answered}, expected {position}"
             if kind == "error":
-                batch.fail(_reward_function_error(payload))
+                batch.fail(RewardFunctionError(payload))
                 return []
             batch.values[index] = payload
         try:
@@ -232,16 +243,10 @@ class RewardPool:
             self._replace(slot)
 
 
-def _reward_function_error(message: str) -> Exception:
-    from forge_core.rewards.scoring import RewardFunctionError
-
-    return RewardFunctionError(message)
-
-
 class _Batch:
     """One scoring call's shared state (slices may run on threads of their own)."""
 
-    def __init__(self, rewards: RewardSet, items, isolation: RewardIsolation, limit: int) -> None:
+    def __init__(self, rewards: IsolatedRewards, items, isolation: RewardIsolation, limit: int) -> None:
         self.rewards = rewards
         self.items = items
         self.isolation = isolation
@@ -280,7 +285,7 @@ class _Batch:
         )  # fmt: skip
         if zeroed > self.limit:
             self.fail(
-                _reward_function_error(
+                RewardFunctionError(
                     f"rewards {list(self.rewards.versions())}: {zeroed} of {len(self.items)} samples could not be "
                     f"scored (each timed out or crashed its worker {MAX_ATTEMPTS} times; the last: sample {ref}, "
                     f"{failure}); more than the {self.limit} allowed. Fix the reward function, or raise "

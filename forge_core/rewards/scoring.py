@@ -34,15 +34,12 @@ from typing import Any
 
 from forge_core.config.schema import RewardComponentConfig, RolloutConfig
 from forge_core.rewards.isolation import RewardIsolation, no_failures, process_pool
-from forge_core.rewards.registry import RewardSpec, resolve_reward
+from forge_core.rewards.registry import RewardFunctionError, RewardSpec
+from forge_core.rewards.resolve import resolve_reward
 
 COLUMN_PREFIX = "reward_"
 TOTAL_COLUMN = "reward"
 _SNIPPET_CHARS = 120
-
-
-class RewardFunctionError(ValueError):
-    """A reward function failed on a sample (raised, or returned a non-number)."""
 
 
 # Sample facts a reward function may take as keyword-only parameters (see the module docstring).

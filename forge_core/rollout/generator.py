@@ -1,10 +1,11 @@
-"""Generator: one vLLM engine that stays up across iterations and turns prompts into `Sample`s.
+"""Generator: one vLLM engine that stays up across iterations and turns prompts into `Sample`s (the generation
+protocol of protocol.py, in this process).
 
-    with Generator(policy_dir, cfg.rollout.sampling, EngineOptions.from_config(cfg.rollout)) as gen:
-        samples = gen.generate(prompts, seed=7)          # group_size samples per prompt, prompt order
-        gen.reload()                                     # weights rewritten in policy_dir: reload in place
-        gen.reload(new_policy_dir)                       # or load another folder of the same architecture
-        greedy = gen.generate(prompts, seed=7, sampling=evaluation_sampling(cfg.eval, cfg.rollout.sampling))
+    with Generator(policy_dir, EngineOptions.from_config(cfg.rollout), policy_version=policy.version) as gen:
+        samples = gen.generate(prompts, cfg.rollout.sampling, seed=7)   # group_size samples per prompt, in order
+        gen.reload(policy_dir, new_version)              # weights rewritten in policy_dir: reload in place
+        gen.reload(new_policy_dir, new_version)          # or load another folder of the same architecture
+        greedy = gen.generate(prompts, evaluation_sampling(cfg.eval, cfg.rollout.sampling), seed=7)
 
 vLLM starts worker processes with `spawn`, so a script that builds a Generator needs an
 `if __name__ == "__main__":` guard. Starting an engine takes tens of seconds on CPU; reloading weights into a
@@ -25,7 +26,7 @@ from forge_core.config.schema import SamplingConfig
 from forge_core.faults import engine_kill_progress
 from forge_core.rollout.engine import EngineOptions, engine_environment
 from forge_core.rollout.engine_watch import EngineDeathWatch, engine_core_processes
-from forge_core.rollout.sampling import request_seed, vllm_sampling_params
+from forge_core.rollout.sampling import request_seed
 from forge_core.rollout.types import Prompt, Sample
 
 log = logging.getLogger(__name__)
@@ -35,13 +36,14 @@ _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "tor
 
 
 class Generator:
-    """A vLLM engine built from a local HF folder (see module docstring)."""
+    """A vLLM engine built from a local HF folder (see module docstring); `policy_version` names its weights
+    (policy.weights_version of the artifact the folder was fetched from, or any label for a bare folder)."""
 
     def __init__(
-        self, policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions | None = None
+        self, policy_dir: str | Path, engine: EngineOptions | None = None, *, policy_version: str
     ) -> None:
         self.policy_dir = Path(policy_dir)
-        self.sampling = sampling
+        self.policy_version = policy_version
         self.engine = engine or EngineOptions()
         _check_policy_folder(self.policy_dir)
         start = time.perf_counter()
@@ -52,49 +54,52 @@ class Generator:
             self._llm, [p.pid for p in engine_core_processes() if p.pid not in engines_before]
         ).start()
         self.startup_s = time.perf_counter() - start
+        self.reload_s = 0.0
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         log.info("vLLM engine up in %.1fs from %s", self.startup_s, self.policy_dir)
 
     # ---- generation -----------------------------------------------------------------------------------
 
-    def generate(
-        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig | None = None
-    ) -> list[Sample]:
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int) -> list[Sample]:
         """`sampling.group_size` samples for every prompt, in prompt order then sample index.
 
         Each prompt's samples are drawn with `request_seed(seed, group_id, prompt_id)`, so the same seed
         gives the same samples whatever else is in the batch.
         """
-        sampling = sampling or self.sampling
         check_prompt_lengths(prompts, sampling, self.max_model_len)
         requests = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
-        params = [
-            vllm_sampling_params(sampling, request_seed(seed, p.group_id, p.prompt_id)) for p in prompts
-        ]
+        params = [sampling.build(request_seed(seed, p.group_id, p.prompt_id)) for p in prompts]
         # The progress callback is FORGE_FAULT's kill_vllm hook; without that fault there is no progress bar.
-        outputs = self._llm.generate(requests, params, use_tqdm=engine_kill_progress() or False)
+        outputs = self._llm.generate(
+            requests, params, use_tqdm=engine_kill_progress(engine_core_processes) or False
+        )
         return [sample for prompt, output in zip(prompts, outputs) for sample in _samples_of(prompt, output)]
 
     # ---- weights --------------------------------------------------------------------------------------
 
-    def reload(self, policy_dir: str | Path | None = None) -> float:
-        """Load new weights into the running engine; returns the seconds it took.
+    def reload(self, policy_dir: str | Path, policy_version: str) -> float:
+        """Serve `policy_version` from `policy_dir` from now on; returns the seconds the reload took.
 
-        Without an argument the weights are re-read from the folder the engine uses (after a writer replaced
-        its safetensors); with a folder, that folder's weights are loaded (same architecture and tokenizer,
-        else ValueError). Cached prompt prefixes are dropped: they were computed with the old weights.
+        The engine's own folder re-reads its weights (a writer replaced its safetensors); another folder's
+        weights are loaded (same architecture and tokenizer, else ValueError). The version already served
+        reloads nothing (it is the weights' checksum; the folder is recorded) and takes 0.0 s. Cached prompt
+        prefixes are dropped: they were computed with the old weights.
         """
+        new_dir = Path(policy_dir)
+        _check_policy_folder(new_dir)
+        if policy_version == self.policy_version:
+            self.policy_dir, self.reload_s = new_dir, 0.0
+            return self.reload_s
         start = time.perf_counter()
-        if policy_dir is None or Path(policy_dir).resolve() == self.policy_dir.resolve():
+        if new_dir.resolve() == self.policy_dir.resolve():
             self._llm.collective_rpc("reload_weights")
         else:
-            new_dir = Path(policy_dir)
-            _check_policy_folder(new_dir)
             _check_same_model(self.policy_dir, new_dir)
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
-            self.policy_dir = new_dir
         self._llm.reset_prefix_cache()
-        return time.perf_counter() - start
+        self.policy_dir, self.policy_version = new_dir, policy_version
+        self.reload_s = time.perf_counter() - start
+        return self.reload_s
 
     # ---- lifetime -------------------------------------------------------------------------------------
 

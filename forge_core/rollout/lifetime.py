@@ -1,15 +1,15 @@
 """Which vLLM engine a rollout/evaluate stage uses: its own (`rollout.engine_lifetime: stage`) or the flow's
 long-lived engine service (`flow`, forge_core.rollout.service).
 
-    with stage_generator(cfg, policy, seed) as generator:     # stage code: generator.generate(prompts, ...)
+    with stage_generator(cfg, policy, seed) as generator:     # generator.generate(prompts, sampling, seed)
         run_rollout(plan, generator)
     ...
-    stop_flow_engines(cfg)                                     # the flow, at its end and on failure/cancel
+    stop_flow_engines(cfg)            # the run's FlowResources (forge_core.run.resources), at the flow's end
 
 With `flow`, the stage connects to the `rollout.num_engines` services under `engine_state_dir(cfg)` (starting
 those that do not answer), loads its policy version in place, generates (prompts split across the live
-engines, a dead engine's prompts re-routed to the others: service/router.py), and disconnects; the services
-keep running for the next stage.
+engines, a dead engine's prompts re-routed to the others: forge_core.rollout.router), and disconnects; the
+services keep running for the next stage.
 
 The state folder belongs to ONE flow run (`run_identity(cfg)`: `launch.run_id`, which the flow sets to its
 Prefect flow run id, else a fresh id for this process), so two concurrent runs of one config never share an
@@ -19,7 +19,8 @@ engine or a trainer job, and every stop touches only its own run's folder:
   configured     `<rollout.engine_state_dir>/run-<hash of the run identity>`.
 A re-run of a flow is a new run: it starts its own engines (the old run's were ended by their owner watchdog
 or are reaped as orphans: forge_core.launch). The GRPO trainer job's folder is `<that folder>-trainer`
-(forge_core.run.trainer_job). `stop_flow_engines` removes the run's folder once its services are stopped.
+(forge_core.run.resources.trainer_state_dir). `stop_flow_engines` removes the run's folder once its services
+are stopped; only the run's FlowResources calls it in a flow.
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from forge_core.artifacts.policy import PolicyRef
 from forge_core.config import RunConfig
 from forge_core.rollout.engine import EngineOptions
-from forge_core.rollout.policy import PolicyRef
+from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.service import EngineService, check_private, stop_services
 
 STAGE, FLOW = "stage", "flow"
 RUN_FOLDER_PREFIX = "run-"
 RUN_HASH_CHARS = 10
-# stop_flow_engines at a flow's normal end; the cancel/crash path passes less (flows.post_train.kill_launches).
+# stop_flow_engines at a flow's normal end; a failing run passes less (forge_core.run.resources).
 STOP_GRACE_S = 30.0
 
 
@@ -85,25 +87,25 @@ def engine_state_dir(cfg: RunConfig) -> Path:
 
 
 @contextlib.contextmanager
-def stage_generator(cfg: RunConfig, policy: PolicyRef, seed: int) -> Iterator:
-    """The generator a rollout/evaluate stage samples `policy` with (module docstring).
+def stage_generator(cfg: RunConfig, policy: PolicyRef, seed: int) -> Iterator[GenerationEngine]:
+    """The engine(s) a rollout/evaluate stage samples `policy` with, serving `policy.version` (module
+    docstring); closed at the end (the flow's services only disconnect).
 
     `seed` is the engine's own seed; samples depend on the per-request seeds only.
     """
     rollout = cfg.rollout
     if rollout.engine_lifetime == FLOW:
-        router = EngineService.ensure_engines(
+        generator: GenerationEngine = EngineService.ensure_engines(
             engine_state_dir(cfg), rollout, policy.local_dir, policy.version, seed=seed
         )
-        try:
-            yield router.serving(policy.version, rollout.sampling)
-        finally:
-            router.close()  # the services stay up for the next stage
-        return
-    from forge_core.rollout.pool import open_generator
+    else:
+        from forge_core.rollout.pool import open_generator
 
-    engine = EngineOptions.from_config(rollout, seed=seed)
-    with open_generator(policy.local_dir, rollout.sampling, engine, rollout.num_engines) as generator:
+        engine = EngineOptions.from_config(rollout, seed=seed)
+        generator = open_generator(
+            policy.local_dir, engine, rollout.num_engines, policy_version=policy.version
+        )
+    with contextlib.closing(generator):
         yield generator
 
 

@@ -1,13 +1,15 @@
-"""Data parallel generation: several vLLM engines, each in its own process, splitting the prompts.
+"""Data parallel generation for one stage: several vLLM engines, each in a replica process of its own, behind one
+EngineRouter (router.py) that splits the prompts over pipes.
 
-    with open_generator(policy_dir, sampling, engine, num_engines=2) as gen:   # a GeneratorPool
-        samples = gen.generate(prompts, seed=7)      # same samples as one engine (per-prompt seeds)
+    with open_generator(policy_dir, engine, num_engines=2, policy_version=v) as gen:   # an EngineRouter
+        samples = gen.generate(prompts, sampling, seed=7)   # the same samples as one engine (per-prompt seeds)
 
 `open_generator` returns a plain in-process `Generator` for one engine. For several, each replica is a
 spawned process that owns one `Generator`; it gets its own environment before vLLM is imported, so each
 engine has its own cores on CPU (`VLLM_CPU_OMP_THREADS_BIND`) or its own GPUs (`CUDA_VISIBLE_DEVICES`,
-`tensor_parallel_size` GPUs each). Prompts are cut into contiguous shards, one per replica, and the replicas
-generate concurrently.
+`tensor_parallel_size` GPUs each): `replica_layouts`, which the flow's engine services use too. The replicas
+start concurrently and generate concurrently; one that dies is dropped and its prompts go to the others
+(router.py). Closing the router ends the replica processes.
 """
 
 from __future__ import annotations
@@ -21,29 +23,31 @@ import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 from forge_core.config.schema import SamplingConfig
 from forge_core.rollout.engine import EngineOptions, on_cpu
-from forge_core.rollout.generator import Generator, check_prompt_lengths
+from forge_core.rollout.generator import Generator
+from forge_core.rollout.protocol import EngineLost, GenerationEngine
+from forge_core.rollout.router import EngineRouter
 from forge_core.rollout.types import Prompt, Sample
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaError(RuntimeError):
-    """A replica process failed; the message carries its traceback."""
+class ReplicaError(EngineLost):
+    """A replica process failed to start, died, or its engine failed; the message carries its traceback."""
 
 
 def open_generator(
-    policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions, num_engines: int = 1
-) -> Generator | GeneratorPool:
-    """One engine in this process, or a pool of `num_engines` replica processes (same interface)."""
+    policy_dir: str | Path, engine: EngineOptions, num_engines: int = 1, *, policy_version: str
+) -> GenerationEngine:
+    """One engine in this process (a Generator), or `num_engines` replica processes behind an EngineRouter."""
     if num_engines < 1:
         raise ValueError(f"rollout.num_engines={num_engines}: must be >= 1")
     if num_engines == 1:
-        return Generator(policy_dir, sampling, engine)
-    return GeneratorPool(policy_dir, sampling, engine, num_engines)
+        return Generator(policy_dir, engine, policy_version=policy_version)
+    return start_pool(policy_dir, engine, num_engines, policy_version=policy_version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,107 +107,84 @@ def _visible_gpus(count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges, sizes differing by at most one."""
-    base, extra = divmod(num_items, num_shards)
-    bounds, start = [], 0
-    for index in range(num_shards):
-        end = start + base + (1 if index < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-class GeneratorPool:
-    """`num_engines` Generator replicas in spawned processes, behind the Generator interface."""
-
-    def __init__(
-        self, policy_dir: str | Path, sampling: SamplingConfig, engine: EngineOptions, num_engines: int
-    ):
-        self.policy_dir = Path(policy_dir)
-        self.sampling = sampling
-        self.engine = engine
-        self._replicas: list[_Replica] = []
-        context = mp.get_context("spawn")
-        try:
-            # Start every replica first, then wait: their start-ups overlap.
-            for index, layout in enumerate(replica_layouts(engine, num_engines)):
-                self._replicas.append(_Replica.start(context, index, self.policy_dir, sampling, layout))
-            startups = [replica.wait_ready() for replica in self._replicas]
-        except BaseException:
-            self.close()
-            raise
-        self.startup_s = max(startups)
-        self.max_model_len = self._replicas[0].max_model_len
-
-    def generate(
-        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig | None = None
-    ) -> list[Sample]:
-        check_prompt_lengths(prompts, sampling or self.sampling, self.max_model_len)
-        shards = [prompts[start:end] for start, end in shard_bounds(len(prompts), len(self._replicas))]
-        busy = [
-            (replica, replica.send("generate", list(shard), seed, sampling))
-            for replica, shard in zip(self._replicas, shards)
-            if shard
-        ]
-        return [sample for replica, _ in busy for sample in replica.receive()]
-
-    def reload(self, policy_dir: str | Path | None = None) -> float:
-        for replica in self._replicas:
-            replica.send("reload", None if policy_dir is None else str(policy_dir))
-        seconds = max(replica.receive() for replica in self._replicas)
-        if policy_dir is not None:
-            self.policy_dir = Path(policy_dir)
-        return seconds
-
-    def close(self) -> None:
-        replicas, self._replicas = self._replicas, []
+def start_pool(
+    policy_dir: str | Path, engine: EngineOptions, num_engines: int, *, policy_version: str
+) -> EngineRouter:
+    """`num_engines` replica processes, each with its own Generator on its share of the machine, behind one
+    EngineRouter; closing the router ends them."""
+    context = mp.get_context("spawn")
+    replicas: list[ReplicaClient] = []
+    try:
+        # Start every replica first, then wait: their start-ups overlap.
+        for index, layout in enumerate(replica_layouts(engine, num_engines)):
+            replicas.append(ReplicaClient.start(context, index, Path(policy_dir), policy_version, layout))
         for replica in replicas:
-            replica.stop()
+            replica.wait_ready()
+    except BaseException:
+        for replica in replicas:
+            replica.close()
+        raise
+    return EngineRouter(replicas)
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+class ReplicaClient:
+    """One replica process over a pipe: an EngineConnection (protocol.py) whose `close` ends the process."""
 
+    def __init__(self, index: int, process: Any, conn: Connection, policy_version: str):
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.policy_version = policy_version
+        self.startup_s = 0.0
+        self.reload_s = 0.0
 
-@dataclasses.dataclass
-class _Replica:
-    index: int
-    process: Any
-    conn: Connection
-    max_model_len: int = 0
+    @property
+    def name(self) -> str:
+        return f"replica-{self.index}"
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
 
     @classmethod
-    def start(cls, context, index: int, policy_dir: Path, sampling, layout: ReplicaLayout):
+    def start(
+        cls, context, index: int, policy_dir: Path, policy_version: str, layout: ReplicaLayout
+    ) -> ReplicaClient:
         parent, child = context.Pipe()
         process = context.Process(
             target=_replica_main,
-            args=(child, str(policy_dir), sampling, layout),
+            args=(child, str(policy_dir), policy_version, layout),
             name=f"forge-rollout-replica-{index}",
             daemon=False,  # it spawns vLLM's own processes, which daemonic processes may not do
         )
         process.start()
         child.close()
-        return cls(index=index, process=process, conn=parent)
+        return cls(index, process, parent, policy_version)
 
-    def wait_ready(self) -> float:
-        status, payload = self._recv()
-        if status != "ready":
-            raise ReplicaError(f"rollout replica {self.index} failed to start:\n{payload}")
-        startup_s, self.max_model_len = payload
-        return startup_s
+    def wait_ready(self) -> None:
+        self.startup_s = self._reply("start")
 
-    def send(self, method: str, *args) -> None:
-        self.conn.send((method, args))
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int) -> list[Sample]:
+        return self._call("generate", list(prompts), sampling, seed)
 
-    def receive(self):
+    def reload(self, policy_dir: str | os.PathLike, policy_version: str) -> float:
+        self.reload_s = self._call("reload", str(policy_dir), policy_version)
+        self.policy_version = policy_version
+        return self.reload_s
+
+    def _call(self, method: str, *args):
+        try:
+            self.conn.send((method, args))
+        except OSError as exc:  # the replica is gone: its end of the pipe is closed
+            raise self._died() from exc
+        return self._reply(method)
+
+    def _reply(self, what: str):
         status, payload = self._recv()
         if status == "ok":
             return payload
         exc, formatted = payload
-        failure = ReplicaError(f"rollout replica {self.index} failed:\n{formatted}")
+        failure = ReplicaError(f"rollout replica {self.index} failed to {what}:\n{formatted}")
         if isinstance(exc, ValueError):
             # A user error (bad prompt, bad folder) stays a ValueError, so the launcher does not retry it.
             raise exc from failure
@@ -212,14 +193,17 @@ class _Replica:
     def _recv(self):
         try:
             return self.conn.recv()
-        except EOFError as exc:
-            self.process.join(timeout=1)
-            raise ReplicaError(
-                f"rollout replica {self.index} (pid {self.process.pid}) died with exit code "
-                f"{self.process.exitcode}"
-            ) from exc
+        except (EOFError, OSError) as exc:
+            raise self._died() from exc
 
-    def stop(self) -> None:
+    def _died(self) -> ReplicaError:
+        self.process.join(timeout=1)
+        return ReplicaError(
+            f"rollout replica {self.index} (pid {self.process.pid}) died with exit code {self.process.exitcode}"
+        )
+
+    def close(self) -> None:
+        """End the replica process (idempotent)."""
         if self.process.is_alive():
             try:
                 self.conn.send(("close", ()))
@@ -240,16 +224,15 @@ def _picklable(exc: BaseException) -> BaseException | None:
     return exc
 
 
-def _replica_main(conn: Connection, policy_dir: str, sampling: SamplingConfig, layout: ReplicaLayout) -> None:
+def _replica_main(conn: Connection, policy_dir: str, policy_version: str, layout: ReplicaLayout) -> None:
     """Body of a replica process: own cores and environment, one Generator, then serve calls until closed."""
     layout.apply()
-    options = layout.options
     try:
-        generator = Generator(policy_dir, sampling, options)
-    except BaseException:  # noqa: BLE001 - whatever stops the start-up is reported to the parent
-        conn.send(("error", traceback.format_exc()))
+        generator = Generator(policy_dir, layout.options, policy_version=policy_version)
+    except BaseException as exc:  # noqa: BLE001 - whatever stops the start-up is reported to the parent
+        conn.send(("error", (_picklable(exc), traceback.format_exc())))
         return
-    conn.send(("ready", (generator.startup_s, generator.max_model_len)))
+    conn.send(("ok", generator.startup_s))
     try:
         while True:
             method, args = conn.recv()

@@ -1,4 +1,5 @@
-"""From forgeflow's SamplingConfig to vLLM's SamplingParams, with seeds that make rollouts reproducible.
+"""The seeds that make rollouts reproducible, and the evaluation's sampling (SamplingConfig.build(seed) makes
+vLLM's SamplingParams).
 
 Every prompt gets its own seed, derived from the rollout seed, its group id and its prompt id
 (`request_seed`). vLLM then draws that prompt's samples from its own random stream, so the samples do not
@@ -27,23 +28,6 @@ def request_seed(seed: int, group_id: int, prompt_id: str) -> int:
 def rollout_seed(cfg_seed: int, sampling: SamplingConfig) -> int:
     """The seed rollouts are drawn with: `rollout.sampling.seed` when set, else the run's seed."""
     return sampling.seed if sampling.seed is not None else cfg_seed
-
-
-def vllm_sampling_params(sampling: SamplingConfig, seed: int | None):
-    """vLLM SamplingParams for one prompt: `group_size` samples, the sampled token's logprob each."""
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        n=sampling.group_size,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        # forgeflow's -1 (and vLLM's 0) mean no top-k cut.
-        top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
-        max_tokens=sampling.max_new_tokens,
-        stop=list(sampling.stop) or None,
-        seed=seed,
-        logprobs=0,
-    )
 
 
 def evaluation_sampling(eval_cfg: EvalConfig, rollout_sampling: SamplingConfig) -> SamplingConfig:

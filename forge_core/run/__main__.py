@@ -1,17 +1,18 @@
-"""Run one stage of a forgeflow pipeline from its spec (what a task launches, under torchrun or not):
+"""Run one stage of a forgeflow pipeline from its spec (what a runner launches, under torchrun or not):
 
-    python -m forge_core.run <stage> --spec <output_uri>/_spec.json [--endpoint-url http://host:9000]
+    python -m forge_core.run <stage> --spec <output_uri>/_specs/<attempt>.json [--endpoint-url http://host:9000]
     torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec file:///.../_spec.json
 
-Stages: prepare, sft, rollout, grpo, evaluate; each is `forge_core.run.<stage>:main(spec)`. Jobs (JOBS, e.g.
-`python -m forge_core.run grpo-job --orders <dir>`) take their own arguments. The stage runs
+Stages are the stage registry's (forge_core.stages; a stage registered outside forge_core is found through
+FORGE_STAGE_MODULES); each runs its entry through the worker scaffold (forge_core.run.scaffold.run_spec). Jobs
+(JOBS, e.g. `python -m forge_core.run grpo-job --orders <dir>`) take their own arguments. The stage runs
 wrapped in forge_core.launch.record_errors (torch's error recorder), so an exception on any rank lands in
 TORCHELASTIC_ERROR_FILE where the launcher reads it. `--endpoint-url` names a custom S3 endpoint for
 reading the spec itself (the FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL environment variables work too).
 
-Under forge_core.launch (FORGE_LAUNCH_OWNER set) every rank first starts the owner watchdog: once the
-launching flow process is gone the launch ends itself within ~2 s and no commit is published meanwhile
-(forge_core.launch.owner).
+Every rank first runs `worker_process_setup`: its log format, the FORGE_FAULT stage name and, under
+forge_core.launch (FORGE_LAUNCH_OWNER set), the owner watchdog: once the launching flow process is gone the
+launch ends itself within ~2 s and no commit is published meanwhile (forge_core.launch.owner).
 """
 
 from __future__ import annotations
@@ -21,68 +22,49 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from forge_core.config.schema import STAGES, StorageConfig
+from forge_core.config.schema import StorageConfig
+from forge_core.stages import is_stage, stage_names
 
-# Long-lived jobs (not stages): `python -m forge_core.run <job> <its own arguments>`.
-JOBS = {"grpo-job": "forge_core.run.grpo_job"}  # the GRPO trainer job of grpo.trainer_lifetime=flow
+# Long-lived jobs (not stages): `python -m forge_core.run <job> <its own arguments>`, and the stage whose
+# work they do (its FORGE_FAULT name).
+JOBS = {"grpo-job": ("forge_core.run.grpo_job", "grpo")}  # the GRPO trainer job of grpo.trainer_lifetime=flow
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _guard_against_a_dead_owner()
     if argv and argv[0] in JOBS:
-        job_main = importlib.import_module(JOBS[argv[0]]).main
+        module, stage = JOBS[argv[0]]
+        _worker_process_setup(stage)
+        job_main = importlib.import_module(module).main
         _error_recorder()(job_main)(argv[1:])
         return 0
     args = _parse_args(argv)
-    stage_main = _import_stage_main(args.stage)
-    _error_recorder()(_run_stage)(args.stage, args.spec, args.endpoint_url, stage_main)
+    _worker_process_setup(args.stage)
+    _error_recorder()(_run_stage)(args.stage, args.spec, args.endpoint_url)
     return 0
 
 
-def _guard_against_a_dead_owner() -> None:
-    """Launched by forge_core.launch: end the whole launch once the launching (flow) process is gone, and never
-    commit on its behalf (forge_core.launch.owner). Nothing happens in a process started by hand."""
-    from forge_core.launch.owner import check_owner_alive, guard_launched_worker
-    from forge_core.storage.writer import add_pre_commit_check
+def _worker_process_setup(stage: str) -> None:
+    from forge_core.run.scaffold import worker_process_setup
 
-    if guard_launched_worker() is not None:
-        add_pre_commit_check(check_owner_alive)
+    worker_process_setup(stage)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m forge_core.run", description=__doc__.splitlines()[0])
-    parser.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
-    parser.add_argument("--spec", required=True, help="URI of the stage spec (<output_uri>/_spec.json)")
+    parser.add_argument("stage", help=f"one of: {', '.join(stage_names())}")
+    parser.add_argument("--spec", required=True, help="URI of the stage spec (<output_uri>/_specs/<attempt>.json)")
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for reading the spec")
     args = parser.parse_args(argv)
-    if args.stage not in STAGES:
-        parser.error(f"unknown stage {args.stage!r}; valid stages: {', '.join(STAGES)}")
+    if not is_stage(args.stage):
+        parser.error(f"unknown stage {args.stage!r}; valid stages: {', '.join(stage_names())}")
     return args
 
 
-def _import_stage_main(stage: str) -> Callable:
-    module_name = f"forge_core.run.{stage}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise  # the stage exists but one of its own imports is missing: show that error as it is
-        raise SystemExit(
-            f"forge_core.run: stage {stage!r} has no module {module_name} in this installation"
-        ) from exc
-    stage_main = getattr(module, "main", None)
-    if not callable(stage_main):
-        raise SystemExit(f"forge_core.run: {module_name} defines no main(spec) function")
-    return stage_main
-
-
-def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, stage_main: Callable) -> None:
-    from forge_core.faults import set_current_stage
-    from forge_core.run.scaffold import run_spec
+def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, run: Callable | None = None) -> None:
+    """Read the spec, check it is `stage`'s, and run it (`run`: the scaffold's run_spec)."""
     from forge_core.run.spec import read_spec
 
-    set_current_stage(stage)  # FORGE_FAULT entries ending in @<stage> fire only in this stage's workers
     storage_cfg = StorageConfig(endpoint_url=endpoint_url) if endpoint_url else None
     spec = read_spec(spec_uri, storage_cfg)
     if spec.stage != stage:
@@ -90,7 +72,9 @@ def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, stage_main: 
             f"stage spec {spec_uri} is for stage {spec.stage!r}, but the worker was started as {stage!r}; "
             f"run `python -m forge_core.run {spec.stage} --spec {spec_uri}`"
         )
-    run_spec(stage_main, spec)
+    if run is None:
+        from forge_core.run.scaffold import run_spec as run
+    run(spec)
 
 
 def _error_recorder() -> Callable[[Callable], Callable]:

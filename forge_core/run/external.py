@@ -3,7 +3,8 @@
     fingerprints = external_fingerprints(cfg, store, "prepare")  # {"data.source": sha, "data.tokenizer.path": sha}
     verify_external_inputs(spec, cfg, store)                     # in the worker, before it reads them
 
-The planner puts the fingerprints into the stage's key and its spec (`StageSpec.fingerprints`); the worker
+Which stage reads which keys is the stage registry's `Stage.external` (forge_core.stages). The planner puts the
+fingerprints into the stage's key and its spec (`StageSpec.fingerprints`); the worker
 recomputes them (cheap: forge_core.storage.fingerprints caches file hashes by size/mtime or ETag) and raises
 `SourceChanged` when one differs. That is retryable: a source rewritten between planning and running means
 the key is stale, and the task's retry plans again with the new contents (a new key).
@@ -18,18 +19,14 @@ from collections.abc import Callable
 from forge_core.config import RunConfig
 from forge_core.launch.errors import RetryableStageError
 from forge_core.run.spec import StageSpec
+from forge_core.stages import stage_named
 from forge_core.storage import ObjectStore
 from forge_core.storage.fingerprints import entries_fingerprint, folder_fingerprint, is_content_name
 from forge_core.storage.uris import split_scheme
 
 log = logging.getLogger(__name__)
 
-# Config keys naming files outside the store, per stage that reads them.
-EXTERNAL_INPUTS = {
-    "prepare": ("data.source", "data.tokenizer.path"),
-    "sft": ("model.hf_path",),
-}
-# Of those, the ones whose path string reaches no output: their contents alone stand for them in keys, so a
+# Of the config keys naming files outside the store (a stage's `external`), the ones whose path string reaches no output: their contents alone stand for them in keys, so a
 # moved model or tokenizer folder is still the same input. (data.source stays: the rejects table names it.)
 KEYED_BY_CONTENT_ONLY = ("model.hf_path", "data.tokenizer.path")
 
@@ -41,7 +38,7 @@ class SourceChanged(RetryableStageError):
 def external_fingerprints(cfg: RunConfig, store: ObjectStore, stage: str) -> dict[str, str]:
     """{config key: content fingerprint} of what `stage` reads from outside the store (unset keys left out)."""
     fingerprints = {}
-    for key in EXTERNAL_INPUTS.get(stage, ()):
+    for key in stage_named(stage).external:
         fingerprint = _FINGERPRINTS[key](cfg, store)
         if fingerprint is not None:
             fingerprints[key] = fingerprint
@@ -54,7 +51,7 @@ def verify_external_inputs(spec: StageSpec, cfg: RunConfig, store: ObjectStore) 
     A spec without fingerprints (written by hand, or by older code) has nothing to compare: logged, not refused.
     """
     if not spec.fingerprints:
-        if EXTERNAL_INPUTS.get(spec.stage):
+        if stage_named(spec.stage).external:
             log.warning("%s: the stage spec records no input fingerprints; its inputs are not verified", spec.uri)
         return
     unknown = sorted(set(spec.fingerprints) - set(_FINGERPRINTS))

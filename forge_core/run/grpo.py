@@ -1,9 +1,10 @@
-"""Worker entry point of the GRPO stage (one process per rank under torchrun, or one plain process):
+"""The GRPO stage (one process per rank under torchrun, or one plain process, or an order to the long-lived
+trainer job: forge_core.run.grpo_job; all three run `train` through the worker scaffold):
 
-    torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo --spec <output_uri>/_spec.json
-    python -m forge_core.run grpo --spec <output_uri>/_spec.json            # world size 1
+    torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo --spec <output_uri>/_specs/<attempt>.json
+    python -m forge_core.run grpo --spec <output_uri>/_specs/<attempt>.json            # world size 1
 
-Inputs (`spec.inputs`):
+Inputs (`spec.inputs`, kinds checked by the scaffold):
   policy     a committed `sft` or `grpo` artifact; training starts from its exported weights (`policy/`),
              so any policy can start GRPO.
   rollouts   a committed `rollouts` artifact (`rollouts.parquet`) sampled from that policy.
@@ -34,7 +35,6 @@ import dataclasses
 import functools
 import json
 import logging
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,16 +44,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from forge_core.config import RunConfig, config_to_dict
-from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
-from forge_core.engine.distributed import DistContext, broadcast_object, run_on_rank0
+from forge_core.artifacts.policy import download_policy
+from forge_core.batch import RLBatch
+from forge_core.config import RunConfig
+from forge_core.engine import Engine
+from forge_core.engine.distributed import broadcast_object, run_on_rank0
 from forge_core.losses.correction import mismatch_summary
 from forge_core.losses.grpo import build_policy_loss
-from forge_core.metrics import build_sinks
 from forge_core.models import load_hf_folder
-from forge_core.run.spec import StageSpec
+from forge_core.run.scaffold import StageContext
+from forge_core.run.training import TrainingRun, training_process_group
 from forge_core.storage import ArtifactError, ObjectStore
-from forge_core.trainers.base import ArtifactContext
 from forge_core.trainers.grpo import (
     GRPOTrainer,
     RolloutBatch,
@@ -62,16 +63,10 @@ from forge_core.trainers.grpo import (
     summarize_steps,
     training_rows,
 )
-from forge_core.trainers.rl_batch import RLBatch
-from forge_core.trainers.stage import commit_stage, download_policy, export_policy, stage_kind
 from forge_core.trainers.staleness import check_staleness
 
 log = logging.getLogger(__name__)
 
-STAGE = "grpo"
-POLICY_INPUT = "policy"
-ROLLOUTS_INPUT = "rollouts"
-REFERENCE_INPUT = "reference"
 ROLLOUTS_TABLE = "rollouts.parquet"
 
 
@@ -84,50 +79,37 @@ class GRPOInputs:
     reference_uri: str | None
 
     def lineage(self) -> dict[str, str]:
-        inputs = {POLICY_INPUT: self.policy_uri, ROLLOUTS_INPUT: self.rollouts_uri}
+        inputs = {"policy": self.policy_uri, "rollouts": self.rollouts_uri}
         if self.reference_uri is not None:
-            inputs[REFERENCE_INPUT] = self.reference_uri
+            inputs["reference"] = self.reference_uri
         return inputs
 
 
-def _required_input(spec: StageSpec, name: str, what: str) -> str:
-    uri = spec.inputs.get(name)
-    if not uri:
-        raise ValueError(
-            f"stage spec {spec.output_uri}: inputs has no {name!r} entry (got {sorted(spec.inputs)}); "
-            f"the GRPO stage needs the URI of {what}"
-        )
-    return uri
-
-
-def reference_policy_uri(store: ObjectStore, spec: StageSpec, policy_kind: str) -> str | None:
+def reference_policy_uri(ctx: StageContext) -> str | None:
     """The KL reference: `inputs.reference`, else the SFT root of the policy's lineage (None if unknown)."""
-    if spec.inputs.get(REFERENCE_INPUT):
-        stage_kind(store, spec.inputs[REFERENCE_INPUT], REFERENCE_INPUT)
-        return spec.inputs[REFERENCE_INPUT]
-    policy_uri = spec.inputs[POLICY_INPUT]
-    if policy_kind == "sft":
+    if ctx.optional_input("reference"):
+        return ctx.input("reference")
+    policy_uri = ctx.input("policy")
+    if ctx.input_kinds["policy"] == "sft":
         return policy_uri
-    parent_ref = store.read_manifest(policy_uri).inputs.get(REFERENCE_INPUT)
+    parent_ref = ctx.store.read_manifest(policy_uri).inputs.get("reference")
     return parent_ref.uri if parent_ref is not None else None
 
 
-def resolve_inputs(store: ObjectStore, spec: StageSpec, kl_on: bool) -> GRPOInputs:
-    policy_uri = _required_input(spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to train)")
-    rollouts_uri = _required_input(spec, ROLLOUTS_INPUT, "a committed rollouts artifact sampled from the policy")
-    kind = stage_kind(store, policy_uri, POLICY_INPUT)
-    reference_uri = reference_policy_uri(store, spec, kind)
+def resolve_inputs(ctx: StageContext, kl_on: bool) -> GRPOInputs:
+    policy_uri = ctx.input("policy")
+    reference_uri = reference_policy_uri(ctx)
     if kl_on and reference_uri is None:
         raise ValueError(
-            f"grpo.loss.kl_coef>0: inputs.{POLICY_INPUT}={policy_uri} records no reference policy in its "
-            f"lineage; pass inputs.{REFERENCE_INPUT}=<sft artifact URI> or set grpo.loss.kl_coef=0"
+            f"grpo.loss.kl_coef>0: inputs.policy={policy_uri} records no reference policy in its "
+            f"lineage; pass inputs.reference=<sft artifact URI> or set grpo.loss.kl_coef=0"
         )
-    return GRPOInputs(policy_uri, rollouts_uri, reference_uri)
+    return GRPOInputs(policy_uri, ctx.input("rollouts"), reference_uri)
 
 
 def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> RolloutBatch:
     """The verified rollout table as a training batch, with a check of its lineage and lengths."""
-    source = f"inputs.{ROLLOUTS_INPUT}={inputs.rollouts_uri}/{ROLLOUTS_TABLE}"
+    source = f"inputs.rollouts={inputs.rollouts_uri}/{ROLLOUTS_TABLE}"
     try:
         table = store.reader(inputs.rollouts_uri).read_table(ROLLOUTS_TABLE)
     except (ArtifactError, FileNotFoundError) as exc:
@@ -193,7 +175,7 @@ def score_under_policies(
     swapped = False
     for index, uri in enumerate(sorted(set(stage_uris), key=lambda u: (u != policy, u))):
         if uri != policy:
-            name = REFERENCE_INPUT if uri == (inputs.reference_uri or "").rstrip("/") else "sampler"
+            name = "reference" if uri == (inputs.reference_uri or "").rstrip("/") else "sampler"
             download = functools.partial(download_policy, store, uri, workdir / f"weights-{index}", name)
             folder = run_on_rank0(download, engine.dist)
             _load_policy_weights(engine, folder)
@@ -229,49 +211,22 @@ def attach_policy_logprobs(
     return dataclasses.replace(batch, old_logprobs_BL=old_BL, ref_logprobs_BL=ref_BL)
 
 
-def main(spec: StageSpec) -> None:
-    """Train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module docstring)."""
-    started = time.perf_counter()  # the manifest's wall_s: the stage body, without interpreter start-up
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dist_ctx = init_distributed(spec.run_config().training.device)
-    try:
-        train_iteration(spec, dist_ctx, started)
-    finally:
-        destroy_distributed()
-
-
-def train_iteration(spec: StageSpec, dist_ctx: DistContext, started: float | None = None) -> None:
-    """Collective: one GRPO stage on an initialised process group, which it leaves up. The body of both the
-    per-stage worker (`main`) and the long-lived trainer job (forge_core.run.grpo_job), so the two lifetimes
-    run the same code. `started` (perf_counter) is where the manifest's wall_s counts from (default: now)."""
-    started = time.perf_counter() if started is None else started
-    cfg = spec.run_config()
-    store = ObjectStore.from_config(cfg.storage)
-    if store.is_committed(spec.output_uri):
-        log.info("%s is already committed; nothing to do", spec.output_uri)
-        return
-    config = config_to_dict(cfg)
-    iteration = int(spec.params.get("iteration", 0))
+def train(ctx: StageContext) -> None:
+    """Collective: train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module
+    docstring). Run by the per-stage worker and by the long-lived trainer job (forge_core.run.grpo_job) alike:
+    the two lifetimes run the same code; the job's process group stays up between its stages."""
+    cfg, store, workdir = ctx.cfg, ctx.store, ctx.workdir
+    iteration = int(ctx.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
-    inputs = resolve_inputs(store, spec, kl_on=loss.kl is not None)
-    with tempfile.TemporaryDirectory(prefix="forge-grpo-") as tmp:
-        workdir = Path(tmp)
-        policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist_ctx)
-        vocab_size = broadcast_object(_hf_vocab_size(policy_dir) if dist_ctx.is_rank0 else None)
+    inputs = resolve_inputs(ctx, kl_on=loss.kl is not None)
+    with training_process_group(ctx) as dist:
+        policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist)
+        vocab_size = broadcast_object(_hf_vocab_size(policy_dir) if dist.is_rank0 else None)
         rollouts = read_rollouts(store, cfg, inputs)
         steps = steps_per_batch(cfg.grpo, rollouts.batch.batch_size)
-        engine = Engine.Config.from_run_config(
-            cfg, vocab_size, cfg.grpo.optimizer, max(steps, 1), init_weights_dir=policy_dir
-        ).build()
-        lineage = inputs.lineage()
-        trainer = GRPOTrainer(
-            engine,
-            cfg.grpo,
-            loss,
-            sink=build_sinks(cfg.logging, f"{cfg.name}-{STAGE}-{iteration}", engine.dist.rank, config=config),
-            checkpointer=Checkpointer(store, spec.output_uri, engine.dist, stage=STAGE, config=config, inputs=lineage),
-            artifacts=ArtifactContext(store, STAGE, config, lineage),
-        )
+        run = TrainingRun(ctx, dist, lineage=inputs.lineage(), run_name=f"{cfg.name}-{ctx.stage.name}-{iteration}")
+        engine = run.engine(vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir)
+        trainer = GRPOTrainer(engine, cfg.grpo, loss, **run.trainer_parts(engine))
         try:
             scoring_started = time.perf_counter()
             batch = attach_policy_logprobs(
@@ -301,15 +256,6 @@ def train_iteration(spec: StageSpec, dist_ctx: DistContext, started: float | Non
                 "resumed_from_step": resume.step if resume is not None else 0,
                 "optimizer_init": "fresh",
             }
-            policy_uri = export_policy(trainer, spec.output_uri, str(policy_dir) if policy_dir else None, metrics)
-            layout = {k: v for k, v in engine.describe().items() if not isinstance(v, dict)}
-            wall_s = time.perf_counter() - started
-            metrics = {**metrics, "policy_uri": policy_uri, **layout, "wall_s": wall_s}
-            trainer.sink.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-            summary = {"metrics": metrics, "steps": history}
-            run_on_rank0(
-                lambda: commit_stage(store, spec.output_uri, STAGE, config, lineage, metrics, summary), engine.dist
-            )
-            log.info("committed %s (policy %s)", spec.output_uri, policy_uri)
+            run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history)
         finally:
             trainer.close()

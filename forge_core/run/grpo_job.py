@@ -4,12 +4,13 @@ process-group start-up. The flow process starts and stops it (forge_core.run.tra
 
     torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo-job --orders <dir> [--device cpu]
 
-Orders: the files `<dir>/<seq>.json` (seq = 000000, 000001, ...), each `{"spec_uri": <output_uri>/_spec.json}`
+Orders: the files `<dir>/<seq>.json` (seq = 000000, 000001, ...), each `{"spec_uri": <the stage's spec>}`
 or `{"stop": true}`, written atomically by the flow process. Every rank waits for the next file itself (the
 folder is local to this node, so no collective runs while the job idles between iterations), reads the spec
-and runs `forge_core.run.grpo.train_iteration` on it: the same body as the per-stage worker, which commits
-the iteration's `grpo` artifact and resumes from its newest in-stage checkpoint when an earlier attempt left
-one. The flow process watches for that commit.
+and runs it through the worker scaffold (forge_core.run.scaffold.run_spec, with the job's process group): the
+same stage body as the per-stage worker (forge_core.run.grpo.train), which commits the iteration's `grpo`
+artifact and resumes from its newest in-stage checkpoint when an earlier attempt left one. The flow process
+watches for that commit.
 
 Any exception ends the job (no rank is left waiting in a collective): the launcher's error recording then
 tells the waiting task why (a fatal user error, or a retryable crash) and the task's retry starts a new job.
@@ -27,9 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from forge_core.engine import destroy_distributed, init_distributed
-from forge_core.run.grpo import train_iteration
+from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import read_spec
 from forge_core.run.trainer_job import order_path
+from forge_core.stages import stage_named
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +61,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Serve GRPO orders until a stop order or the folder's removal (module docstring)."""
-    from forge_core.faults import set_current_stage
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Serve GRPO orders until a stop order or the folder's removal (module docstring). The process was set
+    up as a worker by forge_core.run (log format, FORGE_FAULT entries ending in @grpo, the owner guard)."""
     args = _parse_args(argv)
-    set_current_stage("grpo")  # FORGE_FAULT entries ending in @grpo fire here too
     orders = Path(args.orders)
     dist_ctx = init_distributed(args.device)
     try:
@@ -72,8 +71,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         while (order := wait_for_order(orders, seq)) is not None and not order.get("stop"):
             started = time.perf_counter()
             spec = read_spec(order["spec_uri"])
+            if stage_named(spec.stage).flow_runner != "trainer_job":
+                raise ValueError(f"order {seq}: {spec.uri} is a {spec.stage} stage, which the trainer job does not run")
             log.info("order %d: GRPO iteration %s -> %s", seq, spec.params.get("iteration"), spec.output_uri)
-            train_iteration(spec, dist_ctx, started)
+            run_spec(spec, process_group=dist_ctx, started=started)
             log.info("order %d done in %.2fs", seq, time.perf_counter() - started)
             seq += 1
     finally:

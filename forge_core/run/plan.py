@@ -4,15 +4,18 @@ This is the Prefect-free half of a stage task (tasks/ adds retries, concurrency 
 
     plan = plan_stage(cfg, store, "sft", inputs={"data": data_uri})
     if not store.is_committed(plan.output_uri):
+        plan = plan.for_attempt(new_attempt_id())
         write_spec(store, plan.spec)
-        result = launch(launch_spec_for(plan, cfg), log=...)
+        result = runner_for(cfg, plan.stage).run(plan, log)     # forge_core.run.runners
         result.raise_for_outcome()
 
-The key hashes only the config sections that can change a stage's output (so a new wandb project or a larger
-deadline does not retrain), the manifests of its inputs, its params, the contents of what it reads from
-outside the store (forge_core.run.external), its reward versions and world size where they matter
-(`stage_dependencies`), and the code version (forge_core's source and the versions of the packages that shape
-results).
+What a stage is (its artifact kind, the config sections that form its key, whether it is distributed or
+scores, what it reads from outside the store) is its record in the stage registry (forge_core.stages). The key
+hashes only the config sections that can change a stage's output (so a new wandb project or a larger deadline
+does not retrain; `forge_core.stages.OPERATIONAL_KEYS` are left out), the manifests of its inputs, its params,
+the contents of what it reads from outside the store (forge_core.run.external), its reward versions and world
+size where they matter (`stage_dependencies`), and the code version (forge_core's source and the versions of
+the packages that shape results).
 """
 
 from __future__ import annotations
@@ -25,29 +28,13 @@ from forge_core.credentials import secret_urls_env
 from forge_core.launch import LaunchSpec
 from forge_core.run.external import KEYED_BY_CONTENT_ONLY, external_fingerprints
 from forge_core.run.spec import StageSpec
+from forge_core.stages import OPERATIONAL_KEYS, STAGE_MODULES_ENV, Stage, is_builtin, stage_named
 from forge_core.storage import ObjectStore, code_version, content_key
 
-# The artifact kind each stage writes (its top-level folder in the store).
-STAGE_KINDS = {
-    "prepare": "data",
-    "sft": "sft",
-    "rollout": "rollouts",
-    "grpo": "grpo",
-    "evaluate": "eval",
-}
-
-# Config sections whose values can change each stage's output. Resources, storage and logging are left out
-# on purpose: the same work on a different pool, or logged elsewhere, is the same artifact.
-STAGE_CONFIG_SECTIONS = {
-    "prepare": ("seed", "data", "model"),
-    "sft": ("seed", "model", "training", "sft"),
-    "rollout": ("seed", "rollout"),
-    "grpo": ("seed", "model", "training", "grpo", "rollout"),
-    "evaluate": ("seed", "eval", "rollout"),
-}
-
-# Stages that run under torchrun; the others run as one plain process.
-DISTRIBUTED_STAGES = frozenset({"sft", "grpo"})
+# The launcher's own deadline on a stage worker is a backstop: the runner that started the worker ends it at
+# launch.<stage>.deadline_s (forge_core.run.runners, one deadline path for every runner); only if that runner
+# could not, the launcher ends it this much after the deadline and its kill grace.
+LAUNCHER_BACKSTOP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -69,33 +56,17 @@ class StagePlan:
         return dataclasses.replace(self, spec=dataclasses.replace(self.spec, attempt=attempt))
 
 
-# Keys inside those sections that only say how the work is run, never what it produces.
-OPERATIONAL_KEYS = {
-    # The reward bounds say how scoring runs; with no timeout or crash the rewards are the same.
-    "rollout": ("engine_lifetime", "engine_state_dir", "reward_timeout_s", "reward_workers"),
-    # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them;
-    # allow_uncorrected_async only lets such a config through validation.
-    "grpo": ("trainer_lifetime", "mode", "max_staleness", "allow_uncorrected_async"),
-}
-
-
 def stage_key_material(cfg: RunConfig, stage: str) -> dict:
     """The slice of the resolved config that identifies a stage's output."""
-    material = select_sections(cfg, STAGE_CONFIG_SECTIONS[stage])
-    for section, keys in OPERATIONAL_KEYS.items():
-        if section in material:
-            material[section] = {k: v for k, v in material[section].items() if k not in keys}
-    for dotted in KEYED_BY_CONTENT_ONLY:  # their contents are keyed instead (external_fingerprints)
+    material = select_sections(cfg, stage_named(stage).key_sections)
+    for dotted in (*OPERATIONAL_KEYS, *KEYED_BY_CONTENT_ONLY):  # contents are keyed instead: external_fingerprints
         *parents, name = dotted.split(".")
         section = material
         for part in parents:
             section = section.get(part, {}) if isinstance(section, dict) else {}
-        section.pop(name, None)
+        if isinstance(section, dict):
+            section.pop(name, None)
     return material
-
-
-# Stages whose output holds reward scores: the versions of the reward functions are part of their key.
-SCORING_STAGES = frozenset({"rollout", "evaluate"})
 
 
 def stage_dependencies(cfg: RunConfig, stage: str, fingerprints: dict[str, str]) -> dict:
@@ -103,15 +74,16 @@ def stage_dependencies(cfg: RunConfig, stage: str, fingerprints: dict[str, str])
     it reads outside the store, its reward functions' versions (scoring stages), and its world size (training
     stages: per-rank RNG streams and data shards, and a checkpoint resumes only on as many ranks as wrote it).
     The rest of `launch.*` (pool, deadline, retries) stays out of every key: a pool change must not retrain."""
+    record = stage_named(stage)
     dependencies: dict = {}
     if fingerprints:
         dependencies["external"] = dict(fingerprints)
-    if stage in SCORING_STAGES:
+    if record.scoring:
         from forge_core.rewards import RewardSet
 
         dependencies["rewards"] = RewardSet.from_config(cfg.rollout.rewards).versions()
-    if stage in DISTRIBUTED_STAGES:
-        resources = getattr(cfg.launch, stage)
+    if record.distributed:
+        resources = cfg.launch.for_stage(stage)
         dependencies["world_size"] = resources.nnodes * resources.nproc_per_node
     return dependencies
 
@@ -124,9 +96,9 @@ def plan_stage(
     params: dict | None = None,
 ) -> StagePlan:
     """Resolve a stage's output URI from its config, its committed inputs and its params."""
-    if stage not in STAGE_KINDS:
-        raise ValueError(f"stage={stage!r}: unknown; valid stages are {sorted(STAGE_KINDS)}")
+    record = stage_named(stage)
     inputs = dict(inputs or {})
+    _check_input_names(record, inputs)
     params = dict(params or {})
     input_hashes = {name: store.manifest_sha256(uri) for name, uri in sorted(inputs.items())}
     fingerprints = external_fingerprints(cfg, store, stage)
@@ -136,7 +108,7 @@ def plan_stage(
         **stage_dependencies(cfg, stage, fingerprints),
     }
     key = content_key(stage, material, input_hashes, code_version())
-    output_uri = store.artifact_uri(STAGE_KINDS[stage], key)
+    output_uri = store.artifact_uri(record.kind, key)
     spec = StageSpec(
         stage=stage,
         config=config_to_dict(cfg),
@@ -148,14 +120,26 @@ def plan_stage(
     return StagePlan(stage=stage, key=key, output_uri=output_uri, spec=spec, inputs=inputs)
 
 
+def _check_input_names(record: Stage, inputs: dict[str, str]) -> None:
+    unknown = sorted(name for name in inputs if record.input_named(name) is None)
+    if unknown:
+        raise ValueError(
+            f"inputs {unknown}: the {record.name} stage has no such input; its inputs are "
+            f"{[i.name for i in record.inputs]} (forge_core.stages)"
+        )
+
+
 def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None) -> LaunchSpec:
-    """The worker command for a planned stage: torchrun for training stages, one process otherwise."""
-    resources = getattr(cfg.launch, plan.stage)
-    distributed = plan.stage in DISTRIBUTED_STAGES
+    """The worker command for a planned stage: torchrun for distributed stages, one process otherwise."""
+    record = stage_named(plan.stage)
+    resources = cfg.launch.for_stage(plan.stage)
+    distributed = record.distributed
     env = dict(extra_env or {})
     if cfg.storage.endpoint_url:
         # The worker reads its spec before it has a config: tell it where a custom S3 endpoint is.
         env.setdefault("FORGE_S3_ENDPOINT_URL", cfg.storage.endpoint_url)
+    if not is_builtin(record):
+        env[STAGE_MODULES_ENV] = record.module  # the worker imports the module that registers the stage
     # The config (so the spec) holds tokenised URLs redacted; the worker gets the real ones like AWS keys.
     env.update(secret_urls_env())
     return LaunchSpec(
@@ -165,7 +149,8 @@ def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] |
         nnodes=resources.nnodes if distributed else 1,
         rdzv_endpoint=resources.rdzv_endpoint if distributed else None,
         env=env,
-        deadline_s=resources.deadline_s,
+        deadline_s=resources.deadline_s + resources.kill_grace_s + LAUNCHER_BACKSTOP_S,
         rank0_only_logs=cfg.logging.rank0_only,
         torchrun=distributed,
+        kill_grace_s=resources.kill_grace_s,
     )

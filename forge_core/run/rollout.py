@@ -1,8 +1,9 @@
-"""Worker entry point of the rollout stage (one plain process; vLLM starts its own):
+"""The rollout stage: a worker process that starts its own vLLM engine (`rollout.engine_lifetime: stage`), or,
+with the flow's long-lived engines (`flow`), a thread of its task's process (forge_core.run.in_process):
 
-    python -m forge_core.run rollout --spec <output_uri>/_spec.json
+    python -m forge_core.run rollout --spec <output_uri>/_specs/<attempt>.json
 
-Inputs (`spec.inputs`):
+Inputs (`spec.inputs`, kinds checked by the worker scaffold):
   policy   a committed `sft` or `grpo` artifact; its `policy/` HF folder is downloaded (verified, cached by
            manifest hash) and loaded into vLLM.
   data     a committed `data` artifact; this iteration's prompts come from its `rl_prompts.parquet`.
@@ -26,29 +27,27 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 
-from forge_core.config import RunConfig, config_to_dict
+from forge_core.artifacts.policy import PolicyRef, fetch_policy, release_policy
+from forge_core.config import RunConfig
 from forge_core.data.schemas import TABLES
 from forge_core.rewards import RewardSet, sample_context
 from forge_core.rollout.dynamic import DynamicSampling
 from forge_core.rollout.lifetime import stage_generator
-from forge_core.rollout.policy import PolicyRef, fetch_policy, release_policy
 from forge_core.rollout.prompts import check_prompt_table, iteration_indices, prompts_from_table
+from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
 from forge_core.rollout.types import Prompt
+from forge_core.run.scaffold import StageContext
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
 
 log = logging.getLogger(__name__)
 
-STAGE = "rollout"
-KIND = "rollouts"
-POLICY_INPUT = "policy"
-DATA_INPUT = "data"
 PROMPTS_SPLIT = "rl_prompts"
 
 
@@ -56,19 +55,30 @@ PROMPTS_SPLIT = "rl_prompts"
 class RolloutPlan:
     """Everything the stage decided before starting vLLM: inputs resolved, prompts picked, rewards built."""
 
-    cfg: RunConfig
-    store: ObjectStore
-    output_uri: str
-    inputs: dict[str, str]
+    ctx: StageContext  # the checked stage run: config, store, inputs, clock
     iteration: int
     policy_iteration: int
     seed: int
     prompts: list[Prompt]  # round 0's; dynamic sampling draws later rounds from prompt_table
     rewards: RewardSet
     policy: PolicyRef
-    # perf_counter() when the stage body began: the manifest's wall_s (bench/orchestration_overhead.py)
-    started_at: float = field(default_factory=time.perf_counter)
     prompt_table: pa.Table | None = None  # rl_prompts, for dynamic sampling's extra rounds
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.ctx.cfg
+
+    @property
+    def store(self) -> ObjectStore:
+        return self.ctx.store
+
+    @property
+    def output_uri(self) -> str:
+        return self.ctx.output_uri
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        return self.ctx.inputs
 
     @property
     def rounds(self) -> DynamicSampling:
@@ -79,16 +89,6 @@ class RolloutPlan:
             return self.prompts
         assert self.prompt_table is not None, "a plan for dynamic sampling keeps its prompt table"
         return iteration_prompts(self.prompt_table, self.cfg.rollout.prompts_per_iteration, slot, self.seed)
-
-
-def required_input(spec: StageSpec, name: str, what: str) -> str:
-    uri = spec.inputs.get(name)
-    if not uri:
-        raise ValueError(
-            f"stage spec {spec.output_uri}: inputs has no {name!r} entry (got {sorted(spec.inputs)}); the "
-            f"{spec.stage} stage needs the URI of {what}"
-        )
-    return uri
 
 
 def iteration_param(spec: StageSpec) -> int:
@@ -113,7 +113,7 @@ def policy_iteration_param(spec: StageSpec, iteration: int) -> int:
 def read_prompt_split(store: ObjectStore, data_uri: str, split: str) -> pa.Table:
     """A prompts table (`rl_prompts` or `eval`) of a committed data artifact, verified."""
     file_name = TABLES[split][0]
-    source = f"inputs.{DATA_INPUT}={data_uri}/{file_name}"
+    source = f"inputs.data={data_uri}/{file_name}"
     try:
         table = store.reader(data_uri).read_table(file_name)
     except (ArtifactError, FileNotFoundError) as exc:
@@ -129,45 +129,35 @@ def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed:
     return prompts_from_table(table.take(pa.array(indices)), first_group_id=iteration * per_iteration)
 
 
-def engine_metrics(cfg: RunConfig, generator) -> dict:
+def engine_metrics(cfg: RunConfig, generator: GenerationEngine) -> dict:
     """How the engine was had: started by this stage (start-up s) or the flow's service (reload s)."""
     return {
         "engine_lifetime": cfg.rollout.engine_lifetime,
-        "engine_startup_s": float(getattr(generator, "startup_s", 0.0)),
-        "engine_reload_s": float(getattr(generator, "reload_s", 0.0)),
+        "engine_startup_s": float(generator.startup_s),
+        "engine_reload_s": float(generator.reload_s),
     }
 
 
-def plan_rollout(spec: StageSpec) -> RolloutPlan | None:
-    """Resolve and check everything that can fail cheaply; None when the output is already committed."""
-    started_at = time.perf_counter()
-    cfg = spec.run_config()
-    store = ObjectStore.from_config(cfg.storage)
-    if store.is_committed(spec.output_uri):
-        return None
-    policy_uri = required_input(spec, POLICY_INPUT, "a committed sft or grpo artifact (the policy to sample)")
-    data_uri = required_input(spec, DATA_INPUT, "a committed data artifact (rl_prompts.parquet)")
-    iteration = iteration_param(spec)
-    policy_iteration = policy_iteration_param(spec, iteration)
+def plan_rollout(ctx: StageContext) -> RolloutPlan:
+    """Resolve and check everything that can fail cheaply, before an engine is started."""
+    cfg, store = ctx.cfg, ctx.store
+    iteration = iteration_param(ctx.spec)
+    policy_iteration = policy_iteration_param(ctx.spec, iteration)
     rewards = RewardSet.for_stage(cfg.rollout)  # a bad reward fails before vLLM starts
     seed = rollout_seed(cfg.seed, cfg.rollout.sampling)
-    table = read_prompt_split(store, data_uri, PROMPTS_SPLIT)
+    table = read_prompt_split(store, ctx.input("data"), PROMPTS_SPLIT)
     per_iteration = cfg.rollout.prompts_per_iteration
     first_slot = DynamicSampling(cfg.rollout.dynamic_sampling, per_iteration).slot(iteration, 0)
     prompts = iteration_prompts(table, per_iteration, first_slot, seed)
-    policy = fetch_policy(store, policy_uri, POLICY_INPUT)
+    policy = fetch_policy(store, ctx.input("policy"))
     return RolloutPlan(
-        cfg=cfg,
-        store=store,
-        output_uri=spec.output_uri,
-        inputs={POLICY_INPUT: policy_uri, DATA_INPUT: data_uri},
+        ctx=ctx,
         iteration=iteration,
         policy_iteration=policy_iteration,
         seed=seed,
         prompts=prompts,
         rewards=rewards,
         policy=policy,
-        started_at=started_at,
         prompt_table=table,
     )
 
@@ -181,13 +171,17 @@ class _Generation:
 
 
 def sample_round(
-    plan: RolloutPlan, generator, prompts: list[Prompt], lineage: RolloutLineage, sampling_round: int,
+    plan: RolloutPlan,
+    generator: GenerationEngine,
+    prompts: list[Prompt],
+    lineage: RolloutLineage,
+    sampling_round: int,
     totals: _Generation,
 ) -> pa.Table:
     """Generate and score one round of prompts: its rows of the rollout table."""
     sampling = plan.cfg.rollout.sampling
     start = time.perf_counter()
-    samples = generator.generate(prompts, seed=plan.seed, sampling=sampling)
+    samples = generator.generate(prompts, sampling, plan.seed)
     totals.seconds += time.perf_counter() - start
     totals.tokens += sum(s.response_len for s in samples)
     scored = plan.rewards.score(
@@ -199,7 +193,7 @@ def sample_round(
     return rollout_table(samples, scored, lineage, sampling_round=sampling_round)
 
 
-def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
+def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
     """Generate (in rounds, with dynamic sampling), score, write `rollouts.parquet` and commit; returns the
     table."""
     sampling = plan.cfg.rollout.sampling
@@ -236,11 +230,11 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
         "reward_weights": plan.rewards.weights(),
         "primary_reward": plan.rewards.primary_column,
         **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
-        "wall_s": time.perf_counter() - plan.started_at,
+        "wall_s": plan.ctx.wall_s(),
     }
-    writer = plan.store.writer(plan.output_uri, kind=KIND, stage=STAGE)
+    writer = plan.ctx.writer()
     writer.write_table(ROLLOUTS_TABLE, table)
-    writer.commit(config=config_to_dict(plan.cfg), inputs=plan.inputs, metrics=metrics)
+    writer.commit(config=plan.ctx.config, inputs=plan.inputs, metrics=metrics)
     log.info(
         "committed %s: %d samples, reward %.3f +- %.3f, pass rate %.3f, %.0f tokens/s",
         plan.output_uri,
@@ -253,20 +247,9 @@ def run_rollout(plan: RolloutPlan, generator) -> pa.Table:
     return table
 
 
-def main(spec: StageSpec) -> None:
-    """The worker process's entry: `run(spec)` with its log lines on stderr."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(spec)
-
-
-def run(spec: StageSpec) -> None:
-    """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring).
-
-    Also what a task calls in its own process (forge_core.run.in_process)."""
-    plan = plan_rollout(spec)
-    if plan is None:
-        log.info("%s is already committed; nothing to do", spec.output_uri)
-        return
+def run(ctx: StageContext) -> None:
+    """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring)."""
+    plan = plan_rollout(ctx)
     try:
         with stage_generator(plan.cfg, plan.policy, seed=plan.seed) as generator:
             run_rollout(plan, generator)

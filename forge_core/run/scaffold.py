@@ -1,28 +1,203 @@
-"""What every stage run shares, wherever it runs (a launched worker or a thread of the task's process).
+"""The one worker scaffold: what every stage run does around its body, wherever it runs (a launched worker, a
+thread of the task's process, an order to the long-lived trainer job).
 
-    run_spec(stage_main, spec)      # the stage body on its spec; a lost commit race counts as done
+    run_spec(spec)                  # a worker: config validated from the spec (a process boundary)
+    run_spec(spec, cfg)             # the task's process: the task's RunConfig object, not validated again
+    run_spec(spec, process_group=dist, started=t0)   # the trainer job: its process group stays up
 
-Two attempts of one stage can race (two runs of one config, a zombie of a dead flow, an in-process stage past
-its deadline): the storage layer lets exactly one commit win (forge_core.storage: exclusive manifests). The
-output is content-addressed, so the loser's work is the winner's: its stage ends as done, not failed.
+`run_spec` (1) starts the stage's clock (the manifest's `wall_s` counts from here), (2) has the config once
+(validated from the spec, or the object handed over) and builds the store, (3) ends at once when the output is
+already committed, (4) verifies what the stage reads from outside the store against its planned fingerprints
+(forge_core.run.external), (5) checks every input the stage names in the registry (forge_core.stages): a
+required one must be given, and each given one must be a committed artifact of a kind the stage accepts
+(forge_core.artifacts.inputs), (6) gives the body a private work folder, removed afterwards, (7) calls the
+stage's entry ("module:function", imported here) with a `StageContext`, and (8) counts a lost commit race as
+done: two attempts of one stage can race (two runs of one config, a zombie of a dead flow, a stage past its
+deadline); the storage layer lets exactly one commit win, and the output is content-addressed, so the loser's
+work is the winner's.
+
+What only a worker process needs (log format, the fault-injection stage name, the owner guard) is
+`worker_process_setup`, called by `python -m forge_core.run` for stages and jobs alike.
+
+Tests and tools that drive a stage's parts themselves take the checked context without running the body:
+
+    ctx = stage_context(spec)       # None when the output is already committed
+    plan = plan_rollout(ctx)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import logging
+import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from forge_core.artifacts.inputs import committed_kind
+from forge_core.config import RunConfig, config_to_dict
+from forge_core.run.external import verify_external_inputs
 from forge_core.run.spec import StageSpec
-from forge_core.storage import ArtifactAlreadyCommitted
+from forge_core.stages import Stage, StageInput, stage_named
+from forge_core.storage import ArtifactAlreadyCommitted, ArtifactWriter, ObjectStore
 
 log = logging.getLogger(__name__)
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-def run_spec(stage_main: Callable[[StageSpec], None], spec: StageSpec) -> None:
-    """Run `stage_main(spec)`; another attempt's commit of the same output ends it as done."""
+
+@dataclass(frozen=True)
+class StageContext:
+    """One stage run, checked and ready for its body (module docstring)."""
+
+    spec: StageSpec
+    stage: Stage
+    cfg: RunConfig
+    store: ObjectStore
+    started: float  # time.perf_counter() when the run began: the manifest's wall_s counts from here
+    input_kinds: dict[str, str]  # {input name: the kind of the committed artifact given for it}
+    work_folder: Path | None = None  # set by run_spec: private, removed when the body returns
+    # A process group a long-lived job keeps up across its stages (forge_core.run.grpo_job); None = the stage
+    # makes its own if it needs one (forge_core.run.training).
+    process_group: Any = None
+
+    @property
+    def output_uri(self) -> str:
+        return self.spec.output_uri
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        """{input name: URI} as given: each committed and of an accepted kind (what manifests record)."""
+        return dict(self.spec.inputs)
+
+    @property
+    def params(self) -> dict:
+        return self.spec.params
+
+    @functools.cached_property
+    def config(self) -> dict:
+        """The run's config as plain data: what manifests, checkpoints and metric sinks record."""
+        return config_to_dict(self.cfg)
+
+    @property
+    def workdir(self) -> Path:
+        assert self.work_folder is not None, "no work folder: the stage body runs through run_spec"
+        return self.work_folder
+
+    def input(self, name: str) -> str:
+        """The URI of input `name`; a required input (forge_core.stages) is always there."""
+        uri = self.spec.inputs.get(name)
+        if not uri:
+            raise KeyError(f"the {self.stage.name} stage was given no input {name!r}; see optional_input()")
+        return uri
+
+    def optional_input(self, name: str) -> str | None:
+        return self.spec.inputs.get(name) or None
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def writer(self) -> ArtifactWriter:
+        """A writer of this stage's output artifact (its kind and stage name from the registry)."""
+        return self.store.writer(self.output_uri, kind=self.stage.kind, stage=self.stage.name)
+
+
+def stage_context(
+    spec: StageSpec,
+    cfg: RunConfig | None = None,
+    *,
+    started: float | None = None,
+    process_group: Any = None,
+) -> StageContext | None:
+    """The checked context of a stage run (steps 1-5 of the module docstring); None when its output is already
+    committed. `cfg`: the RunConfig object the task holds (not validated again); None = validate the spec's."""
+    started = time.perf_counter() if started is None else started
+    stage = stage_named(spec.stage)
+    cfg = spec.run_config() if cfg is None else cfg
+    store = ObjectStore.from_config(cfg.storage)
+    if store.is_committed(spec.output_uri):
+        log.info("%s is already committed; nothing to do", spec.output_uri)
+        return None
+    if stage.external:
+        verify_external_inputs(spec, cfg, store)  # what the key was made from is what the stage reads
+    for declared in stage.inputs:  # what the spec lacks first, then what it names
+        if declared.required:
+            required_input(spec, declared)
+    kinds = {
+        declared.name: committed_kind(store, uri, declared.name, declared.kinds, declared.what)
+        for declared in stage.inputs
+        if (uri := spec.inputs.get(declared.name))
+    }
+    return StageContext(
+        spec=spec, stage=stage, cfg=cfg, store=store, started=started, input_kinds=kinds,
+        process_group=process_group,
+    )  # fmt: skip
+
+
+def required_input(spec: StageSpec, declared: StageInput) -> str:
+    """The URI the spec gives for a required input; ValueError naming it and what it should be otherwise."""
+    uri = spec.inputs.get(declared.name)
+    if not uri:
+        raise ValueError(
+            f"stage spec {spec.output_uri}: inputs has no {declared.name!r} entry (got {sorted(spec.inputs)}); "
+            f"the {spec.stage} stage needs the URI of {declared.what}"
+        )
+    return uri
+
+
+def run_spec(
+    spec: StageSpec,
+    cfg: RunConfig | None = None,
+    *,
+    started: float | None = None,
+    process_group: Any = None,
+) -> None:
+    """Run the stage `spec` names, with the scaffold around its body (module docstring)."""
+    ctx = stage_context(spec, cfg, started=started, process_group=process_group)
+    if ctx is None:
+        return
+    body = stage_body(ctx.stage)
     try:
-        stage_main(spec)
+        with tempfile.TemporaryDirectory(prefix=f"forge-{ctx.stage.name}-") as folder:
+            body(dataclasses.replace(ctx, work_folder=Path(folder)))
     except ArtifactAlreadyCommitted as exc:
         if exc.uri.rstrip("/") != spec.output_uri.rstrip("/"):
             raise  # some other artifact: not this stage's race
         log.info("%s: %s; keeping theirs (same content key)", spec.stage, exc)
+
+
+def stage_body(stage: Stage) -> Callable[[StageContext], None]:
+    """The stage's entry function, imported now (its module may import torch or vLLM)."""
+    module_name, _, function = stage.entry.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # the stage exists but one of its own imports is missing: show that error as it is
+        raise ValueError(
+            f"stage {stage.name!r}: its entry {stage.entry} names module {module_name}, which is not installed"
+        ) from exc
+    body = getattr(module, function, None)
+    if not callable(body):
+        raise ValueError(f"stage {stage.name!r}: {module_name} defines no function {function}(ctx)")  # noqa: TRY004
+    return body
+
+
+def worker_process_setup(stage: str) -> None:
+    """What a launched worker process does before its stage or job: its log format on stderr, the stage name
+    that FORGE_FAULT entries ending in @<stage> match (forge_core.faults), and, under forge_core.launch
+    (FORGE_LAUNCH_OWNER set), the owner guard: the launch ends itself within ~2 s once the launching process
+    is gone, and no commit is published meanwhile (forge_core.launch.owner)."""
+    from forge_core.faults import set_current_stage
+    from forge_core.launch.guard import guard_launched_worker
+    from forge_core.launch.owner import check_owner_alive
+    from forge_core.storage.writer import add_pre_commit_check
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    set_current_stage(stage)
+    if guard_launched_worker() is not None:
+        add_pre_commit_check(check_owner_alive)

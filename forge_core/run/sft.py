@@ -1,9 +1,9 @@
-"""Worker entry point of the SFT stage (one process per rank under torchrun, or one plain process):
+"""The SFT stage (one process per rank under torchrun, or one plain process):
 
-    torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec <output_uri>/_spec.json
-    python -m forge_core.run sft --spec <output_uri>/_spec.json          # world size 1
+    torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec <output_uri>/_specs/<attempt>.json
+    python -m forge_core.run sft --spec <output_uri>/_specs/<attempt>.json          # world size 1
 
-Inputs: `spec.inputs["data"]`, a committed `data` artifact (sft.parquet + tokenizer/). Optional
+Inputs: `data`, a committed `data` artifact (sft.parquet + tokenizer/), checked by the scaffold. Optional
 `model.hf_path` (local folder or storage URI of an HF folder) to start from instead of random init.
 Output: `<output_uri>/policy` (a committed `policy` artifact: HF folder with the tokenizer files), in-stage
 checkpoints under `<output_uri>/_checkpoints/step-<N>`, and finally the `sft` artifact at `<output_uri>`
@@ -15,28 +15,19 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
-from forge_core.config import RunConfig, config_to_dict
-from forge_core.engine import Checkpointer, Engine, destroy_distributed
-from forge_core.engine.distributed import run_on_rank0
-from forge_core.metrics import build_sinks
-from forge_core.run.external import verify_external_inputs
-from forge_core.run.spec import StageSpec
+from forge_core.config import RunConfig
+from forge_core.run.scaffold import StageContext
+from forge_core.run.training import TrainingRun, training_process_group
 from forge_core.storage import ArtifactError, ObjectStore
-from forge_core.trainers.base import ArtifactContext
 from forge_core.trainers.sft import SFTData, SFTTrainer
-from forge_core.trainers.stage import commit_stage, export_policy
 
 log = logging.getLogger(__name__)
 
-STAGE = "sft"
-DATA_INPUT = "data"
 SFT_TABLE = "sft.parquet"
 TOKENIZER_DIR = "tokenizer"
 
@@ -49,20 +40,15 @@ class SFTInputs:
     tokenizer_vocab_size: int
 
 
-def _read_data_artifact(store: ObjectStore, spec: StageSpec, workdir: Path) -> SFTInputs:
+def _read_data_artifact(ctx: StageContext) -> SFTInputs:
     """Verified reads of sft.parquet and tokenizer/ from the committed data artifact."""
-    data_uri = spec.inputs.get(DATA_INPUT)
-    if not data_uri:
-        raise ValueError(
-            f"stage spec {spec.output_uri}: inputs has no {DATA_INPUT!r} entry (got {sorted(spec.inputs)}); "
-            "the SFT stage needs the URI of a committed data artifact from the prepare stage"
-        )
+    data_uri = ctx.input("data")
     try:
-        reader = store.reader(data_uri)
+        reader = ctx.store.reader(data_uri)
         table = reader.read_table(SFT_TABLE, columns=["input_ids", "loss_mask"])
-        tokenizer_dir = reader.download_dir(TOKENIZER_DIR, workdir / TOKENIZER_DIR)
+        tokenizer_dir = reader.download_dir(TOKENIZER_DIR, ctx.workdir / TOKENIZER_DIR)
     except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(f"inputs.{DATA_INPUT}={data_uri}: cannot read the data artifact: {exc}") from exc
+        raise ValueError(f"inputs.data={data_uri}: cannot read the data artifact: {exc}") from exc
     return SFTInputs(data_uri, table, tokenizer_dir, _tokenizer_vocab_size(tokenizer_dir))
 
 
@@ -104,60 +90,20 @@ def _vocab_size(cfg: RunConfig, inputs: SFTInputs, init_dir: str | None) -> int:
     return hf_vocab
 
 
-def main(spec: StageSpec) -> None:
+def train(ctx: StageContext) -> None:
     """Train, export `<output_uri>/policy`, commit the `sft` artifact (see the module docstring)."""
-    started = time.perf_counter()  # the manifest's wall_s: the stage body, without interpreter start-up
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = spec.run_config()
-    store = ObjectStore.from_config(cfg.storage)
-    if store.is_committed(spec.output_uri):
-        log.info("%s is already committed; nothing to do", spec.output_uri)
-        return
-    verify_external_inputs(spec, cfg, store)  # model.hf_path is the folder the key was computed from
-    config = config_to_dict(cfg)
-    with tempfile.TemporaryDirectory(prefix="forge-sft-") as tmp:
-        workdir = Path(tmp)
-        inputs = _read_data_artifact(store, spec, workdir)
-        data = SFTData.from_table(
-            inputs.table, cfg.sft.eval_rows, cfg.seed, where=f"{inputs.data_uri}/{SFT_TABLE}"
-        )
-        init_dir = _initial_weights_dir(cfg, store, workdir)
-        engine_cfg = Engine.Config.from_run_config(
-            cfg,
-            _vocab_size(cfg, inputs, init_dir),
-            cfg.sft.optimizer,
-            cfg.sft.steps,
-            init_weights_dir=init_dir,
-        )
-        engine = engine_cfg.build()
-        rank = engine.dist.rank
+    cfg = ctx.cfg
+    inputs = _read_data_artifact(ctx)
+    data = SFTData.from_table(inputs.table, cfg.sft.eval_rows, cfg.seed, where=f"{inputs.data_uri}/{SFT_TABLE}")
+    init_dir = _initial_weights_dir(cfg, ctx.store, ctx.workdir)
+    vocab_size = _vocab_size(cfg, inputs, init_dir)
+    with training_process_group(ctx) as dist:
+        run = TrainingRun(ctx, dist, lineage=ctx.inputs, run_name=f"{cfg.name}-{ctx.stage.name}")
+        engine = run.engine(vocab_size, cfg.sft.optimizer, cfg.sft.steps, init_dir)
         trainer = SFTTrainer(
-            engine,
-            data,
-            cfg.sft,
-            seed=cfg.seed,
-            log_every=cfg.logging.log_every,
-            sink=build_sinks(cfg.logging, f"{cfg.name}-{STAGE}", rank, config=config),
-            checkpointer=Checkpointer(
-                store, spec.output_uri, engine.dist, stage=STAGE, config=config, inputs=dict(spec.inputs)
-            ),
-            artifacts=ArtifactContext(store, STAGE, config, dict(spec.inputs)),
+            engine, data, cfg.sft, seed=cfg.seed, log_every=cfg.logging.log_every, **run.trainer_parts(engine)
         )
         try:
-            summary = trainer.fit()
-            metrics = summary.as_metrics()
-            policy_uri = export_policy(trainer, spec.output_uri, str(inputs.tokenizer_dir), metrics)
-            layout = {k: v for k, v in engine.describe().items() if not isinstance(v, dict)}
-            wall_s = time.perf_counter() - started
-            stage_metrics = {**metrics, "policy_uri": policy_uri, **layout, "wall_s": wall_s}
-            trainer.sink.summary(metrics)
-            run_on_rank0(
-                lambda: commit_stage(
-                    store, spec.output_uri, STAGE, config, dict(spec.inputs), stage_metrics, stage_metrics
-                ),
-                engine.dist,
-            )
-            log.info("committed %s (policy %s)", spec.output_uri, policy_uri)
+            run.finish(trainer, trainer.fit().as_metrics(), str(inputs.tokenizer_dir))
         finally:
             trainer.close()
-            destroy_distributed()

@@ -6,7 +6,9 @@ The task side writes it, the worker side reads it:
                                       output_uri=out_uri, params={}))
     # ... python -m forge_core.run sft --spec <uri>
     spec = read_spec(uri)            # in the worker
-    cfg = spec.run_config()          # validated RunConfig (ConfigError lists every problem)
+    cfg = spec.run_config()          # validated RunConfig (ConfigError lists every problem): once, by the
+                                     # worker scaffold (forge_core.run.scaffold); a stage run in the task's
+                                     # process gets the task's RunConfig object instead
 
 The spec sits inside the output prefix but is not part of the artifact: only files written through the
 artifact writer are listed in `_MANIFEST.json`. Each task attempt (`attempt`, forge_core.storage.new_attempt_id)
@@ -21,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from forge_core.config import RunConfig, config_from_dict
-from forge_core.config.schema import STAGES, StorageConfig
+from forge_core.config.schema import StorageConfig
+from forge_core.stages import is_stage, stage_names
 
 if TYPE_CHECKING:
     from forge_core.storage import ObjectStore
@@ -58,8 +61,8 @@ class StageSpec:
 
     def check(self) -> list[str]:
         errors = []
-        if self.stage not in STAGES:
-            errors.append(f"stage={self.stage!r}: unknown; valid stages: {', '.join(STAGES)}")
+        if not is_stage(self.stage):
+            errors.append(f"stage={self.stage!r}: unknown; valid stages: {', '.join(stage_names())}")
         if not isinstance(self.config, dict):
             errors.append(
                 f"config: expected the RunConfig as a dict (config_to_dict(cfg)), got {type(self.config)}"

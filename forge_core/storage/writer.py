@@ -6,6 +6,7 @@ with w.open("metrics.jsonl") as f:          # streamed in parts, hashed on the w
     f.write(b"...")
 w.put_dir("/tmp/hf_model", "policy")        # an HF model folder
 w.adopt_existing("")                        # files another tool (DCP) wrote under w.files_uri
+w.adopt_hashed({"a.bin": FileEntry(size, sha256)})   # the same, hashed by that tool while writing
 manifest = w.commit(config=cfg_dict, inputs={"data": data_uri}, metrics={"loss": 1.2})
 
 Two writers of one key (two runs of a config, a zombie stage, a retried attempt) write to different prefixes
@@ -192,19 +193,47 @@ class ArtifactWriter:
         committed artifact. Returns the adopted names; ValueError when there is nothing to adopt.
         """
         self._check_not_committed()
+        base, adoptable = self._adoptable_files(rel_prefix)
+        if not adoptable:
+            raise ValueError(f"adopt_existing: no files under {base} to adopt; did the tool write elsewhere?")
+        for rel, size in adoptable.items():
+            self._files[rel] = self._hash_stored_file(rel, size)
+        return list(adoptable)
+
+    def adopt_hashed(self, entries: dict[str, FileEntry], rel_prefix: str = "") -> list[str]:
+        """Record files another tool wrote under `<files_uri>/<rel_prefix>` and hashed while writing them
+        (`entries`: {path relative to the prefix: FileEntry}), without reading them back.
+
+        One listing checks that the entries name exactly the adoptable files there (as `adopt_existing` would
+        find them) at their recorded sizes; otherwise StorageError naming the differences. Returns the names.
+        """
+        self._check_not_committed()
+        prefix = normalize_rel(rel_prefix) if rel_prefix else ""
+        given = {normalize_rel(f"{prefix}/{rel}" if prefix else rel): entry for rel, entry in entries.items()}
+        base, stored = self._adoptable_files(rel_prefix)
+        wrong = sorted(
+            f"{rel}: hashed {given[rel].size if rel in given else 'nothing'}, stored {stored.get(rel, 'nothing')}"
+            for rel in given.keys() | stored.keys()
+            if rel not in given or stored.get(rel) != given[rel].size
+        )
+        if wrong:
+            raise StorageError(f"adopt_hashed under {base}: hashed and stored files differ: {wrong}")
+        self._files.update(sorted(given.items()))
+        return sorted(given)
+
+    def _adoptable_files(self, rel_prefix: str) -> tuple[str, dict[str, int]]:
+        """(the prefix URI, {rel: size} of the files under it an artifact may own, sorted): no manifest, temp
+        file, `_checkpoints/` entry or file of a nested committed artifact."""
         prefix = normalize_rel(rel_prefix) if rel_prefix else ""
         base = self.store.join(self.files_uri, prefix)
         listing = {self._rel_of(u): size for u, size in self.store.list_files(base).items()}
         nested = {rel.rsplit("/", 1)[0] + "/" for rel in listing if rel.endswith("/" + MANIFEST_NAME)}
-        adopted = []
-        for rel, size in sorted(listing.items()):
-            if _is_reserved(rel) or TEMP_MARKER in rel or any(rel.startswith(n) for n in nested):
-                continue
-            self._files[rel] = self._hash_stored_file(rel, size)
-            adopted.append(rel)
-        if not adopted:
-            raise ValueError(f"adopt_existing: no files under {base} to adopt; did the tool write elsewhere?")
-        return adopted
+        adoptable = {
+            rel: size
+            for rel, size in sorted(listing.items())
+            if not (_is_reserved(rel) or TEMP_MARKER in rel or any(rel.startswith(n) for n in nested))
+        }
+        return base, adoptable
 
     def _rel_of(self, file_uri: str) -> str:
         assert file_uri.startswith(self.files_uri + "/"), (file_uri, self.files_uri)

@@ -3,8 +3,8 @@ evaluation, log-probs, checkpoints, export) and `SFTTrainer` (data, loop, eval, 
 GRPO's trainer (`forge_core.trainers.grpo`) subclasses TitanTrainer the same way.
 """
 
+from forge_core.batch import TokenBatch, pad_token_rows
 from forge_core.trainers.base import ArtifactContext, TitanTrainer
-from forge_core.trainers.batch import TokenBatch, pad_token_rows
 from forge_core.trainers.sft import SFTData, SFTSummary, SFTTrainer
 
 __all__ = ["ArtifactContext", "SFTData", "SFTSummary", "SFTTrainer", "TitanTrainer", "TokenBatch", "pad_token_rows"]

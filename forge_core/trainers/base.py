@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from forge_core.batch import TokenBatch
 from forge_core.engine import Checkpointer, CheckpointRef, Engine, ResumeState
 from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
 from forge_core.faults import maybe_inject_fault
@@ -34,7 +35,6 @@ from forge_core.losses.base import Loss, LossOutput, ModelOutputs, reduce_metric
 from forge_core.metrics import MetricsSink, NullSink
 from forge_core.models import forward_logits, token_entropy, token_logprobs, write_hf_folder
 from forge_core.storage import ObjectStore
-from forge_core.trainers.batch import TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,10 @@ class TitanTrainer:
     # ---- the one forward path -------------------------------------------------------------------------------
 
     def _model_outputs(self, batch: TokenBatch, with_entropy: bool) -> ModelOutputs:
-        logits_BLV = forward_logits(self.model, batch.input_ids_BL, batch.positions_BL)
+        # A compiled model runs each batch at its length bucket, so it meets a few shapes, not one per length.
+        logits_BLV = forward_logits(
+            self.model, batch.input_ids_BL, batch.positions_BL, pad_to=self.engine.padded_length(batch.seq_len)
+        )
         if isinstance(logits_BLV, DTensor):
             # Tensor parallelism leaves the logits sharded over the vocab; gather them (differentiably) so the
             # loss sees plain per-token log-probabilities.
@@ -218,10 +221,11 @@ class TitanTrainer:
 
     def export_weights(self, uri: str, tokenizer_dir: str | None, metrics: dict | None = None) -> str:
         """Collective: gather the full weights to rank 0, write an HF folder (safetensors + config + tokenizer
-        files) and commit it as a `policy` artifact at `uri`. Returns `uri`."""
+        files) in the training dtype (`engine.export_dtype`: bf16 where training is bf16) and commit it as a
+        `policy` artifact at `uri`. Returns `uri`."""
         if self.artifacts is None:
             raise ValueError("this trainer was built without artifacts=ArtifactContext(...); cannot export")
-        full = self.engine.full_state_dict()
+        full = self.engine.full_state_dict(dtype=self.engine.export_dtype)
 
         def write_and_commit() -> str:
             ctx = self.artifacts

@@ -9,7 +9,7 @@
     resume = trainer.load_checkpoint()                                   # mid-stage resume (or None)
     history = trainer.fit(batch, seed=plan_seed, history=resume.data_cursor["history"] if resume else [])
 
-One rollout batch feeds `epochs * samples / mini_batch_size` optimizer steps (`rl_batch.plan_minibatches`):
+One rollout batch feeds `epochs * samples / mini_batch_size` optimizer steps (`forge_core.batch.plan_minibatches`):
 every step is one `TitanTrainer.train_step` over this rank's micro-batches, whose losses are divided by the
 mini-batch's global normaliser (summed over micro-batches and data-parallel ranks), so the update does not
 depend on how the mini-batch is split. The ratio in the loss is taken against the sampling policy's
@@ -34,6 +34,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from forge_core.batch import MiniBatchStep, RLBatch, pad_token_rows, plan_minibatches
 from forge_core.config.schema import AdvantageConfig, GRPOConfig
 from forge_core.engine import Engine
 from forge_core.losses.grpo import ClippedPolicyLoss
@@ -41,8 +42,6 @@ from forge_core.metrics.progress import emit_progress
 from forge_core.rollout.table import KEPT_COLUMN
 from forge_core.trainers.advantages import compute_advantages
 from forge_core.trainers.base import TitanTrainer
-from forge_core.trainers.batch import pad_token_rows
-from forge_core.trainers.rl_batch import MiniBatchStep, RLBatch, plan_minibatches
 
 log = logging.getLogger(__name__)
 

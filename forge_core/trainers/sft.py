@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from forge_core.batch import TokenBatch, pad_token_rows
 from forge_core.config.schema import SFTConfig
 from forge_core.engine import Checkpointer, Engine
 from forge_core.losses import TokenCrossEntropy
 from forge_core.metrics import MetricsSink
 from forge_core.metrics.progress import emit_progress
 from forge_core.trainers.base import ArtifactContext, TitanTrainer
-from forge_core.trainers.batch import TokenBatch, pad_token_rows
 from forge_core.trainers.sampler import GlobalBatchSampler
 
 log = logging.getLogger(__name__)

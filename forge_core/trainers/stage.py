@@ -1,9 +1,9 @@
-"""Stage-generic pieces of the training stages (SFT, GRPO): reading a policy out of a stage artifact,
-exporting the trained policy, committing the stage artifact.
+"""What the training stages (SFT, GRPO) do at their end: export the trained policy and commit the stage artifact.
 
 Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 
-    policy/                 a nested committed `policy` artifact: HF folder (safetensors, config, tokenizer)
+    policy/                 a nested committed `policy` artifact: HF folder (safetensors, config, tokenizer);
+                            its layout, kind check and downloads: forge_core.artifacts.policy
     _checkpoints/step-N/    nested committed DCP checkpoints (resume; the newest storage.keep_checkpoints)
     _attempts/<attempt>/    train_summary.json: stage metrics (+ per-step metrics for GRPO)
     _MANIFEST.json          kind sft|grpo, lineage (inputs), config, metrics, the attempt it lists
@@ -11,7 +11,6 @@ Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 Two attempts of one stage (a zombie, two runs of one config) may both reach the export or the commit: the
 first manifest wins, and the other attempt uses the winner's artifact (same content key, same URI).
 
-    local = download_policy(store, parent_uri, workdir / "policy")       # verified HF folder
     policy_uri = export_policy(trainer, output_uri, tokenizer_dir=local, metrics=m)   # collective
     run_on_rank0(lambda: commit_stage(store, output_uri, "grpo", config, inputs, metrics, summary), dist)
 """
@@ -19,47 +18,15 @@ first manifest wins, and the other attempt uses the winner's artifact (same cont
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
+from forge_core.artifacts.policy import policy_uri
 from forge_core.engine.distributed import broadcast_object
-from forge_core.storage import ArtifactAlreadyCommitted, ArtifactError, ObjectStore
+from forge_core.storage import ArtifactAlreadyCommitted, ObjectStore
 from forge_core.trainers.base import TitanTrainer
 
 log = logging.getLogger(__name__)
 
-POLICY_DIR = "policy"
 SUMMARY_FILE = "train_summary.json"
-# Artifact kinds whose `policy/` a training or rollout stage can start from.
-POLICY_STAGE_KINDS = ("sft", "grpo")
-
-
-def policy_uri_of(store: ObjectStore, stage_uri: str) -> str:
-    """URI of the policy (HF folder artifact) inside a training stage's artifact."""
-    return store.join(stage_uri, POLICY_DIR)
-
-
-def stage_kind(store: ObjectStore, stage_uri: str, input_name: str) -> str:
-    """The kind of a committed training-stage artifact; ValueError naming `input_name` when it is missing,
-    uncommitted or not an sft/grpo artifact."""
-    try:
-        kind = store.read_manifest(stage_uri).kind
-    except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(f"inputs.{input_name}={stage_uri}: not a committed artifact ({exc})") from exc
-    if kind not in POLICY_STAGE_KINDS:
-        raise ValueError(
-            f"inputs.{input_name}={stage_uri}: a {kind!r} artifact; expected one of {list(POLICY_STAGE_KINDS)} "
-            f"(the output of an SFT or GRPO stage, which holds {POLICY_DIR}/)"
-        )
-    return kind
-
-
-def download_policy(store: ObjectStore, stage_uri: str, local_dir: str | Path, input_name: str = "policy") -> Path:
-    """Verified copy of `<stage_uri>/policy/` into `local_dir` (an HF folder vLLM and the engine can load)."""
-    uri = policy_uri_of(store, stage_uri)
-    try:
-        return store.reader(uri).download_dir("", local_dir)
-    except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(f"inputs.{input_name}={stage_uri}: cannot read its policy at {uri}: {exc}") from exc
 
 
 def export_policy(trainer: TitanTrainer, output_uri: str, tokenizer_dir: str | None, metrics: dict) -> str:
@@ -67,7 +34,7 @@ def export_policy(trainer: TitanTrainer, output_uri: str, tokenizer_dir: str | N
     the stage already committed it). Returns its URI."""
     assert trainer.artifacts is not None, "export_policy needs a trainer built with artifacts=ArtifactContext"
     store = trainer.artifacts.store
-    uri = policy_uri_of(store, output_uri)
+    uri = policy_uri(store, output_uri)
     is_rank0 = trainer.engine.dist.is_rank0
     if broadcast_object(store.is_committed(uri) if is_rank0 else None):  # one answer for every rank
         return uri

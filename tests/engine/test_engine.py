@@ -12,7 +12,7 @@ import torch
 from forge_core.config import load_config
 from forge_core.config.schema import OptimizerConfig, ParallelismConfig
 from forge_core.engine import Engine, build_parallel_dims, resolve_param_dtype
-from forge_core.engine.optim import build_lr_schedule, build_optimizer, current_lr
+from forge_core.engine.optim import current_lr
 from forge_core.models import build_model, init_weights
 
 
@@ -35,8 +35,7 @@ def test_mixed_precision_defaults_to_bf16_on_gpu_and_fp32_on_cpu():
 
 
 def _lrs(cfg: OptimizerConfig, total_steps: int) -> list[float]:
-    optimizers = build_optimizer(torch.nn.Linear(2, 2), cfg, device_type="cpu")
-    schedulers = build_lr_schedule(optimizers, cfg, total_steps)
+    optimizers, schedulers = cfg.build(torch.nn.Linear(2, 2), device_type="cpu", total_steps=total_steps)
     lrs = []
     for _ in range(total_steps):
         lrs.append(current_lr(optimizers))

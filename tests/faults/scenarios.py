@@ -54,7 +54,7 @@ from fault_kit import (
 )
 from prefect import flow
 
-from forge_core.config import config_to_json, load_config
+from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
 from tasks import generate_rollouts, prepare_data, train_sft
 
@@ -269,11 +269,10 @@ SFT_FAULTS = "hang_rank:1:1@sft,kill_rank:1:3@sft,kill_vllm:0@rollout"
 
 @flow(name="faults-sft-rollout")
 def sft_then_rollout(config_json: str) -> dict[str, str]:
-    data_uri = prepare_data(config_json)
-    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(config_json, data_uri)
-    rollouts_uri = generate_rollouts.with_options(retries=1, retry_delay_seconds=0)(
-        config_json, sft_uri, data_uri, 0
-    )
+    cfg = config_from_dict(json.loads(config_json))
+    data_uri = prepare_data(cfg)
+    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(cfg, data_uri)
+    rollouts_uri = generate_rollouts.with_options(retries=1, retry_delay_seconds=0)(cfg, sft_uri, data_uri, 0)
     return {"data": data_uri, "sft": sft_uri, "rollouts": rollouts_uri}
 
 
@@ -396,8 +395,9 @@ def planned_outages(bucket: str) -> list[PlannedOutage]:
 
 @flow(name="faults-sft-on-s3")
 def sft_on_s3(config_json: str) -> dict[str, str]:
-    data_uri = prepare_data.with_options(retries=2, retry_delay_seconds=0)(config_json)
-    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(config_json, data_uri)
+    cfg = config_from_dict(json.loads(config_json))
+    data_uri = prepare_data.with_options(retries=2, retry_delay_seconds=0)(cfg)
+    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(cfg, data_uri)
     return {"data": data_uri, "sft": sft_uri}
 
 

@@ -9,7 +9,7 @@ import pytest
 from fault_kit import TINY_CONFIG, flow_run, task_runs
 from prefect import flow
 
-from forge_core.config import config_to_json, load_config
+from forge_core.config import config_from_dict, config_to_json, load_config
 from tasks import prepare_data
 
 pytestmark = pytest.mark.integration
@@ -20,7 +20,8 @@ BAD_ROWS = (3, 7, 11, 15)
 
 @flow(name="faults-prepare-only")
 def prepare_only(config_json: str) -> str:
-    return prepare_data.with_options(retries=2, retry_delay_seconds=0)(config_json)
+    cfg = config_from_dict(json.loads(config_json))
+    return prepare_data.with_options(retries=2, retry_delay_seconds=0)(cfg)
 
 
 @pytest.mark.fault(

@@ -7,6 +7,7 @@ launch (~5 s); the corrupted input one prepare and one SFT launch until the rank
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -16,7 +17,7 @@ import pytest
 from fault_kit import TINY_CONFIG, OutageMotoServer, flip_bytes, flow_run, task_runs
 from prefect import flow
 
-from forge_core.config import config_to_json, load_config
+from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
 from tasks import prepare_data, train_sft
 
@@ -25,12 +26,14 @@ pytestmark = pytest.mark.integration
 
 @flow(name="faults-fatal-prepare")
 def prepare_only(config_json: str) -> str:
-    return prepare_data.with_options(retries=2, retry_delay_seconds=0)(config_json)
+    cfg = config_from_dict(json.loads(config_json))
+    return prepare_data.with_options(retries=2, retry_delay_seconds=0)(cfg)
 
 
 @flow(name="faults-fatal-sft")
 def sft_only(config_json: str, data_uri: str) -> str:
-    return train_sft.with_options(retries=2, retry_delay_seconds=0)(config_json, data_uri)
+    cfg = config_from_dict(json.loads(config_json))
+    return train_sft.with_options(retries=2, retry_delay_seconds=0)(cfg, data_uri)
 
 
 def _config(root: Path, storage: list[str], *more: str) -> str:

@@ -17,6 +17,7 @@ from fault_kit import OutageMotoServer
 
 from forge_core import faults
 from forge_core.faults import InjectedFault, maybe_inject_fault, parse_faults
+from forge_core.rollout.engine_watch import engine_core_processes
 from forge_core.storage import ObjectStore, StorageUnavailable
 
 pytestmark = pytest.mark.integration
@@ -89,7 +90,7 @@ def test_kill_vllm_kills_the_engine_process_after_the_given_samples(monkeypatch,
         monkeypatch.setenv("FORGE_FAULT_ONCE", str(tmp_path / "fired"))
         monkeypatch.setattr(faults, "_current_stage", "rollout")
         monkeypatch.setattr(faults, "_completed_samples", 0)
-        progress = faults.engine_kill_progress()
+        progress = faults.engine_kill_progress(engine_core_processes)
         assert list(progress([1, 2, 3])) == [1, 2, 3]  # vLLM's prompt-rendering pass: untouched
         bar = progress(total=4)
         bar.update(1)
@@ -100,7 +101,7 @@ def test_kill_vllm_kills_the_engine_process_after_the_given_samples(monkeypatch,
         engine.kill()
         engine.wait()
     monkeypatch.setattr(faults, "_current_stage", "sft")
-    assert faults.engine_kill_progress() is None  # other stages get no progress hook at all
+    assert faults.engine_kill_progress(engine_core_processes) is None  # other stages get no progress hook
 
 
 _OWNER = """

@@ -9,6 +9,7 @@ import pytest
 from fault_kit import attempts
 
 from forge_core.engine.distributed import PROCESS_GROUP_TIMEOUT_MARGIN_S
+from forge_core.run.plan import LAUNCHER_BACKSTOP_S
 
 pytestmark = pytest.mark.integration
 
@@ -16,10 +17,11 @@ pytestmark = pytest.mark.integration
 @pytest.mark.fault(
     fault="SFT rank 1 hangs after step 1 (`hang_rank:1:1@sft`) while rank 0 waits in the step-1 checkpoint's "
     "collectives; the collectives' timeout is derived from the stage deadline as for every launch "
-    f"(deadline + {PROCESS_GROUP_TIMEOUT_MARGIN_S:g} s)",
+    f"(deadline + kill grace + {LAUNCHER_BACKSTOP_S:g} s: the launch's own backstop deadline; "
+    f"+ {PROCESS_GROUP_TIMEOUT_MARGIN_S:g} s)",
     where="train_sft task (torchrun, 2 ranks), launch.sft.deadline_s sized from the uninterrupted SFT",
-    checked="the launcher's deadline comes first (no collective timed out): the attempt is RETRYABLE and "
-    "retried; its reason names rank 1 as the rank that made no progress since step 1, from the ranks' "
+    checked="the stage's deadline (its runner's) comes first (no collective timed out): the attempt is "
+    "RETRYABLE and retried; its reason names rank 1 as the rank that made no progress since step 1, from the ranks' "
     "heartbeats",
 )
 def test_a_hung_rank_is_stopped_by_the_deadline_retried_and_named(faulted_run, fault_row):

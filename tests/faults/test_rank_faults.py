@@ -13,8 +13,8 @@ pytestmark = pytest.mark.integration
 @pytest.mark.fault(
     fault="SFT rank 1 hangs after step 1 (`hang_rank:1:1@sft`)",
     where="train_sft task (torchrun, 2 ranks)",
-    checked="the launcher's deadline fires; every process of the hung attempt is gone; the task is retried "
-    "and the stage completes",
+    checked="the stage's deadline fires (its runner ends the launch; the launcher's own deadline is a backstop "
+    "behind it); every process of the hung attempt is gone; the task is retried and the stage completes",
 )
 def test_hung_rank_hits_the_stage_deadline_and_the_retry_succeeds(faulted_run, fault_row):
     assert faulted_run.state.is_completed(), faulted_run.state.message

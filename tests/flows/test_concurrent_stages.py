@@ -12,6 +12,7 @@ on the next renewal and fails with LeaseLost, which is retryable.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -19,16 +20,16 @@ import threading
 import pytest
 from prefect import flow, task
 
-from forge_core.config import config_to_json, load_config
+from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.engine import committed_checkpoints
-from forge_core.launch import start
 from forge_core.launch.errors import Category, classify_exception
-from forge_core.run.plan import launch_spec_for, plan_stage
+from forge_core.run.plan import plan_stage
+from forge_core.run.runner import LaunchRunner
 from forge_core.storage import LeaseLost, ObjectStore
 from forge_core.storage.generations import GenerationLog
 from forge_core.storage.lease import lease_prefix
 from tasks import prepare_data
-from tasks.stages import launch_stage_worker, run_stage
+from tasks.stages import run_stage
 
 pytestmark = pytest.mark.integration
 
@@ -47,15 +48,17 @@ class _WaiterSpotter(logging.Handler):
             waiting_seen[match.group(1)].set()
 
 
-def _launch_once_the_other_run_waits(plan, cfg, log):
-    launches[plan.stage].append(plan.spec.attempt)
-    assert waiting_seen[plan.stage].wait(WAIT_S), f"{plan.stage}: the other run never waited for the lease"
-    return launch_stage_worker(plan, cfg, log)
+class _LaunchOnceTheOtherRunWaits(LaunchRunner):
+    def start(self, plan, log):
+        launches[plan.stage].append(plan.spec.attempt)
+        assert waiting_seen[plan.stage].wait(WAIT_S), f"{plan.stage}: the other run never waited for the lease"
+        return super().start(plan, log)
 
 
 @task
 def stage_run(config_json: str, stage: str, inputs: dict[str, str]) -> str:
-    return run_stage(config_json, stage, inputs, run_worker=_launch_once_the_other_run_waits)
+    cfg = config_from_dict(json.loads(config_json))
+    return run_stage(cfg, stage, inputs, runner=_LaunchOnceTheOtherRunWaits(cfg, stage))
 
 
 @flow(name="two-runs-of-each-stage")
@@ -119,26 +122,28 @@ class _OutcomeSpotter(logging.Handler):
             _outcomes.append(match.group(1))
 
 
-def _launch_then_lose_the_lease(plan, cfg, log):
-    """Start the real worker (its rank 0 hangs at step 1), then take the stage's lease over as another run
-    would once the holder looked stale; the holder's next renewal must find out and cancel its launch."""
-    handle = start(launch_spec_for(plan, cfg), log=log)
-    store = ObjectStore.from_config(cfg.storage)
-    generations = GenerationLog(store, lease_prefix(store, plan.output_uri))
-    # The holder renews concurrently: write the next generation, looking again whenever a renewal came first.
-    while not generations.append(generations.latest()[0], {"holder": "another-run", "state": "held"}):
-        pass
-    return handle.wait()
+class _LaunchThenLoseTheLease(LaunchRunner):
+    def start(self, plan, log):
+        """Start the real worker (its rank 0 hangs at step 1), then take the stage's lease over as another run
+        would once the holder looked stale; the holder's next renewal must find out and cancel its launch."""
+        attempt = super().start(plan, log)
+        store = ObjectStore.from_config(self.cfg.storage)
+        generations = GenerationLog(store, lease_prefix(store, plan.output_uri))
+        # The holder renews concurrently: write the next generation, looking again whenever a renewal came first.
+        while not generations.append(generations.latest()[0], {"holder": "another-run", "state": "held"}):
+            pass
+        return attempt
 
 
 @task(retries=0)
 def stage_run_losing_its_lease(config_json: str, data_uri: str) -> str:
-    return run_stage(config_json, "sft", {"data": data_uri}, run_worker=_launch_then_lose_the_lease)
+    cfg = config_from_dict(json.loads(config_json))
+    return run_stage(cfg, "sft", {"data": data_uri}, runner=_LaunchThenLoseTheLease(cfg, "sft"))
 
 
 @flow(name="sft-losing-its-lease")
 def sft_losing_its_lease(config_json: str) -> str:
-    return stage_run_losing_its_lease(config_json, prepare_data(config_json))
+    return stage_run_losing_its_lease(config_json, prepare_data(config_from_dict(json.loads(config_json))))
 
 
 def test_a_holder_that_lost_its_lease_cancels_its_launch_and_fails_retryably(

@@ -1,4 +1,5 @@
-"""`make demo` (flows.demo) through the real post-train flow on configs/demo_cpu.yaml.
+"""`make demo` (flows.demo) through the real post-train flow on configs/demo_cpu.yaml (the shipped defaults: the
+flow lifetimes of the engine and the trainer).
 
 The reduced run keeps the demo's config (task, model, 2 torchrun ranks, vLLM), shrinks the budgets and adds
 per-digit credit to the reward (see REDUCED): it checks every stage's committed manifest, a real GRPO
@@ -105,6 +106,13 @@ def test_demo_at_reduced_budgets_commits_every_stage_and_reports(prefect_api, tm
     for row in rows:
         assert row["key metric"] and "n/a" not in row["key metric"], row
         assert row["duration_s"] > 0, row
+    # The demo runs on the shipped default, the fast path: one engine for the whole run (eval-sft starts it,
+    # later stages load their policy into it in place) and one GRPO trainer job.
+    assert (cfg.rollout.engine_lifetime, cfg.grpo.trainer_lifetime) == ("flow", "flow")
+    assert manifests["eval-sft"].metrics["engine_startup_s"] > 0
+    for label in ("rollout-1", "eval-grpo-1"):
+        assert manifests[label].metrics["engine_lifetime"] == "flow", label
+        assert manifests[label].metrics["engine_startup_s"] == 0.0, label  # reloaded, not started again
     assert manifests["prepare"].metrics["rows"]["sft"] == cfg.data.demo.num_sft
     assert manifests["sft"].metrics["steps"] == cfg.sft.steps
     samples = cfg.rollout.prompts_per_iteration * cfg.rollout.sampling.group_size

@@ -9,11 +9,12 @@ data prep is shared through the session's store (tests/flows/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prefect import flow
 
-from forge_core.config import config_to_json, load_config
+from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
 from tasks import prepare_data, train_sft
 
@@ -24,8 +25,9 @@ SKIPPED_LOG = "output already committed"  # what run_stage logs when it skips a 
 
 @flow(name="sft-only")
 def sft_only(config_json: str, sft_retries: int) -> str:
-    data_uri = prepare_data(config_json)
-    return train_sft.with_options(retries=sft_retries, retry_delay_seconds=0)(config_json, data_uri)
+    cfg = config_from_dict(json.loads(config_json))
+    data_uri = prepare_data(cfg)
+    return train_sft.with_options(retries=sft_retries, retry_delay_seconds=0)(cfg, data_uri)
 
 
 def _task_runs(flow_run_id) -> dict[str, object]:

@@ -1,4 +1,5 @@
-"""The long-lived GRPO trainer job (`grpo.trainer_lifetime: flow`, forge_core.run.trainer_job) on real flows.
+"""The long-lived GRPO trainer job (`grpo.trainer_lifetime: flow`, forge_core.run.trainer_job) on real flows,
+against the stage lifetime (`grpo.trainer_lifetime: stage`, each iteration its own torchrun launch).
 
 One post-train flow per lifetime, each a real process with its own launch registry, on the tiny config with a
 reward that varies within groups (so GRPO really updates the policy):
@@ -28,13 +29,13 @@ import psutil
 import pytest
 from prefect import flow
 
-from flows.post_train import flow_engines
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.launch import Outcome, live_handles
 from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.run.plan import plan_stage
+from forge_core.run.resources import FlowResources
+from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
-from forge_core.run.trainer_job import run_in_flow_trainer, stop_flow_trainers
 from forge_core.storage import ObjectStore
 from tasks import train_grpo
 
@@ -153,10 +154,10 @@ def grpo_chain(config_json: str, sft_uri: str, rollouts: list[str], retries: int
     cfg = config_from_dict(json.loads(config_json))
     grpo = train_grpo.with_options(retries=retries, retry_delay_seconds=0)
     policy, out = sft_uri, []
-    with flow_engines(cfg):
+    with FlowResources.of(cfg):
         for iteration, rollouts_uri in enumerate(rollouts):
             started = time.monotonic()
-            policy = grpo(config_json, policy, rollouts_uri, iteration)
+            policy = grpo(cfg, policy, rollouts_uri, iteration)
             out.append((policy, time.monotonic() - started))
     return out
 
@@ -221,7 +222,7 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
             reference = flow_run.grpo_uri(iteration)
             assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
             assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
-        assert live_handles() == []  # the chain's flow_engines stopped its trainer job
+        assert live_handles() == []  # the chain's FlowResources stopped its trainer job
     updates = [
         m for i in (0, 1) for m in _step_metrics(flow_run.store, flow_run.grpo_uri(i)) if not m.get("skipped")
     ]
@@ -282,9 +283,9 @@ def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path)
     plan = plan_stage(cfg, run.store, "grpo", inputs={"policy": sft_uri, "rollouts": data_uri}, params={})
     write_spec(run.store, plan.spec)
     lines: list[str] = []
-    result = run_in_flow_trainer(plan, cfg, lines.append)
+    result = runner_for(cfg, "grpo").run(plan, lines.append)
     assert result.outcome is Outcome.FATAL, result
     assert "ValueError" in result.reason and "inputs.rollouts" in result.reason, result.reason
     assert not run.store.is_committed(plan.output_uri)
-    assert stop_flow_trainers(cfg) == []  # the job ended with the failed order: nothing left to stop
+    assert FlowResources.of(cfg).stop_trainer() == []  # the job ended with the failed order: nothing to stop
     assert processes_with_launch_id(result.launch_id) == []

@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from forge_core.artifacts.policy import download_policy
 from forge_core.config import RunConfig, config_to_dict, load_config
 from forge_core.config.schema import RewardComponentConfig
 from forge_core.data import prepare_data
@@ -28,13 +29,12 @@ from forge_core.rollout import (
     rollout_table,
 )
 from forge_core.rollout.prompts import prompts_from_table
-from forge_core.run import sft as sft_stage
 from forge_core.run.grpo import plan_seed
 from forge_core.run.rollout import iteration_prompts
+from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ObjectStore
 from forge_core.trainers.grpo import GRPOTrainer, rollouts_to_rl_batch, steps_per_batch
-from forge_core.trainers.stage import download_policy
 
 REWARDS = {
     "exact": [RewardComponentConfig(name="exact_answer", weight=1.0)],
@@ -82,7 +82,7 @@ def _sft_policy(cfg: RunConfig, store: ObjectStore, data_uri: str) -> str:
         return sft_uri
     spec = StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri}, output_uri=sft_uri)
     try:
-        sft_stage.main(spec)
+        run_spec(spec)
     finally:
         destroy_distributed()
     return sft_uri
@@ -118,7 +118,8 @@ def grpo_from_sft(
     sampling = cfg.rollout.sampling
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    generator = Generator(policy_dir, sampling, EngineOptions.from_config(cfg.rollout, seed=cfg.seed))
+    engine_options = EngineOptions.from_config(cfg.rollout, seed=cfg.seed)
+    generator = Generator(policy_dir, engine_options, policy_version="sft")
     timings["vllm_start_s"] = time.perf_counter() - start
     curve = []
     try:
@@ -134,7 +135,7 @@ def grpo_from_sft(
         for iteration in range(iterations):
             t = time.perf_counter()
             prompts = iteration_prompts(rl_table, cfg.rollout.prompts_per_iteration, iteration, cfg.seed)
-            samples = generator.generate(prompts, seed=cfg.seed)
+            samples = generator.generate(prompts, sampling, seed=cfg.seed)
             scored = rewards.score(
                 [s.response_text for s in samples], [s.ground_truth for s in samples], [s.ref for s in samples]
             )
@@ -148,7 +149,7 @@ def grpo_from_sft(
             split["train_s"] += time.perf_counter() - t
             t = time.perf_counter()
             write_hf_folder(engine.full_state_dict(), cfg.model, vocab_size, policy_dir, tokenizer_dir=policy_dir)
-            generator.reload()
+            generator.reload(policy_dir, f"grpo-{iteration + 1}")  # weights rewritten in place
             split["reload_s"] += time.perf_counter() - t
             if eval_every and (iteration + 1) % eval_every == 0 and iteration + 1 < iterations:
                 curve.append((iteration + 1, _held_out(generator, eval_prompts, cfg)))

@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from forge_core.batch import RLBatch, plan_minibatches
 from forge_core.config.schema import AdvantageConfig, CorrectionConfig, LossConfig
 from forge_core.losses.base import ModelOutputs
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.models.logprobs import token_entropy, token_logprobs
 from forge_core.trainers.advantages import compute_advantages
-from forge_core.trainers.rl_batch import RLBatch, plan_minibatches
 
 VOCAB, LENGTH, BATCH, GROUP = 11, 6, 8, 4
 HORIZON = 5

@@ -34,6 +34,7 @@ from grpo_batches import (
     two_rank_worker,
 )
 
+from forge_core.batch import plan_minibatches
 from forge_core.config.schema import CorrectionConfig, LossConfig
 from forge_core.losses.base import ModelOutputs
 from forge_core.losses.correction import build_correction, mismatch_summary
@@ -47,7 +48,6 @@ from forge_core.losses.grpo import (
     build_policy_loss,
 )
 from forge_core.models.logprobs import token_logprobs
-from forge_core.trainers.rl_batch import plan_minibatches
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 TOL = {"rtol": 1e-6, "atol": 1e-6}

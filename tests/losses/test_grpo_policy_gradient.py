@@ -8,11 +8,11 @@ import pytest
 import torch
 from grpo_batches import BATCH, HORIZON, policy_outputs, tiny_rollout
 
+from forge_core.batch import plan_minibatches
 from forge_core.config.schema import LossConfig
 from forge_core.losses.base import reduce_metric_dicts
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.models.logprobs import token_logprobs
-from forge_core.trainers.rl_batch import plan_minibatches
 
 LOSS_TYPES = ["clipped_token_mean", "clipped_seq_mean", "clipped_fixed_horizon"]
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from grpo_batches import make_rl_batch
 
+from forge_core.batch import plan_minibatches
 from forge_core.config.schema import GRPOConfig
-from forge_core.trainers.rl_batch import plan_minibatches
 
 
 def _all_rows(steps) -> list[int]:

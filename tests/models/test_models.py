@@ -244,3 +244,43 @@ def test_config_validation_names_valid_flavors_without_importing_torch():
     assert "model.flavor='7B': unknown flavor for model.family='qwen3'" in out
     assert "'0.6B'" in out and "'tiny'" in out
     assert "torch imported: False" in out
+
+
+def test_length_buckets_are_powers_of_two_from_64_capped_at_the_context():
+    from forge_core.models import length_bucket
+
+    assert [length_bucket(n, 1024) for n in (1, 63, 64, 65, 100, 128, 129, 700, 1000, 1024)] == [
+        64, 64, 64, 128, 128, 128, 256, 1024, 1024, 1024,
+    ]  # fmt: skip
+    assert {length_bucket(n, 1024) for n in range(1, 1025)} == {64, 128, 256, 512, 1024}
+    assert length_bucket(40, 48) == 48 and length_bucket(300, 256) == 300  # beyond the context: unchanged
+    with pytest.raises(ValueError, match="length=0"):
+        length_bucket(0, 64)
+
+
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_padding_to_a_bucket_leaves_every_real_position_unchanged(with_positions):
+    """Causal attention: right padding cannot reach a real position, so the logits of the first L positions
+    are those of the unpadded batch (up to kernel rounding across shapes)."""
+    from forge_core.models import forward_logits
+
+    model = _cpu_model(_tiny(max_seq_len=64), 32, seed=2)
+    tokens_BL = torch.randint(0, 32, (3, 21), generator=torch.Generator().manual_seed(0))
+    positions_BL = torch.arange(5, 26).expand(3, 21) if with_positions else None
+    with torch.no_grad():
+        plain = forward_logits(model, tokens_BL, positions_BL)
+        padded = forward_logits(model, tokens_BL, positions_BL, pad_to=32)
+    assert padded.shape == plain.shape
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_is_sdpa_on_both_devices_with_the_reason():
+    from forge_core.models import attention_choice
+
+    cpu, cpu_reason = attention_choice("cpu")
+    cuda, cuda_reason = attention_choice("cuda")
+    assert (cpu, cuda) == ("sdpa", "sdpa")
+    assert "right-padded" in cuda_reason and "recompiles" in cuda_reason
+    assert "no CPU backward" in cpu_reason
+    with pytest.raises(ValueError, match="device_type='mps'"):
+        attention_choice("mps")

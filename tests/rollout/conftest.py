@@ -22,6 +22,8 @@ GROUP_SIZE = 4
 MAX_NEW_TOKENS = 12
 MODEL_CFG = ModelConfig(family="llama3", flavor="tiny", max_seq_len=128)
 SAMPLING = SamplingConfig(group_size=GROUP_SIZE, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS)
+# What the `generator` fixture says it serves (a label: its folder is a copy, not a fetched artifact).
+ENGINE_POLICY_VERSION = "test-policy"
 
 
 def run_config_dict(store_root: str, **rollout) -> dict:
@@ -37,6 +39,7 @@ def run_config_dict(store_root: str, **rollout) -> dict:
             "rewards": [{"name": "exact_answer", "weight": 1.0}, {"name": "per_digit", "weight": 0.5}],
             "kv_cache_gib": 1,
             "max_num_seqs": 64,
+            "engine_lifetime": "stage",  # the stage-lifetime paths; tests of the flow engines set "flow"
             **rollout,
         },
         "eval": {"num_prompts": 8, "max_new_tokens": MAX_NEW_TOKENS},
@@ -122,6 +125,32 @@ def world(tmp_path_factory) -> PolicyWorld:
     return PolicyWorld(store, store_root, data_uri, stage_uri, policy_dir, tokenizer_dir, vocab_size)
 
 
+# The second policy of the engine tests: other weights, the same architecture and tokenizer.
+POLICY_B_KEY = "test-policy-b"
+
+
+@pytest.fixture(scope="session")
+def policy_b_uri(world, tmp_path_factory) -> str:
+    """An `sft` artifact like the world's, with policy B (other weights) as its `policy/`."""
+    root = tmp_path_factory.mktemp("policy-b")
+    other_dir = write_policy(root / "policy-b", world.tokenizer_dir, world.vocab_size, seed=12)
+    uri = world.store.artifact_uri("sft", POLICY_B_KEY)
+    commit_policy_stage(world.store, uri, other_dir)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def policies(world, policy_b_uri, tmp_path_factory):
+    """Policy A (the world's) and policy B, fetched as a stage fetches them (a cache of the module's own)."""
+    from forge_core.artifacts.policy import fetch_policy
+
+    cache = tmp_path_factory.mktemp("policy-cache")
+    return (
+        fetch_policy(world.store, world.stage_uri, cache_root=cache),
+        fetch_policy(world.store, policy_b_uri, cache_root=cache),
+    )
+
+
 # Module scope, not session: an in-process engine shares torch.distributed's default group with the process,
 # and a later suite that initialises and destroys groups (trainers) would break its teardown.
 @pytest.fixture(scope="module")
@@ -133,6 +162,7 @@ def generator(world, tmp_path_factory):
 
     engine_dir = tmp_path_factory.mktemp("engine") / "policy"
     shutil.copytree(world.policy_dir, engine_dir)
-    gen = Generator(engine_dir, SAMPLING, EngineOptions(kv_cache_gib=1, max_num_seqs=64, in_process=True))
+    engine = EngineOptions(kv_cache_gib=1, max_num_seqs=64, in_process=True)
+    gen = Generator(engine_dir, engine, policy_version=ENGINE_POLICY_VERSION)
     yield gen
     gen.close()

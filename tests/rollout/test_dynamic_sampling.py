@@ -14,6 +14,7 @@ from forge_core.config.schema import AdvantageConfig, DynamicSamplingConfig
 from forge_core.rollout import ROLLOUTS_TABLE, iteration_indices
 from forge_core.rollout.dynamic import DynamicSampling, informative_groups
 from forge_core.run.rollout import plan_rollout, run_rollout
+from forge_core.run.scaffold import stage_context
 from forge_core.run.spec import StageSpec
 from forge_core.trainers.grpo import rollouts_to_rl_batch
 from tests.rollout.conftest import MAX_NEW_TOKENS, run_config_dict
@@ -109,7 +110,7 @@ def test_stage_generates_rounds_until_the_target_then_trains_on_the_kept_groups(
     # reaching all 6 takes more than one round.
     spec = dynamic_spec(world, "dynamic-target", [{"name": CONTAINS_DIGIT, "weight": 1.0}], group_size=2,
                         target_groups=PER_ITERATION, max_extra_rounds=max_extra)
-    table = run_rollout(plan_rollout(spec), generator)
+    table = run_rollout(plan_rollout(stage_context(spec)), generator)
     metrics = world.store.read_manifest(spec.output_uri).metrics
     stored = world.store.reader(spec.output_uri).read_table(ROLLOUTS_TABLE)
     assert stored.to_pylist() == table.to_pylist()
@@ -144,7 +145,7 @@ def test_stage_generates_rounds_until_the_target_then_trains_on_the_kept_groups(
     # Deterministic per seed: the same stage under another key generates the same rounds and keeps the same.
     again_spec = dynamic_spec(world, "dynamic-target-again", [{"name": CONTAINS_DIGIT, "weight": 1.0}],
                               group_size=2, target_groups=PER_ITERATION, max_extra_rounds=max_extra)
-    again = run_rollout(plan_rollout(again_spec), generator)
+    again = run_rollout(plan_rollout(stage_context(again_spec)), generator)
     for column in ("group_id", "response_ids", "reward", "sampling_round", "kept"):
         assert again.column(column).to_pylist() == table.column(column).to_pylist(), column
 
@@ -154,7 +155,7 @@ def test_stage_stops_at_the_bound_when_no_group_is_informative(world, generator)
     # The untrained policy never writes the right answer: every exact_answer reward is 0.
     spec = dynamic_spec(world, "dynamic-bound", [{"name": "exact_answer", "weight": 1.0}], group_size=2,
                         target_groups=2, max_extra_rounds=2)
-    table = run_rollout(plan_rollout(spec), generator)
+    table = run_rollout(plan_rollout(stage_context(spec)), generator)
     metrics = world.store.read_manifest(spec.output_uri).metrics
     assert set(table.column("reward").to_pylist()) == {0.0}
     assert metrics["dynamic_sampling/rounds"] == 3 and metrics["dynamic_sampling/target_reached"] == 0.0

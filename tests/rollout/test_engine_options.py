@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from forge_core.config import load_config
+from forge_core.config import ConfigError, load_config
 from forge_core.rollout.engine import EngineOptions, cpu_bind_lists, cpu_ranges, engine_environment
-from forge_core.rollout.pool import replica_layouts, shard_bounds
+from forge_core.rollout.pool import replica_layouts
+from forge_core.rollout.router import shard_bounds
 
 
 def test_cpu_ranges_and_bind_lists():
@@ -89,3 +90,17 @@ def test_config_checks(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert any(message in e for e in info.value.errors), info.value.errors
+
+
+def test_gpu_engines_size_their_kv_cache_from_the_memory_share_unless_pinned():
+    default = EngineOptions.from_config(load_config(None).rollout)
+    assert default.memory_kwargs(cpu=False) == {"gpu_memory_utilization": 0.85}
+    assert default.memory_kwargs(cpu=True) == {"kv_cache_memory_bytes": 1 << 30}  # CPU: always explicit
+    pinned = EngineOptions.from_config(
+        load_config(None, ["rollout.kv_cache_gib=2.5", "rollout.gpu_memory_utilization=0.5"]).rollout
+    )
+    assert pinned.memory_kwargs(cpu=False) == {"gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 5 << 29}
+    with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization=1.5: must be in \(0, 1\]"):
+        load_config(None, ["rollout.gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_gib=0.0: must be > 0, or null"):
+        load_config(None, ["rollout.kv_cache_gib=0"])

@@ -1,4 +1,5 @@
-"""Several flow engines (`engine_lifetime: flow`, `num_engines: 2`): EngineService.ensure_engines + EngineRouter.
+"""Several flow engines (`engine_lifetime: flow`, `num_engines: 2`): EngineService.ensure_engines + EngineRouter
+(forge_core.rollout.router) over the services' connections.
 
 Real services (`python -m forge_core.rollout.service`, an in-process vLLM engine each, one core each) on the
 tiny policy of conftest.py. The test walks one flow's life: a version mismatch on one engine, an engine
@@ -19,15 +20,16 @@ import time
 import psutil
 import pytest
 
+from forge_core.artifacts.policy import fetch_policy
 from forge_core.config import config_from_dict
 from forge_core.launch import registry
 from forge_core.launch.errors import RetryableStageError
 from forge_core.launch.process_tree import is_alive, processes_with_launch_id
-from forge_core.rollout import fetch_policy, prompts_from_table
+from forge_core.rollout import prompts_from_table
 from forge_core.rollout.lifetime import engine_state_dir, stage_generator, stop_flow_engines
+from forge_core.rollout.protocol import EngineLost
 from forge_core.rollout.service import (
     EngineService,
-    EngineServiceError,
     PolicyVersionMismatch,
     ServicePaths,
     healthy_client,
@@ -102,15 +104,15 @@ def test_two_flow_engines_reroute_a_killed_engines_prompts_and_stop_with_the_flo
 
     # Every engine checks the version: engine-1 serving another one fails the whole call.
     other = healthy_client(ServicePaths(state_dir, "engine-1"))
-    other.load(policy.local_dir, "another-version")
+    other.reload(policy.local_dir, "another-version")
     other.close()
     with pytest.raises(PolicyVersionMismatch, match=r"serves policy version another-versio"):
-        router.generate(prompts[:4], SEED, LONG_SAMPLING, policy.version)
+        router.generate(prompts[:4], LONG_SAMPLING, SEED)
     router.close()
 
     router = EngineService.ensure_engines(state_dir, rollout, policy.local_dir, policy.version)
     assert [c.pid for c in router.live] == pids and router.startup_s == 0.0  # reloaded, not restarted
-    uninterrupted = router.generate(prompts, SEED, LONG_SAMPLING, policy.version)
+    uninterrupted = router.generate(prompts, LONG_SAMPLING, SEED)
     assert len(uninterrupted) == len(prompts) * LONG_SAMPLING.group_size
 
     # SIGKILL engine-1 while it generates its half: engine-0 takes over its prompts, the samples stay.
@@ -118,11 +120,11 @@ def test_two_flow_engines_reroute_a_killed_engines_prompts_and_stop_with_the_flo
 
     def generate() -> None:
         try:
-            outcome["samples"] = router.generate(prompts, SEED, LONG_SAMPLING, policy.version)
+            outcome["samples"] = router.generate(prompts, LONG_SAMPLING, SEED)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             outcome["error"] = exc
 
-    with caplog.at_level(logging.WARNING, logger="forge_core.rollout.service.router"):
+    with caplog.at_level(logging.WARNING, logger="forge_core.rollout.router"):
         caller = threading.Thread(target=generate)
         caller.start()
         wait_until_busy(state_dir, "engine-1")
@@ -141,7 +143,7 @@ def test_two_flow_engines_reroute_a_killed_engines_prompts_and_stop_with_the_flo
     restarted = [c.pid for c in router.live]
     assert restarted[0] == pids[0] and restarted[1] != pids[1] and router.startup_s > 0.0
     with stage_generator(flow_cfg, policy, seed=0) as generator:
-        again = generator.generate(prompts[:6], seed=SEED, sampling=LONG_SAMPLING)
+        again = generator.generate(prompts[:6], LONG_SAMPLING, seed=SEED)
     assert comparable(again) == comparable(uninterrupted[: 6 * LONG_SAMPLING.group_size])
 
     # The flow's stop ends both engines: no pid survives, no record or registry entry is left.
@@ -152,7 +154,7 @@ def test_two_flow_engines_reroute_a_killed_engines_prompts_and_stop_with_the_flo
     assert all(registry.launch_owner(info["launch_id"]) is None for info in infos)
 
     # With no engine left a call fails retryably (the stage's retry restarts them).
-    with pytest.raises(EngineServiceError, match="no engine of the flow is left") as failure:
-        router.generate(prompts[:4], SEED, LONG_SAMPLING, policy.version)
+    with pytest.raises(EngineLost, match="no engine is left") as failure:
+        router.generate(prompts[:4], LONG_SAMPLING, SEED)
     assert isinstance(failure.value, RetryableStageError)
     assert router.dead == ["engine-0", "engine-1"]

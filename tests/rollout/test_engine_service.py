@@ -20,13 +20,13 @@ import time
 import psutil
 import pytest
 
+from forge_core.artifacts.policy import weights_version
 from forge_core.config import config_from_dict, config_to_dict
 from forge_core.launch import LaunchSpec, launch, registry
 from forge_core.launch.process_tree import ProcessTree, is_alive, processes_with_launch_id
 from forge_core.launch.spec import LAUNCH_ID_ENV
-from forge_core.rollout import ROLLOUTS_TABLE, fetch_policy, prompts_from_table
+from forge_core.rollout import ROLLOUTS_TABLE, prompts_from_table
 from forge_core.rollout.lifetime import engine_state_dir, stop_flow_engines
-from forge_core.rollout.policy import weights_version
 from forge_core.rollout.service import (
     EngineService,
     PolicyVersionMismatch,
@@ -39,30 +39,18 @@ from forge_core.rollout.service import (
     stop_services,
     write_record,
 )
-from forge_core.run.in_process import run_in_task_process
 from forge_core.run.plan import StagePlan
 from forge_core.run.rollout import plan_rollout
+from forge_core.run.runners import runner_for
+from forge_core.run.scaffold import stage_context
 from forge_core.run.spec import StageSpec, write_spec
 from forge_core.storage import ObjectStore
-from tests.rollout.conftest import SAMPLING, commit_policy_stage, run_config_dict, write_policy
+from tests.rollout.conftest import POLICY_B_KEY, SAMPLING, run_config_dict
 
 GREEDY = dataclasses.replace(SAMPLING, group_size=1, temperature=0.0)
 
 
 # ---- fixtures -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def policies(world, tmp_path_factory):
-    """Policy A (conftest's) and policy B (other weights, same architecture), fetched like a stage does."""
-    root = tmp_path_factory.mktemp("two-policies")
-    other_dir = write_policy(root / "policy-b", world.tokenizer_dir, world.vocab_size, seed=12)
-    other_uri = world.store.artifact_uri("sft", "test-policy-b")
-    commit_policy_stage(world.store, other_uri, other_dir)
-    cache = root / "cache"
-    return fetch_policy(world.store, world.stage_uri, cache_root=cache), fetch_policy(
-        world.store, other_uri, cache_root=cache
-    )
 
 
 # The flow run the module's stages belong to: its engines live in engine_state_dir(run_cfg(...)).
@@ -198,17 +186,23 @@ def test_the_launcher_leaves_a_process_of_another_launch_alone():
 
 @pytest.mark.integration
 def test_version_mismatch_is_rejected(state_dir, rollout_cfg, policies, prompts):
+    """A client expects the version it connected to or loaded: once another client loads other weights, its
+    requests are refused (never silently the wrong policy), and the service goes on serving."""
     policy_a, policy_b = policies
     assert policy_a.version != policy_b.version
     with EngineService.ensure(state_dir, rollout_cfg, policy_a.local_dir, policy_a.version) as client:
         assert client.ping()["policy_version"] == policy_a.version
+        other = healthy_client(ServicePaths(state_dir))  # a second client, expecting A too
+        other.reload(policy_b.local_dir, policy_b.version)  # the service serves B now: `client` is stale
+        with pytest.raises(PolicyVersionMismatch, match=rf"serves policy version {policy_b.version[:16]} "):
+            client.generate(prompts, GREEDY, seed=0)
+        client.reload(policy_a.local_dir, policy_a.version)  # and back to A: `other` (expecting B) is stale
         pattern = rf"serves policy version {policy_a.version[:16]} .*expects {policy_b.version[:16]}"
         with pytest.raises(PolicyVersionMismatch, match=pattern):
-            client.generate(prompts, 0, GREEDY, expected_version=policy_b.version)
-        with pytest.raises(PolicyVersionMismatch, match=pattern):
-            client.serving(policy_b.version).generate(prompts, seed=0, sampling=GREEDY)
+            other.generate(prompts, GREEDY, seed=0)
+        other.close()
         # The refusal leaves the service serving: the right version still generates.
-        assert len(client.generate(prompts, 0, GREEDY, expected_version=policy_a.version)) == len(prompts)
+        assert len(client.generate(prompts, GREEDY, seed=0)) == len(prompts)
 
 
 def stage_spec(world, engines_root, stage: str, policy_stage_uri: str, key: str) -> StageSpec:
@@ -241,21 +235,19 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
     (same seed) and greedily what the reloaded one did; its launcher leaves that service running and the
     evaluate stage, run in this process as a flow task runs it, reuses it."""
     policy_a, policy_b = policies
-    policy_b_stage = world.store.artifact_uri("sft", "test-policy-b")
+    policy_b_stage = world.store.artifact_uri("sft", POLICY_B_KEY)
     monkeypatch.setenv("FORGE_POLICY_CACHE", str(tmp_path / "policy-cache"))
     rollout_spec = stage_spec(world, engines_root, "rollout", policy_b_stage, "flow-engine-rollout")
-    plan = plan_rollout(rollout_spec)  # this iteration's prompts and seed, as the worker will pick them
+    plan = plan_rollout(stage_context(rollout_spec))  # its prompts and seed, as the worker will pick them
 
     with EngineService.ensure(state_dir, rollout_cfg, policy_a.local_dir, policy_a.version) as client:
         pid = client.pid
-        greedy_a = client.generate(prompts, 0, GREEDY, policy_a.version)
+        greedy_a = client.generate(prompts, GREEDY, seed=0)
     with EngineService.ensure(state_dir, rollout_cfg, policy_b.local_dir, policy_b.version) as client:
         assert client.pid == pid and client.startup_s == 0.0 and client.reload_s > 0.0
         assert client.ping()["policy_version"] == policy_b.version
-        greedy_b_reloaded = client.generate(prompts, 0, GREEDY, policy_b.version)
-        sampled_before_kill = client.generate(
-            plan.prompts, plan.seed, plan.cfg.rollout.sampling, policy_b.version
-        )
+        greedy_b_reloaded = client.generate(prompts, GREEDY, seed=0)
+        sampled_before_kill = client.generate(plan.prompts, plan.cfg.rollout.sampling, plan.seed)
     assert tokens(greedy_a) != tokens(greedy_b_reloaded)  # B's weights are in use, not A's
 
     os.kill(pid, signal.SIGKILL)
@@ -273,7 +265,7 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
 
     with EngineService.ensure(state_dir, rollout_cfg, policy_b.local_dir, policy_b.version) as client:
         assert client.pid == record.pid and client.startup_s == 0.0
-        greedy_b_fresh = client.generate(prompts, 0, GREEDY, policy_b.version)
+        greedy_b_fresh = client.generate(prompts, GREEDY, seed=0)
     assert tokens(greedy_b_fresh) == tokens(greedy_b_reloaded)
     for fresh, reloaded in zip(greedy_b_fresh, greedy_b_reloaded):
         assert fresh.response_logprobs == pytest.approx(reloaded.response_logprobs, abs=1e-5)
@@ -283,7 +275,7 @@ def test_reload_equals_a_fresh_engine_and_a_killed_engine_is_restarted_by_the_ne
     write_spec(world.store, eval_spec)
     eval_plan = StagePlan("evaluate", "flow-engine-eval", eval_spec.output_uri, eval_spec, eval_spec.inputs)
     relayed: list[str] = []
-    result = run_in_task_process(eval_plan, config_from_dict(eval_spec.config), relayed.append)
+    result = runner_for(config_from_dict(eval_spec.config), "evaluate").run(eval_plan, relayed.append)
     assert result.outcome.name == "SUCCESS", result.reason
     assert any("committed" in line and eval_spec.output_uri in line for line in relayed), relayed
     eval_metrics = world.store.read_manifest(eval_spec.output_uri).metrics
@@ -298,7 +290,7 @@ def test_concurrent_runs_of_one_config_never_share_engines_or_trainer_jobs(
 ):
     """Two flow runs of one config (same name, store, folder, rollout.engine_state_dir) differ only in their
     run id: each gets its own engine and trainer folders, and one run's stop leaves the other's engine serving."""
-    from forge_core.run.trainer_job import trainer_state_dir
+    from forge_core.run.resources import trainer_state_dir
 
     run_a = config_from_dict(flow_run_config(world.store_root, engines_root))
     run_b = config_from_dict(flow_run_config(world.store_root, engines_root, run_id="another-run-of-it"))

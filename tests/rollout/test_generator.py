@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from forge_core.rollout import Prompt, Sample, request_seed
-from tests.rollout.conftest import GROUP_SIZE, MAX_NEW_TOKENS, SAMPLING, write_policy
+from tests.rollout.conftest import ENGINE_POLICY_VERSION, GROUP_SIZE, MAX_NEW_TOKENS, SAMPLING, write_policy
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def logprob_gap(policy_dir, samples: list[Sample]) -> tuple[float, float]:
 
 def test_generate_returns_groups_of_samples(world, generator):
     prompts = demo_prompts(world, 5)
-    samples = generator.generate(prompts, seed=0)
+    samples = generator.generate(prompts, SAMPLING, seed=0)
     assert len(samples) == 5 * GROUP_SIZE
     tokenizer = transformers.AutoTokenizer.from_pretrained(world.policy_dir)
     for i, sample in enumerate(samples):
@@ -81,9 +81,9 @@ def test_generate_returns_groups_of_samples(world, generator):
 
 def test_same_seed_gives_the_same_rollouts(world, generator):
     prompts = demo_prompts(world, 4)
-    first = generator.generate(prompts, seed=123)
-    again = generator.generate(prompts, seed=123)
-    other = generator.generate(prompts, seed=124)
+    first = generator.generate(prompts, SAMPLING, seed=123)
+    again = generator.generate(prompts, SAMPLING, seed=123)
+    other = generator.generate(prompts, SAMPLING, seed=124)
     assert [s.response_ids for s in first] == [s.response_ids for s in again]
     for a, b in zip(first, again):
         assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-6)
@@ -93,8 +93,8 @@ def test_same_seed_gives_the_same_rollouts(world, generator):
 def test_samples_do_not_depend_on_the_rest_of_the_batch(world, generator):
     """Per-prompt seeds: a prompt alone gets the samples it got in a batch (what data parallel relies on)."""
     prompts = demo_prompts(world, 6)
-    in_batch = generator.generate(prompts, seed=5)
-    alone = generator.generate(prompts[3:4], seed=5)
+    in_batch = generator.generate(prompts, SAMPLING, seed=5)
+    alone = generator.generate(prompts[3:4], SAMPLING, seed=5)
     assert [s.response_ids for s in alone] == [
         s.response_ids for s in in_batch[3 * GROUP_SIZE : 4 * GROUP_SIZE]
     ]
@@ -102,7 +102,7 @@ def test_samples_do_not_depend_on_the_rest_of_the_batch(world, generator):
 
 
 def test_logprob_parity_with_the_trainer(world, generator):
-    samples = generator.generate(demo_prompts(world, 8), seed=1)
+    samples = generator.generate(demo_prompts(world, 8), SAMPLING, seed=1)
     mean_gap, max_gap = logprob_gap(world.policy_dir, samples)
     tokens = sum(s.response_len for s in samples)
     print(
@@ -146,25 +146,26 @@ def test_greedy_generation_matches_the_trainer_argmax(world, generator):
 
 def test_reload_swaps_weights_in_place(world, generator, tmp_path):
     prompts = demo_prompts(world, 4)
-    before = generator.generate(prompts, seed=8)
+    before = generator.generate(prompts, SAMPLING, seed=8)
     original_dir = generator.policy_dir
     new_dir = write_policy(tmp_path / "policy-v2", world.tokenizer_dir, world.vocab_size, seed=12)
     try:
-        seconds = generator.reload(new_dir)
-        after = generator.generate(prompts, seed=8)
+        seconds = generator.reload(new_dir, "policy-v2")
+        assert (generator.policy_version, generator.reload_s) == ("policy-v2", seconds)
+        after = generator.generate(prompts, SAMPLING, seed=8)
         assert [s.response_ids for s in after] != [s.response_ids for s in before]
         mean_gap, _ = logprob_gap(new_dir, after)
         print(
             f"\nreload({new_dir.name}) took {seconds:.3f}s; parity after reload: mean abs diff {mean_gap:.3g}"
         )
         assert mean_gap < PARITY_TOLERANCE
-        # The fast-loop path: new safetensors written over the engine's own folder, then reload().
+        # The fast-loop path: new safetensors written over the engine's own folder, then a reload of it.
         shutil.copyfile(world.policy_dir / "model.safetensors", new_dir / "model.safetensors")
-        generator.reload()
-        restored = generator.generate(prompts, seed=8)
+        generator.reload(new_dir, "policy-v1-again")
+        restored = generator.generate(prompts, SAMPLING, seed=8)
         assert [s.response_ids for s in restored] == [s.response_ids for s in before]
     finally:
-        generator.reload(original_dir)
+        generator.reload(original_dir, ENGINE_POLICY_VERSION)
 
 
 def test_reload_refuses_another_architecture(world, generator, tmp_path):
@@ -173,7 +174,7 @@ def test_reload_refuses_another_architecture(world, generator, tmp_path):
     config = (other / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3')
     (other / "config.json").write_text(config)
     with pytest.raises(ValueError, match=r"config.json differs .* \['num_hidden_layers'\]"):
-        generator.reload(other)
+        generator.reload(other, "other-architecture")
 
 
 def test_a_prompt_longer_than_the_context_is_a_clear_error(generator):
@@ -182,4 +183,4 @@ def test_a_prompt_longer_than_the_context_is_a_clear_error(generator):
         ValueError,
         match=r"prompt too-long: 120 tokens \+ max_new_tokens=12 = 132 exceeds the policy's context of 128",
     ):
-        generator.generate([prompt], seed=0)
+        generator.generate([prompt], SAMPLING, seed=0)

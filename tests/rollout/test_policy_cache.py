@@ -1,4 +1,4 @@
-"""The bounded policy cache (forge_core.rollout.policy): least recently used folders go, a folder in use by
+"""The bounded policy cache (forge_core.artifacts.policy): least recently used folders go, a folder in use by
 another process (a stage or an engine service holding its lease) never does. Real store, real processes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from forge_core.rollout.policy import (
+from forge_core.artifacts.policy import (
     MAX_POLICIES_ENV,
     CacheBounds,
     fetch_policy,
@@ -44,7 +44,7 @@ def cached(cache) -> set[str]:
 HOLDER = textwrap.dedent(
     """
     import sys
-    from forge_core.rollout.policy import fetch_policy
+    from forge_core.artifacts.policy import fetch_policy
     from forge_core.storage import ObjectStore
     policy = fetch_policy(ObjectStore(sys.argv[1]), sys.argv[2], cache_root=__import__("pathlib").Path(sys.argv[3]))
     print(policy.local_dir.name, flush=True)

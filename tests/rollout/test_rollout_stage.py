@@ -15,12 +15,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from forge_core.artifacts.policy import weights_version
 from forge_core.config import config_from_dict, config_to_dict
 from forge_core.rewards import RewardSet
 from forge_core.rollout import RESULTS_TABLE, ROLLOUTS_TABLE, iteration_indices, rollout_schema
-from forge_core.rollout.policy import weights_version
 from forge_core.run.evaluate import plan_evaluation, run_evaluation
 from forge_core.run.rollout import plan_rollout, run_rollout
+from forge_core.run.scaffold import stage_context
 from forge_core.run.spec import StageSpec, write_spec
 from tests.rollout.conftest import GROUP_SIZE, run_config_dict
 
@@ -59,11 +60,11 @@ def stage_spec(
 
 def test_rollout_stage_commits_scored_rollouts_with_lineage(world, generator):
     spec = stage_spec(world, "rollout", "iteration-1", {"iteration": 1})
-    plan = plan_rollout(spec)
+    plan = plan_rollout(stage_context(spec))
     table = run_rollout(plan, generator)
     store = world.store
     assert store.is_committed(spec.output_uri)
-    assert plan_rollout(spec) is None  # committed: a rerun is a no-op
+    assert stage_context(spec) is None  # committed: a rerun is a no-op
 
     back = store.reader(spec.output_uri).read_table(ROLLOUTS_TABLE)
     reward_columns = ["reward_contains_digit", "reward_exact_answer", "reward_per_digit"]
@@ -132,7 +133,7 @@ def test_the_grpo_stage_reads_the_rollouts(world, generator):
     from forge_core.trainers.grpo import rollouts_to_rl_batch
 
     spec = stage_spec(world, "rollout", "iteration-0", {"iteration": 0})
-    run_rollout(plan_rollout(spec), generator)
+    run_rollout(plan_rollout(stage_context(spec)), generator)
     table = world.store.reader(spec.output_uri).read_table(ROLLOUTS_TABLE)
     batch = rollouts_to_rl_batch(table, AdvantageConfig(drop_zero_variance_groups=False)).batch
     # The generator's logprobs sit where the trainer scores each response token.
@@ -146,26 +147,26 @@ def test_bad_inputs_fail_before_vllm_starts(world):
     spec = stage_spec(world, "rollout", "bad-inputs")
     no_data = StageSpec(spec.stage, spec.config, {"policy": world.stage_uri}, spec.output_uri, spec.params)
     with pytest.raises(ValueError, match="inputs has no 'data' entry"):
-        plan_rollout(no_data)
+        plan_rollout(stage_context(no_data))
     wrong_kind = StageSpec(
         spec.stage, spec.config, {"policy": world.data_uri, "data": world.data_uri}, spec.output_uri
     )
     with pytest.raises(ValueError, match="inputs.policy=.*a 'data' artifact; expected one of"):
-        plan_rollout(wrong_kind)
+        plan_rollout(stage_context(wrong_kind))
     bad_iteration = StageSpec(spec.stage, spec.config, spec.inputs, spec.output_uri, {"iteration": -2})
     with pytest.raises(ValueError, match="params.iteration=-2"):
-        plan_rollout(bad_iteration)
+        plan_rollout(stage_context(bad_iteration))
     config = dict(spec.config)
     config["rollout"] = {**config["rollout"], "rewards": [{"name": "nope:fn", "weight": 1.0, "kwargs": {}}]}
     with pytest.raises(
         ValueError, match=r"rollout.rewards\[0\].name: reward 'nope:fn': cannot import module 'nope'"
     ):
-        plan_rollout(StageSpec(spec.stage, config, spec.inputs, spec.output_uri))
+        plan_rollout(stage_context(StageSpec(spec.stage, config, spec.inputs, spec.output_uri)))
 
 
 def test_evaluate_stage_greedy_accuracy(world, generator):
     spec = stage_spec(world, "evaluate", "greedy")
-    outcome = run_evaluation(plan_evaluation(spec), generator)
+    outcome = run_evaluation(plan_evaluation(stage_context(spec)), generator)
     results = world.store.reader(spec.output_uri).read_table(RESULTS_TABLE)
     assert results.num_rows == 8
     eval_prompts = world.store.reader(world.data_uri).read_table("eval.parquet")
@@ -180,13 +181,14 @@ def test_evaluate_stage_greedy_accuracy(world, generator):
     assert (metrics["n"], metrics["k"], metrics["temperature"]) == (8, 1, 0.0)
     assert (metrics["reward/timeouts"], metrics["reward/crashes"], metrics["reward/zeroed"]) == (0, 0, 0)
     # Greedy: a second evaluation under another key gives the same answers.
-    again = run_evaluation(plan_evaluation(stage_spec(world, "evaluate", "greedy-again")), generator)
+    again_ctx = stage_context(stage_spec(world, "evaluate", "greedy-again"))
+    again = run_evaluation(plan_evaluation(again_ctx), generator)
     assert again.table.column("responses").to_pylist() == results.column("responses").to_pylist()
 
 
 def test_evaluate_stage_pass_at_k(world, generator):
     spec = stage_spec(world, "evaluate", "pass-at-3", pass_k=3, num_prompts=5)
-    run_evaluation(plan_evaluation(spec), generator)
+    run_evaluation(plan_evaluation(stage_context(spec)), generator)
     results = world.store.reader(spec.output_uri).read_table(RESULTS_TABLE).to_pylist()
     assert len(results) == 5 and all(len(r["responses"]) == 3 for r in results)
     for row in results:
@@ -201,7 +203,7 @@ def test_a_hanging_and_a_crashing_reward_cost_their_samples_and_the_stage_comple
     each, the failures are counted in the manifest, every other sample is scored as in-process scoring does."""
     one_sample = {"group_size": 1, "temperature": 1.0, "max_new_tokens": 12}
     probe = plan_rollout(
-        stage_spec(world, "rollout", "unruly-probe", {"iteration": 2}, {"sampling": one_sample})
+        stage_context(stage_spec(world, "rollout", "unruly-probe", {"iteration": 2}, {"sampling": one_sample}))
     )
     truths = [p.ground_truth for p in probe.prompts]
     hang_truth, crash_truth = [t for t in truths if truths.count(t) == 1][:2]  # one sample each
@@ -222,7 +224,7 @@ def test_a_hanging_and_a_crashing_reward_cost_their_samples_and_the_stage_comple
         world.store.artifact_uri("rollouts", "unruly-rewards"),
         {"iteration": 2},
     )
-    run_rollout(plan_rollout(spec), generator)
+    run_rollout(plan_rollout(stage_context(spec)), generator)
 
     metrics = world.store.read_manifest(spec.output_uri).metrics
     assert (metrics["reward/timeouts"], metrics["reward/crashes"], metrics["reward/zeroed"]) == (2, 2, 2)
@@ -244,7 +246,7 @@ def test_rollout_worker_end_to_end_matches_the_in_process_stage(world, generator
     The worker runs its engine in-process (one interpreter instead of three: this test's budget); the
     default separate-process engine is what test_pool.py and the flow tests start."""
     in_process = stage_spec(world, "rollout", "e2e-reference", {"iteration": 2})
-    reference = run_rollout(plan_rollout(in_process), generator)
+    reference = run_rollout(plan_rollout(stage_context(in_process)), generator)
     spec = stage_spec(world, "rollout", "e2e-worker", {"iteration": 2}, rollout={"engine_in_process": True})
     spec_uri = write_spec(world.store, spec)
     env = {

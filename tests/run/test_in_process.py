@@ -1,7 +1,7 @@
 """forge_core.run.in_process: rollout/evaluate stages run in the task's process with the flow's engines.
 
 The success path against a real engine service is in tests/rollout/test_engine_service.py (the evaluate
-stage there runs through `run_in_task_process`); these check the dispatch and the launcher-equivalent
+stage there runs through the TaskProcessRunner); these check the dispatch and the launcher-equivalent
 classification of failures without an engine.
 """
 
@@ -12,8 +12,10 @@ import pytest
 from forge_core.config import config_to_dict, load_config
 from forge_core.launch import LaunchFailed, Outcome
 from forge_core.rollout.service.state import EngineServiceError
-from forge_core.run.in_process import _failure, run_in_task_process, runs_in_task_process
+from forge_core.run.in_process import TaskProcessRunner, _failure
 from forge_core.run.plan import StagePlan
+from forge_core.run.resources import FlowResources
+from forge_core.run.runners import runner_for
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ObjectStore
 
@@ -41,14 +43,15 @@ def _plan(cfg, stage: str, inputs: dict[str, str]) -> StagePlan:
     ],
 )
 def test_only_engine_client_stages_with_flow_engines_run_in_the_task_process(tmp_path, stage, lifetime, expected):
-    assert runs_in_task_process(stage, _cfg(tmp_path, lifetime)) is expected
+    assert isinstance(runner_for(_cfg(tmp_path, lifetime), stage), TaskProcessRunner) is expected
 
 
 def test_a_stage_that_needs_its_own_engine_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "stage")
     plan = _plan(cfg, "evaluate", {"policy": "x", "data": "y"})
+    assert plan.stage == "evaluate"
     with pytest.raises(ValueError, match=r"engine_lifetime='stage'.*launch it instead"):
-        run_in_task_process(plan, cfg, print)
+        TaskProcessRunner(cfg, "evaluate", FlowResources.of(cfg))
 
 
 def test_a_user_error_in_the_stage_is_fatal_with_its_message(tmp_path):
@@ -56,7 +59,7 @@ def test_a_user_error_in_the_stage_is_fatal_with_its_message(tmp_path):
     cfg = _cfg(tmp_path, "flow")
     store = ObjectStore.from_config(cfg.storage)
     plan = _plan(cfg, "evaluate", {"policy": store.artifact_uri("sft", "some-policy")})
-    result = run_in_task_process(plan, cfg, print)
+    result = runner_for(cfg, "evaluate").run(plan, print)
 
     assert result.outcome is Outcome.FATAL
     assert "inputs has no 'data' entry" in result.reason, result.reason

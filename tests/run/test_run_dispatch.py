@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from forge_core.config import STAGES, config_to_dict, load_config
+from forge_core.config import config_to_dict, load_config
 from forge_core.run.__main__ import _error_recorder, _run_stage
 from forge_core.run.spec import StageSpec, write_spec
+from forge_core.stages import BUILTIN_STAGES
 
 
 def test_unknown_stage_fails_fast_listing_the_stages():
@@ -23,7 +24,7 @@ def test_unknown_stage_fails_fast_listing_the_stages():
     )
     assert proc.returncode == 2
     assert "unknown stage 'nosuchstage'; valid stages: prepare, sft, rollout, grpo, evaluate" in proc.stderr
-    assert all(stage in proc.stderr for stage in STAGES)
+    assert all(stage.name in proc.stderr for stage in BUILTIN_STAGES)
 
 
 def test_spec_is_required():

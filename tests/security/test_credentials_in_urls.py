@@ -132,7 +132,7 @@ def _source_url(server: _TokenServer) -> str:
 @flow(name="security-prepare-from-a-tokenised-url")
 def prepare_from(config: str, overrides: list[str]) -> str:
     cfg = load_config(config, overrides)
-    return prepare_data(config_to_json(cfg))
+    return prepare_data(cfg)
 
 
 @pytest.fixture(scope="module")

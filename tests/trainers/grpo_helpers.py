@@ -11,13 +11,13 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from forge_core.artifacts.policy import POLICY_DIR
 from forge_core.config import RunConfig, load_config
 from forge_core.data.demo import ALPHABET, AdditionExample
 from forge_core.data.tokenizer import train_demo_tokenizer
 from forge_core.models import build_model, init_weights, model_logprobs, write_hf_folder
 from forge_core.run.spec import StageSpec, write_spec
 from forge_core.storage import ObjectStore
-from forge_core.trainers.stage import POLICY_DIR
 
 PROMPTS, GROUP, MAX_NEW = 8, 4, 8
 
@@ -139,7 +139,7 @@ def grpo_spec(cfg: RunConfig, store: ObjectStore, output_uri: str, inputs: dict[
 
 
 def read_policy_weights(store: ObjectStore, stage_uri: str, local_dir: Path) -> dict[str, torch.Tensor]:
+    from forge_core.artifacts.policy import download_policy
     from forge_core.models import load_hf_folder
-    from forge_core.trainers.stage import download_policy
 
     return load_hf_folder(download_policy(store, stage_uri, local_dir))[0]

@@ -23,7 +23,7 @@ from grpo_helpers import (
 
 from forge_core.engine import destroy_distributed
 from forge_core.models import model_logprobs
-from forge_core.run import grpo as grpo_stage
+from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import read_spec
 from forge_core.storage import ObjectStore
 
@@ -60,7 +60,7 @@ def stage(tmp_path_factory):
                          iteration=1)
     try:
         with intra_op_threads(1):
-            grpo_stage.main(read_spec(spec_uri))
+            run_spec(read_spec(spec_uri))
     finally:
         destroy_distributed()
     summary = store.reader(output).read_json("train_summary.json")

@@ -28,16 +28,16 @@ from grpo_helpers import (
     write_rollouts_artifact,
 )
 
+from forge_core.batch import plan_minibatches
 from forge_core.engine import committed_checkpoints, destroy_distributed
 from forge_core.faults import FAULT_ENV, InjectedFault
 from forge_core.launch import LaunchSpec, Outcome, launch
 from forge_core.models import model_logprobs
-from forge_core.run import grpo as grpo_stage
 from forge_core.run.grpo import plan_seed
+from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import read_spec
 from forge_core.storage import ObjectStore
 from forge_core.trainers.grpo import rollouts_to_rl_batch
-from forge_core.trainers.rl_batch import plan_minibatches
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ class Setup:
         """The stage as one plain process (world size 1): here, in the test process."""
         try:
             with intra_op_threads(1):
-                grpo_stage.main(read_spec(self.spec_uri(name)))
+                run_spec(read_spec(self.spec_uri(name)))
         finally:
             destroy_distributed()
 
@@ -180,7 +180,7 @@ def test_stage_on_a_grpo_parent_scores_the_kl_against_the_sft_root(setup):
     spec_uri = grpo_spec(setup.cfg, setup.store, output, inputs, iteration=1)
     try:
         with intra_op_threads(1):
-            grpo_stage.main(read_spec(spec_uri))
+            run_spec(read_spec(spec_uri))
     finally:
         destroy_distributed()
     manifest = setup.store.read_manifest(output)

@@ -18,11 +18,11 @@ from grpo_helpers import (
     rollout_table,
 )
 
+from forge_core.batch import RLBatch
 from forge_core.engine import Engine, destroy_distributed
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.models import model_logprobs
 from forge_core.trainers.grpo import GRPOTrainer, rollouts_to_rl_batch, summarize_steps
-from forge_core.trainers.rl_batch import RLBatch
 
 ADV_EPS = 1e-6
 

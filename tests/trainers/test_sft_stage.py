@@ -1,4 +1,4 @@
-"""The SFT stage worker (`forge_core.run.sft:main`): bad inputs fail with clear errors; under real torchrun,
+"""The SFT stage worker (`forge_core.run.sft:train` through the worker scaffold): bad inputs fail with clear errors; under real torchrun,
 2 ranks follow the 1-rank loss curve, and a rank SIGKILLed mid-run resumes to identical losses and weights."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from sft_helpers import committed_data_artifact, one_intra_op_thread, sft_spec, sft_test_config  # noqa: F401 (fixture)
 
 from forge_core.engine import committed_checkpoints
-from forge_core.run.sft import main as sft_main
+from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import StageSpec, read_spec
 from forge_core.storage import ObjectStore
 
@@ -29,7 +29,7 @@ def test_missing_data_artifact_is_named(tmp_path):
     with pytest.raises(
         ValueError, match=rf"inputs.data={missing}: cannot read the data artifact: .*not committed"
     ):
-        sft_main(read_spec(sft_spec(cfg, missing, "bad-data")))
+        run_spec(read_spec(sft_spec(cfg, missing, "bad-data")))
 
 
 def test_unknown_model_flavor_is_named(tmp_path):
@@ -38,7 +38,7 @@ def test_unknown_model_flavor_is_named(tmp_path):
     config = {**spec.config, "model": {**spec.config["model"], "flavor": "huge"}}
     bad = StageSpec(stage="sft", config=config, inputs=spec.inputs, output_uri=spec.output_uri)
     with pytest.raises(ValueError, match=r"model.flavor='huge': unknown flavor .* valid flavors: \['tiny'"):
-        sft_main(bad)
+        run_spec(bad)
 
 
 def _torchrun(spec_uri: str, env_extra: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -81,7 +81,7 @@ def test_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_path):
     data_uri = committed_data_artifact(names["ref"])
 
     # 1 rank, in this process (world size 1 without torchrun).
-    sft_main(read_spec(sft_spec(names["one"], data_uri, "one")))
+    run_spec(read_spec(sft_spec(names["one"], data_uri, "one")))
 
     ref = _torchrun(sft_spec(names["ref"], data_uri, "ref"), {})
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -2,10 +2,10 @@
 
 A stage-per-iteration loop pays a vLLM start-up (tens of seconds on CPU) in every rollout and evaluate stage;
 this service pays it once per flow run and loads each new policy in place (`Generator.reload`, milliseconds
-for small models). Stage code uses it through the Generator interface:
+for small models). Stage code uses it through the generation protocol (forge_core.rollout.protocol):
 
     client = EngineService.ensure(state_dir, cfg.rollout, policy.local_dir, policy.version)
-    samples = client.serving(policy.version).generate(prompts, seed=7)   # or client.generate(..., expected_version)
+    samples = client.generate(prompts, cfg.rollout.sampling, seed=7)   # refused unless it serves policy.version
     client.close()                               # disconnects; the service keeps running
     ...
     stop_services(state_dir)                     # the flow, at its end and on failure/cancellation
@@ -15,14 +15,15 @@ or by hand: `python -m forge_core.rollout.service --state-dir D --policy-dir P -
 
 Several engines (`rollout.num_engines: N > 1`): `EngineService.ensure_engines(state_dir, rollout, policy_dir,
 policy_version)` keeps N services `engine-0` .. `engine-<N-1>` (one vLLM engine each, on its own cores or GPUs:
-pool.replica_layouts) and returns an `EngineRouter` (router.py) with the same generate/serving/close: it splits
-prompts across the live engines and re-routes a dead engine's prompts to the others (per-prompt seeds: the
-samples do not change); the next `ensure_engines` restarts the dead one. With N = 1 it is the one service
-`rollout`.
+pool.replica_layouts) and returns them behind one `EngineRouter` (forge_core.rollout.router, the router the
+stage-lifetime replica pool uses too): it splits prompts across the live engines and re-routes a dead engine's
+prompts to the others (per-prompt seeds: the samples do not change); the next `ensure_engines` restarts the
+dead one. With N = 1 it is the one service `rollout`.
 
-Modules: `state` (the state folder, records, errors: both sides), `client` (EngineClient, EngineService,
-stop_services: the caller's side), `router` (EngineRouter), `server` (the service process). Import the public
-names from here.
+Modules: `state` (the state folder, records, errors: both sides), `connection` (EngineClient: the socket, the
+key challenge, request/reply, the version every request carries), `supervision` (EngineService, stop_services:
+starting, waiting for ready, restarting, stopping), `server` (the service process). Import the public names
+from here.
 
 Requests: `ping` -> {pid, policy_version, uptime_s, ...}; `load(policy_dir, policy_version)` -> reloads the
 weights in place and records the version (no-op when that version is already served); `generate(prompts,
@@ -54,23 +55,14 @@ engine error (e.g. vLLM's EngineDeadError) the service replies and exits: the ne
 retry) starts a new one.
 """
 
-from forge_core.rollout.service.client import (
-    EngineClient,
-    EngineService,
-    ServedGenerator,
-    end_stale_service,
-    engine_names,
-    healthy_client,
-    service_environment,
-    stop_services,
-)
-from forge_core.rollout.service.router import EngineRouter
+from forge_core.rollout.protocol import PolicyVersionMismatch
+from forge_core.rollout.router import EngineRouter
+from forge_core.rollout.service.connection import EngineClient, healthy_client
 from forge_core.rollout.service.server import main
 from forge_core.rollout.service.state import (
     DEFAULT_NAME,
     MODULE,
     EngineServiceError,
-    PolicyVersionMismatch,
     ServicePaths,
     ServiceRecord,
     check_private,
@@ -78,6 +70,13 @@ from forge_core.rollout.service.state import (
     prepare_state_dir,
     read_record,
     write_record,
+)
+from forge_core.rollout.service.supervision import (
+    EngineService,
+    end_stale_service,
+    engine_names,
+    service_environment,
+    stop_services,
 )
 
 __all__ = [
@@ -88,7 +87,6 @@ __all__ = [
     "EngineService",
     "EngineServiceError",
     "PolicyVersionMismatch",
-    "ServedGenerator",
     "ServicePaths",
     "ServiceRecord",
     "check_private",

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from forge_core.artifacts.policy import PolicyLease
 from forge_core.config.schema import SamplingConfig
 from forge_core.launch import registry
 from forge_core.launch.owner import Owner, watch_owner
@@ -40,7 +41,7 @@ from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.launch.spec import LAUNCH_ID_ENV
 from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.generator import model_fingerprint
-from forge_core.rollout.policy import PolicyLease
+from forge_core.rollout.protocol import PolicyVersionMismatch
 from forge_core.rollout.service.state import (
     DEFAULT_NAME,
     FAILED,
@@ -48,7 +49,6 @@ from forge_core.rollout.service.state import (
     READY,
     STARTING,
     STOP_GRACE_S,
-    PolicyVersionMismatch,
     ServicePaths,
     ServiceRecord,
     engine_identity,
@@ -96,10 +96,8 @@ class _EngineState:
     def load(self, policy_dir: str, policy_version: str) -> dict:
         new_dir = Path(policy_dir)
         lease = PolicyLease(new_dir)
-        if policy_version == self.policy_version:
-            reload_s = 0.0  # the version is the weights' checksum: these weights are loaded already
-        else:
-            reload_s = self.generator.reload(new_dir)
+        reload_s = self.generator.reload(new_dir, policy_version)  # 0.0 for the version already served
+        if policy_version != self.policy_version:
             log.info("loaded policy version %s from %s in %.3f s", policy_version[:16], new_dir, reload_s)
         self.lease.release()
         self.policy_dir, self.policy_version, self.lease = new_dir, policy_version, lease
@@ -113,7 +111,7 @@ class _EngineState:
                 "first (EngineService.ensure or client.load). If a stage saw this, another client loaded "
                 "other weights in between: two runs sharing one rollout.engine_state_dir?"
             )
-        samples = self.generator.generate(prompts, seed=seed, sampling=sampling)
+        samples = self.generator.generate(prompts, sampling, seed)
         return {"samples": samples, "policy_version": self.policy_version}
 
 
@@ -288,7 +286,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default='{"env": {}, "cpus": null}',
         help="this engine's share of the machine as JSON: extra environment and CPU list (pool.ReplicaLayout)",
     )
-    parser.add_argument("--sampling", default="{}", help="default SamplingConfig as JSON")
     parser.add_argument("--owner", default=None, help="pid:create_time of the owning process (exit with it)")
     return parser.parse_args(argv)
 
@@ -297,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve one engine until `shutdown`, SIGTERM, an engine failure or the owner's death (module docstring).
 
     Run by `EngineService.ensure`; by hand: `python -m forge_core.rollout.service --state-dir /tmp/eng
-    --policy-dir ./policy --policy-version <sha256>` (then talk to it with `healthy_client(ServicePaths(...))`).
+    --policy-dir ./policy --policy-version <sha256>` (then talk to it with `healthy_client(ServicePaths(...))`, service/connection.py).
     """
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -341,14 +338,13 @@ def _start_engine(args: argparse.Namespace, paths: ServicePaths, record: Service
     from forge_core.rollout.pool import ReplicaLayout
 
     options = EngineOptions(**json.loads(args.engine))
-    sampling = SamplingConfig(**json.loads(args.sampling))
     policy_dir = Path(args.policy_dir)
     layout = json.loads(args.layout)
     cpus = layout.get("cpus")
     # Before vLLM starts: an engine of several (flow lifetime, num_engines > 1) keeps to its own cores/GPUs.
     ReplicaLayout(options, layout.get("env") or {}, None if cpus is None else tuple(cpus)).apply()
     try:
-        generator = Generator(policy_dir, sampling, options)
+        generator = Generator(policy_dir, options, policy_version=args.policy_version)
     except ValueError as exc:  # a user error: the client re-raises it as one (no retry)
         write_record(
             paths, dataclasses.replace(record, status=FAILED, info={"kind": "user", "message": str(exc)})

@@ -1,6 +1,6 @@
 """The engine services' state folder: paths, the service record, the key, shared constants and errors.
 
-Used by both sides of the channel (`client.py`, `server.py`); see the package docstring for the picture.
+Used by both sides of the channel (`connection.py` and `supervision.py`, `server.py`); see the package docstring for the picture.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import psutil
 
-from forge_core.launch.errors import RetryableStageError
 from forge_core.launch.owner import Owner
 from forge_core.launch.registry import check_private
 from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.protocol import EngineLost
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,8 @@ PING_TIMEOUT_S = 30.0
 STOP_GRACE_S = 3.0
 
 
-class EngineServiceError(RetryableStageError):
+class EngineServiceError(EngineLost):
     """The engine service failed, died or did not start; a retry (`ensure` again) starts a new one."""
-
-
-class PolicyVersionMismatch(RetryableStageError):
-    """A generate request expected another policy version than the one the engine serves."""
 
 
 # ---- the state folder ---------------------------------------------------------------------------------

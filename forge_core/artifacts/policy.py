@@ -1,9 +1,13 @@
-"""A committed policy (an HF folder artifact) made local for vLLM, cached by its manifest hash.
+"""The policy artifact: the HF folder a training stage exports (`<stage>/policy`) and every later stage reads.
 
-    policy = fetch_policy(store, stage_uri)          # stage_uri: a committed sft/grpo artifact
-    policy.local_dir, policy.uri                     # HF folder, <stage_uri>/policy
-    policy.version                                   # the policy version: checksum of its weights
-    policy.manifest_sha256                           # identity of the policy artifact (cache key)
+    policy_uri(store, stage_uri)                                     # <stage_uri>/policy
+    local = download_policy(store, stage_uri, workdir / "policy")    # verified copy (the trainers)
+    policy = fetch_policy(store, stage_uri)                          # verified, cached by manifest hash (vLLM)
+    policy.local_dir, policy.uri, policy.version, policy.manifest_sha256
+
+Layout: a training stage's artifact (`sft` or `grpo` kind, `forge_core.stages.policy_kinds()`) holds `policy/`, a
+nested committed artifact: safetensors weights, `config.json` and the tokenizer files. Which stage artifacts hold
+one, the check of that (`policy_kind`) and its messages live here and nowhere else.
 
 The policy version is what a generator serves and every rollout row records: a sha256 over the committed
 manifest's hashes of the weights (`*.safetensors`) and `config.json` (`weights_version`), so it is computed
@@ -39,13 +43,14 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from forge_core.artifacts.inputs import committed_kind
+from forge_core.stages import policy_kinds
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.storage.manifest import Manifest
 
-# The policy inside a training stage's artifact (forge_core.trainers.stage.POLICY_DIR; not imported from there
-# so the rollout worker does not import the trainer stack).
-POLICY_DIR = "policy"
-POLICY_STAGE_KINDS = ("sft", "grpo")
+POLICY_DIR = "policy"  # the policy inside a training stage's artifact
+# What a stage artifact passed as a policy must be (the messages of policy_kind).
+POLICY_WHAT = f"the output of an SFT or GRPO stage, which holds {POLICY_DIR}/"
 CACHE_ENV = "FORGE_POLICY_CACHE"
 MAX_POLICIES_ENV = "FORGE_POLICY_CACHE_MAX_POLICIES"
 MAX_GB_ENV = "FORGE_POLICY_CACHE_MAX_GB"
@@ -246,6 +251,36 @@ def _clear_stale_leftovers(root: Path) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
+def policy_uri(store: ObjectStore, stage_uri: str) -> str:
+    """URI of the policy (HF folder artifact) inside a training stage's artifact."""
+    return store.join(stage_uri, POLICY_DIR)
+
+
+def policy_kind(store: ObjectStore, stage_uri: str, input_name: str = "policy") -> str:
+    """The kind of a committed stage artifact that holds a policy (sft or grpo); ValueError naming
+    `inputs.<input_name>` when it is missing, uncommitted or of another kind."""
+    return committed_kind(store, stage_uri, input_name, policy_kinds(), POLICY_WHAT)
+
+
+def _policy_manifest(store: ObjectStore, stage_uri: str, input_name: str) -> tuple[bytes, Manifest]:
+    uri = policy_uri(store, stage_uri)
+    try:
+        manifest_bytes = store.manifest_bytes(uri)
+        return manifest_bytes, store.parse_manifest(uri, manifest_bytes)
+    except (ArtifactError, FileNotFoundError) as exc:
+        raise ValueError(f"inputs.{input_name}={stage_uri}: its {POLICY_DIR}/ is not committed ({exc})") from exc
+
+
+def download_policy(store: ObjectStore, stage_uri: str, local_dir: str | Path, input_name: str = "policy") -> Path:
+    """Verified copy of `<stage_uri>/policy/` into `local_dir` (an HF folder vLLM and the engine can load),
+    uncached: what a training stage starts from."""
+    uri = policy_uri(store, stage_uri)
+    try:
+        return store.reader(uri).download_dir("", local_dir)
+    except (ArtifactError, FileNotFoundError) as exc:
+        raise ValueError(f"inputs.{input_name}={stage_uri}: cannot read its policy at {uri}: {exc}") from exc
+
+
 def fetch_policy(
     store: ObjectStore, stage_uri: str, input_name: str = "policy", cache_root: Path | None = None
 ) -> PolicyRef:
@@ -255,28 +290,9 @@ def fetch_policy(
     ValueError naming `inputs.<input_name>` when the stage artifact or its policy is missing, uncommitted,
     of the wrong kind or corrupted, or when the cache's disk is full.
     """
-    policy_uri = store.join(stage_uri, POLICY_DIR)
-    try:
-        kind = store.read_manifest(stage_uri).kind
-    except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(
-            f"inputs.{input_name}={stage_uri}: not a committed artifact ({exc}); pass the URI of a "
-            "finished sft or grpo stage"
-        ) from exc
-    if kind not in POLICY_STAGE_KINDS:
-        raise ValueError(
-            f"inputs.{input_name}={stage_uri}: a {kind!r} artifact; expected one of "
-            f"{list(POLICY_STAGE_KINDS)} "
-            f"(the output of an SFT or GRPO stage, which holds {POLICY_DIR}/)"
-        )
-    try:
-        manifest_bytes = store.manifest_bytes(policy_uri)
-        manifest = store.parse_manifest(policy_uri, manifest_bytes)
-    except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(
-            f"inputs.{input_name}={stage_uri}: its {POLICY_DIR}/ is not committed ({exc})"
-        ) from exc
-    manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()  # == store.manifest_sha256(policy_uri)
+    policy_kind(store, stage_uri, input_name)
+    manifest_bytes, manifest = _policy_manifest(store, stage_uri, input_name)
+    manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()  # == store.manifest_sha256(its uri)
     version = weights_version(manifest, f"inputs.{input_name}={stage_uri}/{POLICY_DIR}")
     root = (cache_root or policy_cache_root()).absolute()
     root.mkdir(parents=True, exist_ok=True)
@@ -285,31 +301,33 @@ def fetch_policy(
     _lease(local_dir)
     if not _is_cached(local_dir):
         size = sum(entry.size for entry in manifest.files.values())
-        _download_or_make_room(store, policy_uri, local_dir, input_name, size)
+        _download_or_make_room(store, policy_uri(store, stage_uri), local_dir, input_name, size)
         prune_policy_cache(root, keep=local_dir)
     now = time.time_ns()  # explicit: the file system's own clock is too coarse to order quick fetches
     with contextlib.suppress(OSError):
         os.utime(local_dir / _COMPLETE_MARKER, ns=(now, now))  # the cache's least-recently-used order
-    return PolicyRef(uri=policy_uri, version=version, local_dir=local_dir, manifest_sha256=manifest_sha256)
+    return PolicyRef(
+        uri=policy_uri(store, stage_uri), version=version, local_dir=local_dir, manifest_sha256=manifest_sha256
+    )
 
 
 def _download_or_make_room(
-    store: ObjectStore, policy_uri: str, local_dir: Path, input_name: str, size: int
+    store: ObjectStore, uri: str, local_dir: Path, input_name: str, size: int
 ) -> None:
     try:
-        _download(store, policy_uri, local_dir, input_name)
+        _download(store, uri, local_dir, input_name)
         return
     except OSError as exc:
         if exc.errno not in _DISK_FULL:
             raise
     freed = prune_policy_cache(local_dir.parent, CacheBounds(max_policies=1, max_bytes=0), keep=local_dir)
     try:
-        _download(store, policy_uri, local_dir, input_name)
+        _download(store, uri, local_dir, input_name)
     except OSError as exc:
         if exc.errno not in _DISK_FULL:
             raise
         raise ValueError(
-            f"inputs.{input_name}: no space left to download the policy {policy_uri} ({size} bytes) into the "
+            f"inputs.{input_name}: no space left to download the policy {uri} ({size} bytes) into the "
             f"policy cache {local_dir.parent} (${CACHE_ENV}), even after removing {len(freed)} unused cached "
             f"policies; free space there, set {CACHE_ENV} to a folder on a larger disk, or lower "
             f"{MAX_GB_ENV} / {MAX_POLICIES_ENV} below what the disk holds"
@@ -319,16 +337,16 @@ def _download_or_make_room(
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _download(store: ObjectStore, policy_uri: str, local_dir: Path, input_name: str) -> None:
+def _download(store: ObjectStore, uri: str, local_dir: Path, input_name: str) -> None:
     staging = local_dir.with_name(f".{local_dir.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
-        store.reader(policy_uri).download_dir("", staging)
-        (staging / _COMPLETE_MARKER).write_text(policy_uri + "\n")
+        store.reader(uri).download_dir("", staging)
+        (staging / _COMPLETE_MARKER).write_text(uri + "\n")
         if local_dir.exists():
             shutil.rmtree(local_dir)  # an incomplete copy from a crashed process (no marker)
         os.replace(staging, local_dir)
     except (ArtifactError, FileNotFoundError) as exc:
-        raise ValueError(f"inputs.{input_name}: cannot read the policy at {policy_uri}: {exc}") from exc
+        raise ValueError(f"inputs.{input_name}: cannot read the policy at {uri}: {exc}") from exc
     except OSError:
         if _is_cached(local_dir):
             return  # another process finished the same download first

@@ -1,41 +1,42 @@
-"""The caller's side of the engine service: connecting, starting, restarting and stopping services.
+"""Supervising engine services: starting, waiting for ready, restarting, stopping them, and their state folder.
 
-    client = EngineService.ensure(state_dir, cfg.rollout, policy_dir, policy_version)   # EngineClient
-    samples = client.serving(policy_version).generate(prompts, seed=7)
-    stop_services(state_dir)
+    client = EngineService.ensure(state_dir, cfg.rollout, policy_dir, policy_version)   # one EngineClient
+    router = EngineService.ensure_engines(state_dir, cfg.rollout, policy_dir, version)  # num_engines, routed
+    samples = router.generate(prompts, cfg.rollout.sampling, seed=7)
+    router.close()                                   # disconnects; the services keep running
+    stop_services(state_dir)                         # the flow, at its end and on failure/cancellation
 
-The package docstring (forge_core.rollout.service) has the whole picture.
+The channel to one service is connection.py's; the package docstring has the whole picture.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from multiprocessing.connection import AuthenticationError, Client, Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
 
 import psutil
 
-from forge_core.config.schema import RolloutConfig, SamplingConfig
+from forge_core.config.schema import RolloutConfig
 from forge_core.launch import registry
 from forge_core.launch.owner import OWNER_ENV, Owner, owner_from_environment
 from forge_core.launch.process_tree import end_processes, is_alive, processes_with_launch_id
 from forge_core.launch.spec import ERROR_FILE_ENV, LAUNCH_ID_ENV, LOG_PREFIX_TEMPLATE_ENV
 from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.generator import model_fingerprint
+from forge_core.rollout.pool import ReplicaLayout, replica_layouts
+from forge_core.rollout.protocol import PolicyVersionMismatch
+from forge_core.rollout.router import EngineRouter
+from forge_core.rollout.service.connection import EngineClient, healthy_client
 from forge_core.rollout.service.state import (
     DEFAULT_NAME,
     FAILED,
@@ -43,214 +44,19 @@ from forge_core.rollout.service.state import (
     PING_TIMEOUT_S,
     READY,
     EngineServiceError,
-    PolicyVersionMismatch,
     ServicePaths,
     engine_identity,
     log_tail,
     prepare_state_dir,
     read_record,
 )
-from forge_core.rollout.types import Prompt, Sample
-
-if TYPE_CHECKING:
-    from forge_core.rollout.pool import ReplicaLayout
-    from forge_core.rollout.service.router import EngineRouter
 
 log = logging.getLogger(__name__)
-# How often a client waiting for a reply checks that the service process still lives.
-REPLY_POLL_S = 0.5
 # Between the SIGTERM and the SIGKILL of a service that did not stop when asked.
 KILL_GRACE_S = 2.0
 
 # Services this process started: kept so their exit status is collected (no zombies while we live).
 _children: dict[int, subprocess.Popen] = {}
-
-
-def _raise_reply_error(error: dict, pid: int, paths: ServicePaths) -> None:
-    kind, message = error.get("kind"), error.get("message", "")
-    if kind == "version":
-        raise PolicyVersionMismatch(message)
-    if kind == "user":
-        raise ValueError(message)
-    raise EngineServiceError(
-        f"engine service pid {pid} ({paths.socket}) failed: {message}\n{error.get('traceback', '')}"
-    )
-
-
-class EngineClient:
-    """A connection to one engine service. Not thread-safe: one request at a time per client."""
-
-    def __init__(
-        self,
-        conn: Connection,
-        paths: ServicePaths,
-        info: dict,
-        startup_s: float = 0.0,
-        process: psutil.Process | None = None,
-    ):
-        self._conn = conn
-        self.paths = paths
-        self.pid = int(info["pid"])
-        self.info = info
-        # The service process (from its record): a reply never comes from a dead one, even if the socket
-        # stays open.
-        self._process = process
-        # Seconds this client spent starting the service (0.0 when it found one running) and loading weights.
-        self.startup_s = startup_s
-        self.reload_s = 0.0
-
-    @property
-    def name(self) -> str:
-        return self.paths.name
-
-    @property
-    def policy_version(self) -> str:
-        return self.info["policy_version"]
-
-    def _call(self, op: str, timeout_s: float | None = None, **kwargs) -> Any:
-        try:
-            self._conn.send((op, kwargs))
-            self._await_reply(op, timeout_s)
-            status, payload = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise EngineServiceError(
-                f"engine service pid {self.pid} ({self.paths.socket}) went away during {op!r} ({exc!r}); "
-                f"its log {self.paths.log} ends with:\n{log_tail(self.paths)}"
-            ) from exc
-        if status != "ok":
-            _raise_reply_error(payload, self.pid, self.paths)
-        return payload
-
-    def _await_reply(self, op: str, timeout_s: float | None) -> None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._conn.poll(REPLY_POLL_S):
-            if self._process is not None and not is_alive(self._process) and not self._conn.poll(0):
-                raise EngineServiceError(
-                    f"engine service {self.name} pid {self.pid} died during {op!r}; its log {self.paths.log} "
-                    f"ends with:\n{log_tail(self.paths)}"
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                raise EngineServiceError(
-                    f"engine service pid {self.pid} ({self.paths.socket}) did not answer {op!r} within "
-                    f"{timeout_s:g} s"
-                )
-
-    def ping(self, timeout_s: float = PING_TIMEOUT_S) -> dict:
-        """{pid, policy_version, uptime_s, policy_dir, engine, layout, model_fingerprint, busy, ...}"""
-        self.info = self._call("ping", timeout_s=timeout_s)
-        return self.info
-
-    def load(self, policy_dir: str | os.PathLike, policy_version: str) -> float:
-        """Serve `policy_version` from `policy_dir` (weights reloaded in place); returns the reload seconds."""
-        reply = self._call("load", policy_dir=str(Path(policy_dir).absolute()), policy_version=policy_version)
-        self.info = reply["info"]
-        self.reload_s = float(reply["reload_s"])
-        return self.reload_s
-
-    def generate(
-        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig, expected_version: str
-    ) -> list[Sample]:
-        """`Generator.generate` in the service; PolicyVersionMismatch unless it serves `expected_version`."""
-        reply = self._call(
-            "generate", prompts=list(prompts), seed=seed, sampling=sampling, expected_version=expected_version
-        )
-        assert reply["policy_version"] == expected_version, "the service checks the version before generating"
-        return reply["samples"]
-
-    def serving(self, policy_version: str, sampling: SamplingConfig | None = None) -> ServedGenerator:
-        """This service behind the Generator interface of stage code, pinned to `policy_version`."""
-        return ServedGenerator(self, policy_version, sampling)
-
-    def shutdown(self, timeout_s: float = PING_TIMEOUT_S) -> None:
-        """Ask the service to stop its engine and exit (does not wait for the exit)."""
-        self._call("shutdown", timeout_s=timeout_s)
-        self.close()
-
-    def close(self) -> None:
-        """Disconnect; the service keeps running."""
-        with contextlib.suppress(OSError):
-            self._conn.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-@dataclass
-class ServedGenerator:
-    """What the rollout/evaluate stage code calls (`generate(prompts, seed, sampling)`), served by a service.
-
-    Every call carries `policy_version`: samples never silently come from other weights.
-    """
-
-    client: EngineClient | EngineRouter
-    policy_version: str
-    sampling: SamplingConfig | None = None
-
-    @property
-    def startup_s(self) -> float:
-        return self.client.startup_s
-
-    @property
-    def reload_s(self) -> float:
-        return self.client.reload_s
-
-    def generate(
-        self, prompts: Sequence[Prompt], seed: int, sampling: SamplingConfig | None = None
-    ) -> list[Sample]:
-        sampling = sampling or self.sampling
-        if sampling is None:
-            raise ValueError("ServedGenerator.generate: pass sampling= (this generator has no default)")
-        return self.client.generate(prompts, seed, sampling, self.policy_version)
-
-
-def _connect(paths: ServicePaths, timeout_s: float) -> Connection | None:
-    """A connection to the service's socket, or None when nothing answers the key challenge in time.
-
-    `Client` has no timeout and a stopped (not dead) service would hold its handshake forever, so the
-    attempt runs on a daemon thread that is abandoned on timeout.
-    """
-    if not paths.socket.exists():
-        return None
-    try:
-        key = paths.authkey.read_bytes()
-    except OSError:
-        return None
-    outcome: dict[str, Any] = {}
-
-    def attempt() -> None:
-        try:
-            outcome["conn"] = Client(str(paths.socket), family="AF_UNIX", authkey=key)
-        except (OSError, EOFError, AuthenticationError) as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=attempt, name="forge-engine-connect", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if "error" in outcome:
-        log.debug("engine service %s: %r", paths.socket, outcome["error"])
-    return outcome.get("conn")
-
-
-def healthy_client(paths: ServicePaths, timeout_s: float = PING_TIMEOUT_S) -> EngineClient | None:
-    """A client of the service recorded in `paths` if it is ready and answers a ping, else None."""
-    record = read_record(paths)
-    process = record.process() if record is not None and record.status == READY else None
-    if process is None:
-        return None
-    conn = _connect(paths, timeout_s)
-    if conn is None:
-        return None
-    client = EngineClient(conn, paths, {"pid": record.pid, "policy_version": ""}, process=process)
-    try:
-        client.ping(timeout_s)
-    except EngineServiceError as exc:
-        log.warning("engine service pid %d does not answer: %s", record.pid, exc)
-        client.close()
-        return None
-    return client
 
 
 def layout_record(layout: ReplicaLayout | None) -> dict:
@@ -313,7 +119,7 @@ class EngineService:
                 client = _start_service(
                     paths, options, rollout, share, policy_dir, policy_version, startup_timeout_s
                 )
-        client.load(policy_dir, policy_version)
+        client.reload(policy_dir, policy_version)
         return client
 
     @staticmethod
@@ -333,9 +139,6 @@ class EngineService:
         one from an earlier stage) concurrently. Services of the folder with other names (another
         num_engines before) are stopped: their cores belong to these now.
         """
-        from forge_core.rollout.pool import replica_layouts
-        from forge_core.rollout.service.router import EngineRouter
-
         names = engine_names(rollout.num_engines)
         layouts: list[ReplicaLayout | None] = [None]
         if len(names) > 1:
@@ -434,8 +237,6 @@ def _start_service(
         json.dumps(options.to_dict()),
         "--layout",
         json.dumps(layout),
-        "--sampling",
-        json.dumps(dataclasses.asdict(rollout.sampling)),
         "--owner",
         str(owner),
     ]

@@ -1,4 +1,4 @@
-"""Typed batch containers for the trainers. Shapes are in the names: B rows, L positions.
+"""Typed batch containers: what the trainers build and the losses read. Shapes are in the names: B rows, L positions.
 
     batch = pad_token_rows(rows, pad_id=0)          # rows: [(token_ids, loss_mask), ...], right-padded
     for micro in batch.split(micro_batch_size): ...

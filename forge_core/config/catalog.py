@@ -1,7 +1,7 @@
-"""Names of the model families and flavors forgeflow builds. Pure Python: config validation imports it without
-pulling in torch or torchtitan (`forge_core.models.flavors` holds the builders for these names).
+"""Names of the model families and flavors forgeflow builds. Config data, below the models that build them
+(`forge_core.models.flavors` holds the builders for these names; validating a config never imports torch).
 
-    from forge_core.models.catalog import FLAVORS, flavor_errors
+    from forge_core.config.catalog import FLAVORS, flavor_errors
     flavor_errors("llama3", "tiny")   # -> [] ; an unknown name -> ["model.flavor='x': ... valid flavors: [...]"]
 """
 

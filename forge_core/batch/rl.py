@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_core.trainers.batch import TokenBatch
+from forge_core.batch.tokens import TokenBatch
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,51 @@
+"""What a launched worker runs first: end its whole launch once the launch's owner is gone.
+
+    guard_launched_worker()      # forge_core.run.__main__, first thing in every stage worker rank
+
+The owner and its watchdog are forge_core.launch.owner (the module docstring there has the picture); this module
+adds the launch's process tree (forge_core.launch.process_tree), which itself sits above owner.py: a launch spec
+names its owner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import psutil
+
+from forge_core.launch.owner import Owner, owner_from_environment, watch_owner
+from forge_core.launch.process_tree import processes_with_launch_id
+from forge_core.launch.spec import LAUNCH_ID_ENV
+
+
+def end_this_launch(owner: Owner) -> None:
+    """SIGKILL every process of this process's launch (FORGE_LAUNCH_ID, torchrun's agent included), then this
+    process. Never returns."""
+    launch_id = os.environ.get(LAUNCH_ID_ENV)
+    others = processes_with_launch_id(launch_id, include_ancestors=True) if launch_id else []
+    print(
+        f"[forge.owner] owner pid {owner.pid} is gone: ending launch {launch_id or '?'} "
+        f"(pids {sorted(p.pid for p in others)} and {os.getpid()})",
+        file=sys.stderr,
+        flush=True,
+    )
+    for proc in others:
+        try:
+            proc.send_signal(signal.SIGKILL)  # psutil checks pid + start time before signalling
+        except psutil.Error:
+            continue
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def guard_launched_worker() -> Owner | None:
+    """What a launched worker runs first (forge_core.run): end the launch when its owner is gone (module
+    docstring). Returns the owner, None when the process was not launched by forge_core.launch."""
+    owner = owner_from_environment()
+    if owner is None:
+        return None
+    if not owner.alive():
+        end_this_launch(owner)
+    watch_owner(owner, lambda: end_this_launch(owner), name="forge-launch-owner-watch")
+    return owner

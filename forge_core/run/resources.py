@@ -1,0 +1,125 @@
+"""The flow run's long-lived processes — its rollout engine services and its GRPO trainer job — and their end.
+
+    with FlowResources.of(cfg, log=logger.info) as resources:     # a flow: everything ends with the block
+        ...                                                       # runners find it: FlowResources.of(cfg)
+    FlowResources.of(cfg).abort("the flow was cancelled")         # the cancel/crash hook, a failing lane
+
+One object per flow run (keyed by the run's engine state folder, which is per `launch.run_id`:
+forge_core.rollout.lifetime.engine_state_dir), found by every runner that needs it through the config it
+holds. The first rollout/evaluate stage with `rollout.engine_lifetime: flow` starts the engine services (in
+the run's state folder: forge_core.rollout.lifetime.stage_generator); the first GRPO stage with
+`grpo.trainer_lifetime: flow` starts the trainer job (forge_core.run.trainer_job), which this object holds.
+Nothing else would stop them, so the flow ends them here, and only here:
+
+- `close(failing=False)` (the block's normal end): the trainer job finishes its current order and exits on a
+  stop order (up to STOP_TIMEOUT_S, then the launcher ends it), the engines get STOP_GRACE_S;
+- `close(failing=True)` (the block ends with an exception): the trainer job is ended without waiting for its
+  order, the engines get ENGINE_STOP_GRACE_ON_FAILURE_S, then SIGTERM and SIGKILL 2 s later;
+- `abort(reason)` (the flow's cancel/crash hook, the rollout lane abandoning rollouts in flight): the same,
+  after every launch of this process was ended at once (forge_core.launch.terminate_all_live: SIGTERM, kill
+  grace, SIGKILL; the trainer job is one of them).
+
+Bounds (Prefect 3.7's process worker SIGKILLs a cancelled flow run 30 s after its SIGTERM: prefect/runner/
+_cancellation_manager.py, grace_seconds = 30.0): terminate_all_live takes at most max(launch.*.kill_grace_s) +
+10 s (20 s by default), the engines at most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s: ~25 s in all. Whatever a
+SIGKILL still catches ends itself within ~2 s through its owner watchdog (forge_core.launch.owner), the one
+place owner watching lives (launched workers, the trainer job, the engine services and reward workers alike).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Self
+
+from forge_core.config import RunConfig, section_to_dict
+from forge_core.launch import terminate_all_live
+from forge_core.rollout.lifetime import STOP_GRACE_S, engine_state_dir, stop_flow_engines
+from forge_core.stages import Stage
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 60.0  # the trainer job's time to finish its current order at a flow's normal end
+ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
+
+
+def trainer_state_dir(cfg: RunConfig) -> Path:
+    """`<engine state dir>-trainer`: next to the run's engine services, keyed the same way (per flow run)."""
+    engine_dir = engine_state_dir(cfg)
+    return engine_dir.with_name(engine_dir.name + "-trainer")
+
+
+class FlowResources:
+    """The long-lived processes of one flow run (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, key: Path, log_line: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.key = key
+        self.log_line = log_line or log.info
+        self.lock = threading.Lock()  # guards the trainer job slot (forge_core.run.trainer_job)
+        self.trainer_job: Any = None  # a forge_core.run.trainer_job.TrainerJob while one runs
+
+    @classmethod
+    def of(cls, cfg: RunConfig, log_line: Callable[[str], None] | None = None) -> FlowResources:
+        """The run's resources (made now if this process has none for the run yet)."""
+        key = engine_state_dir(cfg)
+        with _active_lock:
+            resources = _active.get(key)
+            if resources is None:
+                resources = _active[key] = cls(cfg, key, log_line)
+            elif log_line is not None:
+                resources.log_line = log_line
+            return resources
+
+    def lifetime(self, stage: Stage) -> str:
+        """"stage" or "flow": the stage's lifetime setting in this run's config ("stage" when it has none)."""
+        return section_to_dict(self.cfg, stage.lifetime_key) if stage.lifetime_key else "stage"
+
+    def stop_trainer(self, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
+        """Stop the run's trainer job if there is one (`timeout_s` to finish its order; 0 on failure) and
+        remove the run's trainer state folder; returns the job's pids."""
+        with self.lock:
+            job, self.trainer_job = self.trainer_job, None
+        pids = job.stop(timeout_s) if job is not None else []
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a shared temp base not ours: nothing there
+            trainer_state_dir(self.cfg).rmdir()  # empty once its order folders are gone
+        return pids
+
+    def stop_engines(self, grace_s: float = STOP_GRACE_S) -> list[int]:
+        """Stop the run's engine services (each gets `grace_s` after its shutdown request) and remove their
+        state folder; returns their pids. Nothing when there are none."""
+        return stop_flow_engines(self.cfg, grace_s)
+
+    def abort(self, reason: str) -> None:
+        """End everything at once: every launch of this process, the trainer job, the engines (bounded)."""
+        terminate_all_live(reason=reason)
+        self._stop(failing=True)
+
+    def close(self, failing: bool = False) -> None:
+        """End the run's long-lived processes (module docstring) and forget this object."""
+        self._stop(failing)
+        with _active_lock:
+            if _active.get(self.key) is self:
+                del _active[self.key]
+
+    def _stop(self, failing: bool) -> None:
+        trainers = self.stop_trainer(0.0 if failing else STOP_TIMEOUT_S)
+        engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else STOP_GRACE_S)
+        if trainers:
+            self.log_line(f"stopped the run's GRPO trainer job: pids {trainers}")
+        if engines:
+            self.log_line(f"stopped the run's rollout engine services: pids {engines}")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failing=exc_type is not None)
+
+
+# This process's FlowResources by run (engine state folder): what FlowResources.of finds.
+_active: dict[Path, FlowResources] = {}
+_active_lock = threading.Lock()

@@ -1,0 +1,180 @@
+"""The runner interface: how a planned stage attempt runs, with one deadline path and one classification path.
+
+    runner = runner_for(cfg, plan.stage)             # forge_core.run.runners: chosen in one place
+    result = runner.run(plan, log, cancel)           # -> LaunchResult, as forge_core.launch.launch returns
+
+A `Runner` is bound to one stage and the run's config (resources and deadline: `cfg.launch.for_stage(stage)`).
+`run(plan, log, cancel)` takes the attempt's plan with its spec already written to the store, and needs
+nothing else: everything a runner hands to what runs the stage is the spec's URI (the spec names the config,
+inputs, params and output) plus the store, so a runner may run the stage on another machine (a Prefect
+deployment on a pool's worker: the next runner, issue #18) as well as here. Implementations:
+
+- `LaunchRunner` (this module): the stage's own worker launch, `python -m forge_core.run <stage> --spec <uri>`
+  (torchrun for distributed stages) through forge_core.launch;
+- `TaskProcessRunner` (forge_core.run.in_process): a thread of the task's process, for the thin engine-client
+  stages with the flow's long-lived engines;
+- `TrainerJobRunner` (forge_core.run.trainer_job): an order to the flow's long-lived trainer job.
+
+Each starts an `Attempt`; `Runner.run` supervises it the same way for all of them:
+
+- deadline: past `launch.<stage>.deadline_s` the attempt is stopped and the result is RETRYABLE, "deadline of
+  N s exceeded", naming the rank that made no progress when the ranks' heartbeats tell (the launcher's own
+  deadline on a worker launch is a backstop behind this one: forge_core.run.plan.LAUNCHER_BACKSTOP_S);
+- cancellation: `cancel.request(reason)` from another thread (a lost lease, the flow's cancel) stops the attempt
+  and the result is CANCELLED;
+- classification: a worker's exit is classified by the launcher; an exception raised here (starting the
+  attempt, waiting for it) or by a stage body run in this process by `forge_core.launch.classify.
+  exception_result`, i.e. `forge_core.launch.errors.classify_exception`, exactly as a lone rank's error would be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
+
+from forge_core.config import RunConfig
+from forge_core.config.schema import ResourceConfig
+from forge_core.launch import LaunchHandle, LaunchResult, Outcome, start
+from forge_core.launch.classify import exception_result
+from forge_core.run.plan import StagePlan, launch_spec_for
+from forge_core.run.resources import FlowResources
+from forge_core.stages import FlowRunner, stage_named
+
+LogSink = Callable[[str], None]
+POLL_S = 0.2  # how often a runner looks at its cancel request while the attempt runs
+
+
+class Cancel:
+    """A request, from another thread, to end a running attempt (a lost lease, the flow being cancelled)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def request(self, reason: str) -> None:
+        self.reason = reason
+        self._event.set()
+
+    def is_requested(self) -> bool:
+        return self._event.is_set()
+
+
+class Attempt(Protocol):
+    """One running attempt of a stage, whatever runs it."""
+
+    launch_id: str  # the launch that runs it ("" when none)
+
+    def wait(self, timeout: float) -> LaunchResult | None:
+        """Its result once it ended (waiting at most `timeout` seconds); None while it still runs."""
+
+    def stop(self, reason: str) -> LaunchResult | None:
+        """End it now and return its result once it ended (None if it would not end within its own bound)."""
+
+
+class Runner(ABC):
+    """Runs planned attempts of one stage (module docstring); subclasses say how an attempt starts."""
+
+    where = "its own launch"  # what runs the stage, for messages
+
+    def __init__(self, cfg: RunConfig, stage: str) -> None:
+        self.cfg = cfg
+        self.stage = stage
+
+    @property
+    def resources(self) -> ResourceConfig:
+        return self.cfg.launch.for_stage(self.stage)
+
+    @abstractmethod
+    def start(self, plan: StagePlan, log: LogSink) -> Attempt:
+        """Start the attempt of `plan` (its spec already written)."""
+
+    def run(self, plan: StagePlan, log: LogSink, cancel: Cancel | None = None) -> LaunchResult:
+        """Run the attempt to its end; never raises for a failed stage (the result says how it ended)."""
+        assert plan.stage == self.stage, f"a {self.stage} runner was given a {plan.stage} plan"
+        started = time.monotonic()
+        attempt: Attempt | None = None
+        try:
+            attempt = self.start(plan, log)
+            return self._supervise(attempt, started, cancel or Cancel())
+        except Exception as exc:  # noqa: BLE001 - classified below, as a worker's exception would be
+            if attempt is not None:
+                attempt.stop(f"{self.stage}: the runner failed ({type(exc).__name__}); ending the attempt")
+            where = f"{self.stage} ({self.where})"
+            launch_id = attempt.launch_id if attempt is not None else ""
+            return exception_result(where, exc, time.monotonic() - started, launch_id=launch_id)
+
+    def _supervise(self, attempt: Attempt, started: float, cancel: Cancel) -> LaunchResult:
+        deadline_s = self.resources.deadline_s
+        while True:
+            elapsed = time.monotonic() - started
+            if elapsed >= deadline_s:
+                reason = f"deadline of {deadline_s:g} s exceeded (launch.{self.stage}.deadline_s)"
+                return self._past_deadline(attempt.stop(reason), deadline_s, started)
+            if cancel.is_requested():
+                stopped = attempt.stop(cancel.reason)
+                return self._cancelled(stopped, cancel.reason, started)
+            result = attempt.wait(min(POLL_S, deadline_s - elapsed))
+            if result is not None:
+                return dataclasses.replace(result, duration_s=time.monotonic() - started)
+
+    def _past_deadline(self, stopped: LaunchResult | None, deadline_s: float, started: float) -> LaunchResult:
+        stall = stopped.stall if stopped is not None else ""
+        how = "it was ended" if stopped is not None else "it did not end when stopped"
+        reason = f"deadline of {deadline_s:g} s exceeded while {self.stage} ran in {self.where}; {how}"
+        return self._ended(stopped, Outcome.RETRYABLE, f"{reason}; {stall}" if stall else reason, started)
+
+    def _cancelled(self, stopped: LaunchResult | None, why: str, started: float) -> LaunchResult:
+        return self._ended(stopped, Outcome.CANCELLED, f"cancelled: {why}", started)
+
+    @staticmethod
+    def _ended(stopped: LaunchResult | None, outcome: Outcome, reason: str, started: float) -> LaunchResult:
+        """A stopped attempt's result with the runner's outcome and reason (its tail and rank errors kept)."""
+        base = stopped or LaunchResult(outcome=outcome, returncode=None, reason=reason)
+        return dataclasses.replace(base, outcome=outcome, reason=reason, duration_s=time.monotonic() - started)
+
+
+class FlowProcessRunner(Runner):
+    """A runner that serves a stage with one of the flow run's long-lived processes (its FlowResources)."""
+
+    serves: FlowRunner  # the registry's `Stage.flow_runner` this runner is
+
+    def __init__(self, cfg: RunConfig, stage: str, resources: FlowResources) -> None:
+        record = stage_named(stage)
+        lifetime = resources.lifetime(record)
+        if record.flow_runner != self.serves or lifetime != "flow":
+            raise ValueError(
+                f"stage {stage!r} with {record.lifetime_key or 'no lifetime setting'}={lifetime!r}: {self.where} "
+                f"serves the stages whose record says flow_runner={self.serves!r} with that setting 'flow'; "
+                "launch it instead"
+            )
+        super().__init__(cfg, stage)
+        self.flow_resources = resources
+
+
+class _LaunchAttempt:
+    def __init__(self, handle: LaunchHandle) -> None:
+        self.handle = handle
+        self.launch_id = handle.launch_id
+
+    def wait(self, timeout: float) -> LaunchResult | None:
+        try:
+            return self.handle.wait(timeout)
+        except TimeoutError:
+            return None
+
+    def stop(self, reason: str) -> LaunchResult:
+        self.handle.cancel(reason)
+        return self.handle.wait()  # the launcher ends the tree: SIGTERM, kill_grace_s, SIGKILL
+
+
+class LaunchRunner(Runner):
+    """The stage's own worker launch (torchrun for distributed stages): the default runner."""
+
+    where = "its own launch"
+
+    def start(self, plan: StagePlan, log: LogSink) -> Attempt:
+        return _LaunchAttempt(start(launch_spec_for(plan, self.cfg), log=log))

@@ -1,0 +1,95 @@
+"""What the training stages (SFT, GRPO) share around their trainer, written once: the process group, the engine,
+the trainer's metric sink, checkpointer and artifact context, and the end (export the policy, commit the stage
+on rank 0, with `wall_s` from the scaffold's clock).
+
+    with training_process_group(ctx) as dist:               # the job's, kept up; or one for this stage alone
+        run = TrainingRun(ctx, dist, lineage, run_name=f"{ctx.cfg.name}-sft")
+        engine = run.engine(vocab_size, ctx.cfg.sft.optimizer, ctx.cfg.sft.steps, init_weights_dir)
+        trainer = SFTTrainer(engine, data, ctx.cfg.sft, seed=ctx.cfg.seed, **run.trainer_parts(engine))
+        try:
+            metrics = trainer.fit().as_metrics()
+            run.finish(trainer, metrics, tokenizer_dir)
+        finally:
+            trainer.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from forge_core.config.schema import OptimizerConfig
+from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
+from forge_core.engine.distributed import DistContext, run_on_rank0
+from forge_core.metrics import build_sinks
+from forge_core.run.scaffold import StageContext
+from forge_core.trainers.base import ArtifactContext, TitanTrainer
+from forge_core.trainers.stage import commit_stage, export_policy
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def training_process_group(ctx: StageContext) -> Iterator[DistContext]:
+    """The process group the stage trains in: the long-lived job's (left up), or one made for this stage and
+    destroyed when it ends."""
+    if ctx.process_group is not None:
+        yield ctx.process_group
+        return
+    dist = init_distributed(ctx.cfg.training.device)
+    try:
+        yield dist
+    finally:
+        destroy_distributed()
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One training stage's shared parts; `lineage` is what its artifacts record as inputs."""
+
+    ctx: StageContext
+    dist: DistContext
+    lineage: dict[str, str]
+    run_name: str  # the metric sinks' run name (a wandb run per stage)
+
+    def engine(
+        self, vocab_size: int, optimizer: OptimizerConfig, total_steps: int, init_weights_dir: str | None
+    ) -> Engine:
+        """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder or
+        from the seed."""
+        return Engine.Config.from_run_config(
+            self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir
+        ).build()
+
+    def trainer_parts(self, engine: Engine) -> dict:
+        """The trainer's keyword arguments every training stage passes: metric sink, in-stage checkpointer,
+        and the context its exported policy is committed under."""
+        ctx = self.ctx
+        return {
+            "sink": build_sinks(ctx.cfg.logging, self.run_name, engine.dist.rank, config=ctx.config),
+            "checkpointer": Checkpointer(
+                ctx.store, ctx.output_uri, engine.dist, stage=ctx.stage.name, config=ctx.config, inputs=self.lineage
+            ),
+            "artifacts": ArtifactContext(ctx.store, ctx.stage.name, ctx.config, self.lineage),
+        }
+
+    def finish(
+        self, trainer: TitanTrainer, metrics: dict, tokenizer_dir: str | None, steps: list | None = None
+    ) -> dict:
+        """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics`
+        plus the policy URI, the engine's layout and `wall_s`; `train_summary.json` holds those metrics (and,
+        given `steps`, every step's). Returns the stage's metrics."""
+        ctx = self.ctx
+        policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics)
+        layout = {k: v for k, v in trainer.engine.describe().items() if not isinstance(v, dict)}
+        final = {**metrics, "policy_uri": policy_uri, **layout, "wall_s": ctx.wall_s()}
+        trainer.sink.summary({k: v for k, v in final.items() if isinstance(v, (int, float))})
+        summary = final if steps is None else {"metrics": final, "steps": steps}
+        run_on_rank0(
+            lambda: commit_stage(ctx.store, ctx.output_uri, ctx.stage.kind, ctx.config, self.lineage, final, summary),
+            trainer.engine.dist,
+        )
+        log.info("committed %s (policy %s)", ctx.output_uri, policy_uri)
+        return final

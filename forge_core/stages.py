@@ -1,0 +1,270 @@
+"""The stage registry: one record per pipeline stage, the one table that names the stages.
+
+    from forge_core.stages import stage_named, stage_names
+    sft = stage_named("sft")        # Stage(name="sft", kind="sft", inputs=(StageInput("data", ...),), ...)
+    sft.entry                       # "forge_core.run.sft:train": the stage body, imported lazily by the worker
+
+Everything that needs to know what a stage is reads it from here: the worker dispatcher
+(`python -m forge_core.run <stage>`), the spec check, the planner (kind, key sections, world size, reward versions,
+external inputs), the worker scaffold (inputs by name, kind-checked), the runner selection (which lifetime
+setting moves the stage onto a long-lived process) and the Prefect tasks. This module imports nothing of
+forge_core, so even the lowest layers (forge_core.faults) may read it.
+
+Adding a stage is one module and one record (docs/architecture.md, "Adding a stage"):
+
+    # mypkg/dedupe.py
+    from forge_core.stages import Stage, StageInput, register_stage
+
+    def run(ctx):                               # ctx: forge_core.run.scaffold.StageContext
+        table = ctx.store.reader(ctx.input("data")).read_table("sft.parquet")
+        writer = ctx.writer()
+        writer.write_table("deduped.parquet", table)
+        writer.commit(config=ctx.config, inputs=ctx.inputs, metrics={"rows": table.num_rows, "wall_s": ctx.wall_s()})
+
+    register_stage(Stage(name="dedupe", kind="deduped", entry="mypkg.dedupe:run",
+                         inputs=(StageInput("data", kinds=("data",), what="a committed data artifact"),),
+                         key_sections=("seed", "data")))
+
+A stage registered outside forge_core is found by a launched worker (another process, maybe another machine)
+through `FORGE_STAGE_MODULES` (comma-separated modules imported on a lookup miss); the planner puts the module
+of such a stage's entry into the worker's environment (forge_core.run.plan.launch_spec_for), so nothing else is
+needed. A stage without a `launch.<stage>` config section runs with the default resources
+(`cfg.launch.for_stage(name)`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+STAGE_MODULES_ENV = "FORGE_STAGE_MODULES"
+
+# Config keys inside key sections that only say how the work is run, never what it produces: left out of every
+# stage's key. The reward bounds say how scoring runs (with no timeout or crash the rewards are the same);
+# grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them;
+# allow_uncorrected_async only lets such a config through validation; the lifetimes and the engines' state folder
+# say which process runs a stage.
+OPERATIONAL_KEYS = (
+    "rollout.engine_lifetime",
+    "rollout.engine_state_dir",
+    "rollout.reward_timeout_s",
+    "rollout.reward_workers",
+    "grpo.trainer_lifetime",
+    "grpo.mode",
+    "grpo.max_staleness",
+    "grpo.allow_uncorrected_async",
+)
+
+# What a stage with a long-lived ("flow") lifetime is served by: a thread of the task's process talking to the
+# flow's engine services, or an order to the flow's long-lived trainer job (forge_core.run.runners).
+FlowRunner = Literal["task_process", "trainer_job"]
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """A named input artifact of a stage: `kinds` it accepts, `what` it is (for error messages)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    what: str
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: what it writes, reads and is keyed by, how it runs, and where its body lives."""
+
+    name: str
+    kind: str  # the artifact kind it writes: its top-level folder in the store
+    entry: str  # "module:function", called with a forge_core.run.scaffold.StageContext
+    inputs: tuple[StageInput, ...] = ()
+    # Config sections whose values can change the output (minus OPERATIONAL_KEYS): its content key.
+    key_sections: tuple[str, ...] = ("seed",)
+    distributed: bool = False  # torchrun with launch.<stage>'s ranks; the world size is part of the key
+    scoring: bool = False  # its output holds reward scores: the reward functions' versions are part of the key
+    # Config keys naming files outside the store that it reads (forge_core.run.external): keyed by contents.
+    external: tuple[str, ...] = ()
+    produces_policy: bool = False  # its artifact holds `policy/`, an HF folder a later stage can start from
+    # The config key that chooses the stage's lifetime ("stage" | "flow"), and what serves it with "flow".
+    lifetime_key: str | None = None
+    flow_runner: FlowRunner | None = None
+    description: str = ""
+    params: tuple[str, ...] = ()  # the params it reads (documentation: params are free-form JSON)
+
+    def __post_init__(self) -> None:
+        if ":" not in self.entry:
+            raise ValueError(f"stage {self.name!r}: entry={self.entry!r}; give 'module:function'")
+        if (self.lifetime_key is None) != (self.flow_runner is None):
+            raise ValueError(
+                f"stage {self.name!r}: lifetime_key={self.lifetime_key!r} and flow_runner={self.flow_runner!r} "
+                "come together (the setting that moves the stage onto a long-lived process, and that process)"
+            )
+        names = [i.name for i in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage {self.name!r}: input names {names} repeat")
+
+    def input_named(self, name: str) -> StageInput | None:
+        return next((i for i in self.inputs if i.name == name), None)
+
+    @property
+    def module(self) -> str:
+        return self.entry.partition(":")[0]
+
+
+_POLICY = ("sft", "grpo")  # the kinds of the stages below that produce a policy (checked by _check_builtins)
+
+BUILTIN_STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="prepare",
+        kind="data",
+        entry="forge_core.run.prepare:prepare",
+        key_sections=("seed", "data", "model"),
+        external=("data.source", "data.tokenizer.path"),
+        description="sources -> tokenized sft / rl_prompts / eval tables + tokenizer",
+    ),
+    Stage(
+        name="sft",
+        kind="sft",
+        entry="forge_core.run.sft:train",
+        inputs=(
+            StageInput("data", ("data",), "a committed data artifact from the prepare stage (sft.parquet + tokenizer/)"),
+        ),
+        key_sections=("seed", "model", "training", "sft"),
+        distributed=True,
+        external=("model.hf_path",),
+        produces_policy=True,
+        description="supervised fine-tuning under torchrun; resumes from its newest committed checkpoint",
+    ),
+    Stage(
+        name="rollout",
+        kind="rollouts",
+        entry="forge_core.run.rollout:run",
+        inputs=(
+            StageInput("policy", _POLICY, "a committed sft or grpo artifact (the policy to sample)"),
+            StageInput("data", ("data",), "a committed data artifact (rl_prompts.parquet)"),
+        ),
+        key_sections=("seed", "rollout"),
+        scoring=True,
+        lifetime_key="rollout.engine_lifetime",
+        flow_runner="task_process",
+        params=("iteration", "policy_iteration"),
+        description="vLLM samples of this iteration's prompts, scored by the reward functions",
+    ),
+    Stage(
+        name="grpo",
+        kind="grpo",
+        entry="forge_core.run.grpo:train",
+        inputs=(
+            StageInput("policy", _POLICY, "a committed sft or grpo artifact (the policy to train)"),
+            StageInput("rollouts", ("rollouts",), "a committed rollouts artifact sampled from the policy"),
+            StageInput(
+                "reference", _POLICY, "a committed sft or grpo artifact (the KL reference policy)", required=False
+            ),
+        ),
+        key_sections=("seed", "model", "training", "grpo", "rollout"),
+        distributed=True,
+        produces_policy=True,
+        lifetime_key="grpo.trainer_lifetime",
+        flow_runner="trainer_job",
+        params=("iteration",),
+        description="one GRPO update on a committed rollout batch under torchrun",
+    ),
+    Stage(
+        name="evaluate",
+        kind="eval",
+        entry="forge_core.run.evaluate:run",
+        inputs=(
+            StageInput("policy", _POLICY, "a committed sft or grpo artifact (the policy to evaluate)"),
+            StageInput("data", ("data",), "a committed data artifact (eval.parquet)"),
+        ),
+        key_sections=("seed", "eval", "rollout"),
+        scoring=True,
+        lifetime_key="rollout.engine_lifetime",
+        flow_runner="task_process",
+        description="greedy (or pass@k) evaluation of a policy on the held-out split",
+    ),
+)
+
+_registry: dict[str, Stage] = {stage.name: stage for stage in BUILTIN_STAGES}
+_lock = threading.Lock()
+_imported_modules: set[str] = set()
+
+
+def register_stage(stage: Stage) -> Stage:
+    """Add `stage` to the registry (idempotent for an equal record); returns it. A different record under a
+    taken name is an error: stage names are what keys, specs and workers refer to."""
+    with _lock:
+        known = _registry.get(stage.name)
+        if known is not None and known != stage:
+            raise ValueError(
+                f"stage {stage.name!r} is already registered as {known}; give the new stage another name"
+            )
+        _registry[stage.name] = stage
+    return stage
+
+
+def stage_names() -> tuple[str, ...]:
+    """Every known stage, built-ins first (in pipeline order), then registered ones in registration order."""
+    _import_stage_modules()
+    with _lock:
+        return tuple(_registry)
+
+
+def is_stage(name: str) -> bool:
+    return _lookup(name) is not None
+
+
+def stage_named(name: str) -> Stage:
+    """The record of stage `name`; ValueError listing the known stages (and the import hook) otherwise."""
+    stage = _lookup(name)
+    if stage is None:
+        raise ValueError(
+            f"stage={name!r}: unknown; valid stages: {', '.join(stage_names())} (a stage defined outside "
+            f"forge_core is found through {STAGE_MODULES_ENV}=<module that registers it>)"
+        )
+    return stage
+
+
+def is_builtin(stage: Stage) -> bool:
+    return any(stage is builtin for builtin in BUILTIN_STAGES)
+
+
+def policy_kinds() -> tuple[str, ...]:
+    """Artifact kinds that hold a `policy/` (an HF folder a training or sampling stage can start from)."""
+    return tuple(dict.fromkeys(s.kind for s in BUILTIN_STAGES if s.produces_policy))
+
+
+def _lookup(name: str) -> Stage | None:
+    with _lock:
+        stage = _registry.get(name)
+    if stage is None:
+        _import_stage_modules()
+        with _lock:
+            stage = _registry.get(name)
+    return stage
+
+
+def _import_stage_modules() -> None:
+    """Import the modules named in FORGE_STAGE_MODULES once each: they register their stages."""
+    for module in filter(None, (m.strip() for m in os.environ.get(STAGE_MODULES_ENV, "").split(","))):
+        if module in _imported_modules:
+            continue
+        _imported_modules.add(module)
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            _imported_modules.discard(module)
+            raise ValueError(
+                f"{STAGE_MODULES_ENV}={os.environ[STAGE_MODULES_ENV]!r}: cannot import {module!r} ({exc}); "
+                "name importable modules that register stages"
+            ) from exc
+
+
+def _check_builtins() -> None:
+    assert tuple(s.kind for s in BUILTIN_STAGES if s.produces_policy) == _POLICY, "_POLICY != policy stages"
+
+
+_check_builtins()
