@@ -1,7 +1,7 @@
 """The `forgeflow` command line: the common paths around the Prefect flows.
 
 forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
-forgeflow validate configs/qwen3_1_7b_gsm8k.yaml                       # check a config, all errors at once
+forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config (--here: and this host)
 forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
 forgeflow pools create gpu-a --gpus 8                                  # work pool + its GPU concurrency limit
 """
@@ -30,7 +30,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    if args.here:
+        from forge_core.engine.preflight import preflight
+        from forge_core.stages import stage_names
+
+        host = preflight(cfg, stage_names())
+        print(f"{args.config}: valid, and this host can run it ({host.describe()})")
+        return 0
     print(f"{args.config}: valid")
     return 0
 
@@ -123,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="validate a config and its overrides")
     validate.add_argument("config")
     validate.add_argument("overrides", nargs="*")
+    validate.add_argument(
+        "--here", action="store_true", help="also check that this host can run it (GPUs, vLLM build, wandb key)"
+    )
     validate.set_defaults(handler=_cmd_validate)
 
     status = sub.add_parser("status", help="recent flow runs and committed artifacts")

@@ -31,9 +31,11 @@ from prefect.runtime import flow_run
 from flows.report import StageRecord, format_table, plot_curves, stage_table
 from forge_core.config import RunConfig, load_config
 from forge_core.credentials import hide_credentials_in_overrides
+from forge_core.engine.preflight import preflight
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
 from forge_core.rollout.lifetime import with_run_id
 from forge_core.run.resources import FlowResources
+from forge_core.stages import stage_names
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
@@ -91,6 +93,18 @@ def flow_config(config: str, overrides: list[str] | None, run_id: str | None) ->
     """The flow's resolved config, tagged with its flow run id (`launch.run_id`: its own engines and trainer
     job, never another run's; forge_core.rollout.lifetime)."""
     return with_run_id(load_config(config, list(overrides or [])), run_id)
+
+
+def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
+    """What every flow does first: resolve its config, check this host can run its stages (a config asking for
+    GPUs here fails now, with every problem named, instead of training on CPU or failing in a worker), make a
+    SIGTERM (a worker's cancel) take the launched process trees down with the flow, and end what a dead flow
+    process on this machine left running."""
+    cfg = flow_config(config, overrides, flow_run.get_id())
+    preflight(cfg, stage_names())
+    install_sigterm_handler()
+    end_orphaned_launches()
+    return cfg
 
 
 def kill_launches(flow, flow_run, state) -> None:
@@ -318,10 +332,7 @@ def print_report(summary: dict) -> None:
 @flow(name="post-train", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """Post-train a model per the YAML `config` with `key=value` `overrides` applied; returns the summary."""
-    cfg = flow_config(config, overrides, flow_run.get_id())
-    # A SIGTERM to the flow process (worker cancel) must take the launched process trees down with it.
-    install_sigterm_handler()
-    end_orphaned_launches()
+    cfg = start_flow(config, overrides)
     with flow_resources(cfg) as resources:
         return asdict(run_pipeline(cfg, resources))
 

@@ -24,12 +24,10 @@ import sys
 from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
-from flows.post_train import end_orphaned_launches, flow_config, flow_resources, kill_launches, stage_tasks
+from flows.post_train import flow_resources, kill_launches, stage_tasks, start_flow
 from flows.promotion import check_same_tokenizer, promote_if_better, promotion_pointer
 from forge_core.credentials import hide_credentials_in_overrides
-from forge_core.launch import install_sigterm_handler
 from forge_core.storage import ObjectStore
 
 
@@ -49,9 +47,7 @@ def _accuracy(store: ObjectStore, eval_uri: str) -> float:
 @flow(name="retrain", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def retrain(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """GRPO from the promoted policy on freshly prepared data; promote if held-out accuracy improves."""
-    cfg = flow_config(config, overrides, flow_run.get_id())
-    install_sigterm_handler()
-    end_orphaned_launches()
+    cfg = start_flow(config, overrides)
     with flow_resources(cfg):
         return _retrain(cfg)
 

@@ -46,10 +46,13 @@ STAGE_MODULES_ENV = "FORGE_STAGE_MODULES"
 # stage's key. The reward bounds say how scoring runs (with no timeout or crash the rewards are the same);
 # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them;
 # allow_uncorrected_async only lets such a config through validation; the lifetimes and the engines' state folder
-# say which process runs a stage.
+# say which process runs a stage; the engine's memory share and KV-cache size bound what it may hold at once, not
+# what it samples (every request is seeded on its own).
 OPERATIONAL_KEYS = (
     "rollout.engine_lifetime",
     "rollout.engine_state_dir",
+    "rollout.gpu_memory_utilization",
+    "rollout.kv_cache_gib",
     "rollout.reward_timeout_s",
     "rollout.reward_workers",
     "grpo.trainer_lifetime",
