@@ -62,7 +62,7 @@ def variants(corrections: list[str]) -> dict[str, list[str]]:
     table = {"sync": [], "async-none": [*ASYNC, "grpo.allow_uncorrected_async=true"]}
     for correction in corrections:
         table[f"async-{correction}"] = [*ASYNC, f"grpo.correction.type={correction}"]
-    table["gspo"] = ["grpo.loss.type=gspo", "grpo.loss.clip_low=3e-4", "grpo.loss.clip_high=4e-4"]
+    table["gspo"] = ["grpo.loss.type=gspo"]  # its own clip defaults (3e-4 / 4e-4: LossConfig.clip_range)
     table["cispo"] = ["grpo.loss.type=cispo"]
     return table
 

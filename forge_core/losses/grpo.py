@@ -396,7 +396,7 @@ def build_policy_loss(
     `max_new_tokens` is the fixed horizon when `cfg.horizon` is None."""
     if cfg.type not in LOSS_CLASSES:
         raise ValueError(f"grpo.loss.type={cfg.type!r}: unknown; choose one of {list(LOSS_TYPES)}")
-    clip = ClipRange(low=cfg.clip_low, high=cfg.clip_high)
+    clip = ClipRange(*cfg.clip_range())
     kl = None
     if cfg.kl_coef > 0:
         kl = KLPenalty(coef=cfg.kl_coef, estimator=cfg.kl_estimator, max_log_ratio=cfg.max_log_ratio)

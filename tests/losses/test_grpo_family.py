@@ -179,6 +179,24 @@ def test_cispo_matches_the_minimax_objective(seed):
     assert (got_grad[mask & (advantages[:, None] != 0)] != 0).all()
 
 
+def test_each_loss_type_clips_at_its_papers_bounds_by_default():
+    """CISPO sets no lower bound on its weight (MiniMax-M1: clip_low "a high value"), GSPO clips its sequence
+    ratio at 3e-4 / 4e-4, the token-level types at DAPO's 0.2 / 0.28; an explicit setting wins."""
+    assert LossConfig(type="cispo").clip_range() == (1.0, 0.28)
+    assert LossConfig(type="gspo").clip_range() == (3e-4, 4e-4)
+    assert LossConfig().clip_range() == (0.2, 0.28)
+    assert LossConfig(type="cispo", clip_low=0.5).clip_range() == (0.5, 0.28)
+    assert LossConfig(type="cispo").check() == []
+    assert "grpo.loss.clip_low=1.0" in " ".join(LossConfig(type="gspo", clip_low=1.0).check())
+    # With the default floor of 0, a token pushed far down (ratio 0.05) is weighted 0.05, not 1 - 0.2.
+    cispo = build_policy_loss(LossConfig(type="cispo"), max_new_tokens=4)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    logp = torch.full((1, 1), math.log(0.05), requires_grad=True)
+    terms = cispo.surrogate(logp, torch.zeros(1, 1), torch.ones(1), mask, cispo.clip, 10.0)
+    terms.loss_BL.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.full((1, 1), -0.05))
+
+
 def test_k2_kl_penalty_matches_half_the_squared_log_ratio():
     mask, advantages, gen, _, logp, ref = random_inputs(3)
     coef = 0.3
