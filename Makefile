@@ -3,13 +3,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all test-fast bench lint docs clean
+.PHONY: install demo demo-tools test test-all test-fast bench lint docs clean
 
 install:
 	@VENV=$(VENV) scripts/install.sh
 
 demo: install
 	@$(PY) -m flows.demo
+
+# The tool-use demo: multi-turn GRPO with a calculator tool (README, "Tool use").
+demo-tools: install
+	@$(PY) -m flows.demo --config configs/demo_tools_cpu.yaml
 
 test: install
 	@$(PY) -m pytest -q -m "not slow and not unverified" $(PYTEST_ARGS)

@@ -60,6 +60,8 @@ def _config(workdir: Path, w: Workload) -> RunConfig:
             f"sft.micro_batch_size={w.micro_batch_size}",
             "sft.steps=100000",
             "sft.eval_rows=0",
+            "sft.select=last",  # no validation rows: nothing to select or stop on
+            "sft.target=null",
             "logging.wandb_mode=disabled",
         ],
     )

@@ -1,6 +1,6 @@
-"""Runs the demo for several seeds and writes what the README shows: the 3-seed learning table and the output.
+"""Runs the demo for several seeds and writes what the README shows: the 5-seed learning table and the output.
 
-    .venv/bin/python docs/demo_seeds.py                    # seeds 0 1 2, fresh store per seed (~35 min)
+    .venv/bin/python docs/demo_seeds.py                    # seeds 0-4, fresh store per seed (~50 min)
     .venv/bin/python docs/demo_seeds.py --seeds 0 --no-readme   # one seed, only print the measurements
 
 Each seed is one `python -m flows.demo seed=N` process (exactly what `make demo` runs, plus the seed) on a fresh
@@ -8,7 +8,9 @@ store and runs folder under `--work-dir`, so every stage really runs and the tim
 the resident memory of its whole process tree (flow, Prefect, torchrun ranks, vLLM) is sampled every 0.5 s;
 the table reports the peak of that sum. Results land in docs/demo_seeds.json and between the README markers
 `<!-- demo-seeds:start/end -->` (table) and `<!-- demo-output:start/end -->` (the first seed's terminal output,
-progress bars removed, its temporary paths shown as the demo's defaults).
+progress bars removed, its temporary paths shown as the demo's defaults). Both record the machine they were
+measured on (`machine_facts`: CPU model, the ISA torch's CPU kernels use, torch build): exact accuracies differ
+between CPUs, since floating-point kernels differ between instruction sets (README, "Does it learn?").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Self
 
 import psutil
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -69,6 +72,38 @@ class TreeMemorySampler:
         return total
 
 
+def machine_facts() -> dict:
+    """What the numbers depend on beyond the code and config: CPU model, the ISA torch's CPU kernels dispatch
+    to (ATEN_CPU_CAPABILITY pins it), the torch build and its BLAS, the cores, Python."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+    def field(name: str) -> str:
+        found = re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+        return found.group(1).strip() if found else "?"
+
+    return {
+        "cpu_model": field("model name") if cpuinfo else platform.processor() or "unknown",
+        # A virtual machine may hide the model name ("AMD EPYC"); family/model/stepping still tell the core.
+        "cpu_id": f"{field('vendor_id')} family {field('cpu family')} model {field('model')} stepping "
+        f"{field('stepping')}",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "blas": "mkl" if torch.backends.mkl.is_available() else "other",
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def sft_selection(summary: dict, store: Path) -> dict:
+    """The SFT stage's selection (steps run, selected step, why) from its committed manifest."""
+    from forge_core.storage import ObjectStore
+
+    (row,) = [r for r in summary["stages"] if r["stage"] == "sft"]
+    metrics = ObjectStore(f"file://{store}").read_manifest(row["artifact"]).metrics
+    return {key: metrics.get(key) for key in ("steps", "selected_step", "selected_by", "val_exact_match")}
+
+
 def run_seed(seed: int, work_dir: Path, extra: list[str], label: str = "") -> dict:
     """One demo run on the seed's store under `work_dir` (fresh for a new work dir; runs of one seed that share
     prepare and SFT settings reuse those stages from it); its accuracies, wall time, peak memory and cleaned
@@ -92,10 +127,12 @@ def run_seed(seed: int, work_dir: Path, extra: list[str], label: str = "") -> di
     if process.returncode != 0:
         raise SystemExit(f"seed {seed}: the demo failed (exit {process.returncode}); see {log_file}")
     summary_path = _summary_path(output)
-    accuracies = [point["accuracy"] for point in json.loads(Path(summary_path).read_text())["evals"]]
+    summary = json.loads(Path(summary_path).read_text())
+    accuracies = [point["accuracy"] for point in summary["evals"]]
     return {
         "seed": seed,
         "summary_path": summary_path,
+        "sft": sft_selection(summary, store),
         "accuracy": accuracies,
         "gain_points": 100 * (accuracies[-1] - accuracies[0]),
         "wall_s": wall_s,
@@ -124,10 +161,11 @@ def clean_output(output: str, store: Path, runs: Path) -> str:
     return "\n".join(lines)
 
 
-def seeds_table(results: list[dict]) -> str:
+def seeds_table(results: list[dict], machine: dict) -> str:
     iterations = len(results[0]["accuracy"]) - 1
     header = [
         "seed",
+        "SFT steps (selected)",
         "after SFT",
         *(f"GRPO {i}" for i in range(1, iterations + 1)),
         "GRPO gain",
@@ -136,7 +174,9 @@ def seeds_table(results: list[dict]) -> str:
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in results:
-        cells = [str(r["seed"]), *(f"{100 * a:.1f}%" for a in r["accuracy"])]
+        sft = r.get("sft", {})
+        chosen = f"{sft.get('selected_step')} of {sft.get('steps')} ({sft.get('selected_by')})" if sft else "n/a"
+        cells = [str(r["seed"]), chosen, *(f"{100 * a:.1f}%" for a in r["accuracy"])]
         cells += [
             f"{r['gain_points']:+.1f} pt",
             f"{r['wall_s'] / 60:.1f} min",
@@ -144,14 +184,17 @@ def seeds_table(results: list[dict]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     gains = [r["gain_points"] for r in results]
-    machine = f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
+    where = (
+        f"{machine['cpu_model']} ({machine['cpu_id']}; {machine['cores']} cores, {machine['machine']}; torch's CPU kernels: "
+        f"{machine['cpu_capability']}), torch {machine['torch']} ({machine['blas']}), Python {machine['python']}"
+    )
     lines += [
         "",
         (
-            f"GRPO gain over the SFT policy: mean {sum(gains) / len(gains):+.1f} points, smallest "
-            f"{min(gains):+.1f} (target: >= +10). Measured by `docs/demo_seeds.py` on {machine}; wall time "
+            f"GRPO gain over the selected SFT policy: mean {sum(gains) / len(gains):+.1f} points, smallest "
+            f"{min(gains):+.1f} (target: >= +10). Measured by `docs/demo_seeds.py` on {where}; wall time "
             "includes Prefect, process and vLLM start-up, and peak RSS is the whole process tree (flow, torchrun "
-            "ranks, vLLM) summed."
+            "ranks, vLLM) summed. On another CPU the exact accuracies differ (see below)."
         ),
     ]
     return "\n".join(lines)
@@ -168,7 +211,7 @@ def replace_between(text: str, marker: str, body: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--work-dir", type=Path, default=REPO / ".forge-seeds")
     parser.add_argument("--no-readme", action="store_true", help="print the results, leave README.md alone")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every seed's run")
@@ -183,14 +226,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         results.append(result)
-    table = seeds_table(results)
+    machine = machine_facts()
+    table = seeds_table(results, machine)
     print(table)
     if args.no_readme:
         return 0
-    RESULTS.write_text(
-        json.dumps([{k: v for k, v in r.items() if k not in ("output", "summary_path")} for r in results], indent=2)
-        + "\n"
-    )
+    runs = [{k: v for k, v in r.items() if k not in ("output", "summary_path")} for r in results]
+    RESULTS.write_text(json.dumps({"machine": machine, "overrides": args.overrides, "seeds": runs}, indent=2) + "\n")
     text = replace_between(README.read_text(), "demo-seeds", table)
     text = replace_between(text, "demo-output", f"```\n{results[0]['output']}\n```")
     README.write_text(text)

@@ -1,54 +1,82 @@
-"""Probes the demo's SFT budgets in one process: held-out accuracy along the way, without the flow.
+"""Probes the demo's SFT settings without the flow: the real SFT stage, its validation curve and selection, and
+the held-out accuracy of the policy it exports.
 
-    .venv/bin/python docs/sft_probe.py --seeds 1,3 --at 300,400 data.demo.num_sft=1500 sft.steps=500
+    .venv/bin/python docs/sft_probe.py --seeds 0,3 sft.steps=1000 sft.target=0.4
+    .venv/bin/python docs/sft_probe.py --seeds 0 sft.select=last sft.eval_every=25    # the whole curve
 
-Runs the real prepare stage into a temporary store, then the real `SFTTrainer` on one CPU rank (the same global
-batch and sampler as the demo's 2 ranks) and, at each `--at` step and at the end, greedy exact match on the
-held-out prompts, decoded with plain torch forward passes (no vLLM). It prints one JSON line per seed. It is how
-the demo's `data.demo.num_sft` and `sft.steps` were chosen (README, "Does it learn?"): a run takes about 100 s
-for 400 steps, and its accuracies track the flow's SFT evaluation within about 12 points (floating-point
-reduction order differs between 1 and 2 ranks, and the moment the model starts to add is sensitive to it).
+Per seed: the real prepare stage into a temporary store, then the real SFT stage under torchrun with the ranks
+of `launch.sft` (the demo's 2, so the numbers are the flow's: floating-point reduction order differs between 1
+and 2 ranks, and the moment the model starts to add is sensitive to it), then greedy exact match of the exported
+policy on the first `eval.num_prompts` prompts of the eval split, scored by the run's primary reward, decoded
+in torch (forge_core.trainers.validation.greedy_decode) rather than by vLLM: the flow's eval-sft stage, up to
+vLLM's own kernels. It prints one JSON line per seed: the validation curve (step, loss, exact match), the
+selected step and why, steps run, the held-out accuracy and the wall time. This is how the demo's SFT settings
+were chosen (README, "Does it learn?"); a 500-step run takes about 2 minutes on an idle 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
-from forge_core.config import load_config
-from forge_core.data import demo, prepare_data
+from forge_core.config import RunConfig, config_to_dict, load_config
+from forge_core.data import prepare_data
 from forge_core.data.tokenizer import load_tokenizer
 from forge_core.engine import Engine
-from forge_core.models.logprobs import forward_logits
+from forge_core.rewards import RewardSet
+from forge_core.rollout.table import PASS_THRESHOLD
+from forge_core.run.spec import StageSpec, write_spec
 from forge_core.storage import ObjectStore
-from forge_core.trainers.sft import SFTData, SFTTrainer
+from forge_core.trainers import TitanTrainer
+from forge_core.trainers.validation import greedy_decode
 
-# `<answer>` + 3 digits + `</answer>` + EOS fit in far fewer tokens; extra tokens are ignored by the checker.
-MAX_NEW_TOKENS = 12
-
-
-def greedy_accuracy(model: torch.nn.Module, tokenizer, examples: list[demo.AdditionExample]) -> float:
-    """Exact match of greedy completions; every prompt of a difficulty has the same token length."""
-    prompts = [tokenizer.backend.encode(e.prompt).ids for e in examples]
-    assert len({len(p) for p in prompts}) == 1, "demo prompts of one difficulty tokenize to one length"
-    ids_BL = torch.tensor(prompts)
-    model.eval()
-    with torch.no_grad():
-        for _ in range(MAX_NEW_TOKENS):
-            next_B1 = forward_logits(model, ids_BL)[:, -1].argmax(-1, keepdim=True)
-            ids_BL = torch.cat([ids_BL, next_B1], dim=1)
-    model.train()
-    texts = [tokenizer.backend.decode(row[len(prompts[0]) :].tolist()) for row in ids_BL]
-    return sum(demo.check_answer(t, e.ground_truth) for t, e in zip(texts, examples)) / len(examples)
+REPO = Path(__file__).resolve().parents[1]
 
 
-def probe(seed: int, probe_steps: set[int], overrides: list[str]) -> dict:
-    workdir = tempfile.mkdtemp(prefix="sft-probe-")
+def run_sft_stage(cfg: RunConfig, store: ObjectStore, data_uri: str, log_file: Path) -> str:
+    """The SFT stage on `data_uri` under torchrun with launch.sft's ranks; returns its committed URI."""
+    output_uri = store.artifact_uri("sft", "probe")
+    spec_uri = write_spec(
+        store, StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri}, output_uri=output_uri)
+    )
+    ranks = cfg.launch.for_stage("sft").nproc_per_node
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "forge_core.run", "sft", "--spec", spec_uri]
+    with log_file.open("w") as log:
+        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the SFT stage failed (exit {done.returncode}); see {log_file}")
+    return output_uri
+
+
+def held_out_accuracy(cfg: RunConfig, store: ObjectStore, data_uri: str, policy_uri: str, workdir: Path) -> float:
+    """Greedy exact match of the policy at `policy_uri` on the eval split, as the evaluate stage scores it."""
+    policy = store.reader(policy_uri).download_dir("", workdir / "policy")
+    tokenizer = load_tokenizer(str(policy))
+    vocab_size = json.loads((policy / "config.json").read_text())["vocab_size"]
+    engine = Engine.Config.from_run_config(
+        cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps, init_weights_dir=str(policy)
+    ).build()
+    table = store.reader(data_uri).read_table("eval.parquet").slice(0, cfg.eval.num_prompts)
+    prompts = table.column("prompt_ids").to_pylist()
+    completions = greedy_decode(TitanTrainer(engine), prompts, cfg.eval.max_new_tokens, tokenizer.eos_id, 256)
+    texts = [tokenizer.backend.decode([t for t in c if t != tokenizer.eos_id], skip_special_tokens=True)
+             for c in completions]
+    rewards = RewardSet.from_config(cfg.rollout.rewards)
+    scored = rewards.score(texts, table.column("ground_truth").to_pylist(), [str(i) for i in range(len(texts))])
+    return sum(v >= PASS_THRESHOLD for v in scored.columns[rewards.primary_column]) / len(texts)
+
+
+def probe(seed: int, overrides: list[str], logs: Path) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="sft-probe-"))
     cfg = load_config(
         None,
         [
@@ -63,28 +91,22 @@ def probe(seed: int, probe_steps: set[int], overrides: list[str]) -> dict:
     store = ObjectStore.from_config(cfg.storage)
     data_uri = store.artifact_uri("data", "probe")
     prepare_data(cfg, data_uri, store)
-    local = store.reader(data_uri).download_dir("", f"{workdir}/data")
-    tokenizer = load_tokenizer(str(local / "tokenizer"))
-    data = SFTData.from_table(pq.read_table(local / "sft.parquet"), cfg.sft.eval_rows, cfg.seed)
-    settings = cfg.data.demo
-    held_out = demo.generate_splits(
-        settings.num_digits, settings.num_sft, settings.num_rl, settings.num_eval, cfg.seed
-    )["eval"]
-    engine = Engine.Config.from_run_config(
-        cfg, tokenizer.vocab_size, cfg.sft.optimizer, total_steps=cfg.sft.steps
-    ).build()
-    trainer = SFTTrainer(engine, data, cfg.sft, seed=cfg.seed, log_every=cfg.sft.steps + 1)
     start = time.perf_counter()
-    accuracy_at = {}
-    while trainer.step < cfg.sft.steps:
-        trainer.train_step(trainer.next_micro_batches(), trainer.loss)
-        if trainer.step in probe_steps or trainer.step == cfg.sft.steps:
-            accuracy_at[trainer.step] = greedy_accuracy(engine.model, tokenizer, held_out)
+    sft_uri = run_sft_stage(cfg, store, data_uri, logs / f"sft-probe-seed-{seed}.log")
+    wall_s = time.perf_counter() - start
+    metrics = store.read_manifest(sft_uri).metrics
     return {
         "seed": seed,
         "overrides": overrides,
-        "accuracy_at_step": accuracy_at,
-        "wall_s": round(time.perf_counter() - start, 1),
+        "validation": [
+            [p["step"], p["loss"], p.get("exact_match")] for p in metrics.get("validation", [])
+        ],
+        "selected_step": metrics["selected_step"],
+        "selected_by": metrics["selected_by"],
+        "steps": metrics["steps"],
+        "held_out_accuracy": held_out_accuracy(cfg, store, data_uri, metrics["policy_uri"], workdir),
+        "sft_wall_s": round(wall_s, 1),
+        "train_tokens_per_s": round(metrics["tokens_per_s"]),
     }
 
 
@@ -94,14 +116,13 @@ def _int_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=_int_list, default=[0, 1, 2], help="comma-separated, e.g. 0,1,2")
-    parser.add_argument("--at", type=_int_list, default=[], help="also evaluate after these steps, e.g. 300,400")
+    parser.add_argument("--seeds", type=_int_list, default=[0, 1, 2, 3, 4], help="comma-separated, e.g. 0,1,2")
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()), help="where the SFT logs go")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, as for flows.demo")
     args = parser.parse_args(argv)
-    # One intra-op thread: two probes then run side by side on 2 cores without slowing each other down.
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for seed in args.seeds:
-        print(json.dumps(probe(seed, set(args.at), args.overrides)), flush=True)
+        print(json.dumps(probe(seed, args.overrides, args.logs)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The `forgeflow` command line: the common paths around the Prefect flows.
 
 forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
-forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config (--here: and this host)
+forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config, its inputs and pools
 forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
-forgeflow pools create gpu-a --gpus 8                                  # work pool + its GPU concurrency limit
+forgeflow pools create gpu-a --gpus 8 --worker node-0 --worker node-1   # pool, GPU limit, queues, stage deployment
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    if args.here:
-        from forge_core.engine.preflight import preflight
-        from forge_core.stages import stage_names
+    """The config, then what a flow start checks before its first stage (flows.preflight.check_run): paths,
+    checkpoint, pools, wandb, rewards on the data, this host for the stages run here (--here: for all)."""
+    from flows.preflight import check_run
 
-        host = preflight(cfg, stage_names())
-        print(f"{args.config}: valid, and this host can run it ({host.describe()})")
-        return 0
-    print(f"{args.config}: valid")
+    cfg = load_config(args.config, args.overrides)
+    host = check_run(cfg, here=args.here)
+    where = f", and this host can run it ({host.describe()})" if host is not None else ""
+    print(f"{args.config}: valid{where}")
     return 0
 
 
@@ -102,19 +101,37 @@ async def _ensure_gpu_limit(client, name: str, gpus: int) -> None:
     print(f"global concurrency limit {name!r} changed from {existing.limit} to {gpus} GPUs")
 
 
-async def _create_pool(name: str, gpus: int) -> None:
+async def _ensure_worker_queue(client, pool: str, worker: str) -> None:
+    """The worker's own work queue in `pool`, named after it: placement pins a node run to a worker through it
+    (start the worker with `--name <worker> --work-queue <worker>`; a Prefect worker does not create it)."""
+    from prefect.exceptions import ObjectAlreadyExists
+
+    try:
+        await client.create_work_queue(name=worker, work_pool_name=pool)
+        print(f"work queue {worker!r} created in pool {pool!r}")
+    except ObjectAlreadyExists:
+        print(f"work queue {worker!r} exists in pool {pool!r}")
+
+
+async def _create_pool(name: str, gpus: int, workers: list[str]) -> None:
     from prefect.client.orchestration import get_client
+
+    from flows.stage_deployment import ensure_stage_deployment
 
     async with get_client() as client:
         await _ensure_work_pool(client, name)
         if gpus > 0:
             await _ensure_gpu_limit(client, name, gpus)
+        for worker in workers:
+            await _ensure_worker_queue(client, name, worker)
+        # Stages placed on this pool (launch.placement=pool) run as runs of its stage deployment.
+        await ensure_stage_deployment(client, name)
 
 
 def _cmd_pools_create(args: argparse.Namespace) -> int:
     if args.gpus < 0:
         raise ValueError(f"--gpus={args.gpus}: must be >= 0 (0 = a CPU pool without a GPU limit)")
-    asyncio.run(_create_pool(args.name, args.gpus))
+    asyncio.run(_create_pool(args.name, args.gpus, args.worker or []))
     return 0
 
 
@@ -131,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config")
     validate.add_argument("overrides", nargs="*")
     validate.add_argument(
-        "--here", action="store_true", help="also check that this host can run it (GPUs, vLLM build, wandb key)"
+        "--here",
+        action="store_true",
+        help="check this host's GPUs and vLLM build for every stage, also those placed on pools",
     )
     validate.set_defaults(handler=_cmd_validate)
 
@@ -143,9 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     pools = sub.add_parser("pools", help="work pools and their GPU concurrency limits")
     pools_sub = pools.add_subparsers(dest="pools_command", required=True)
-    create = pools_sub.add_parser("create", help="create a process work pool and its GPU limit")
+    create = pools_sub.add_parser(
+        "create", help="create a process work pool, its GPU limit and its stage deployment (stage-node/<pool>)"
+    )
     create.add_argument("name")
     create.add_argument("--gpus", type=int, default=0, help="GPUs in the pool (concurrency limit)")
+    create.add_argument(
+        "--worker",
+        action="append",
+        metavar="NAME",
+        help="a worker (node) of the pool: creates its own work queue NAME, through which placement pins node "
+        "runs to it (launch.placement=pool); start it with --name NAME --work-queue NAME. Repeatable",
+    )
     create.set_defaults(handler=_cmd_pools_create)
     return parser
 

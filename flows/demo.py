@@ -3,6 +3,7 @@
     make demo                                          # = .venv/bin/python -m flows.demo
     .venv/bin/python -m flows.demo seed=1              # key=value overrides on top of configs/demo_cpu.yaml
     .venv/bin/python -m flows.demo --verbose grpo.iterations=2   # also stream every worker's log lines
+    .venv/bin/python -m flows.demo --config configs/demo_tools_cpu.yaml   # the tool-use demo (make demo-tools)
 
 Runs the `post-train` flow on Prefect's ephemeral local API with configs/demo_cpu.yaml: a local-folder object
 store (./.forge-store), wandb offline (./.forge-runs), vLLM on CPU, torchrun with 2 ranks for SFT and GRPO.
@@ -70,6 +71,13 @@ def print_demo_report(summary: dict, cfg, started: float) -> None:
     print("\nHeld-out exact match (greedy) after SFT and after each GRPO iteration:")
     print(format_learning(summary["evals"], _rollout_rewards(summary, cfg)))
     evals = summary["evals"]
+    if cfg.rollout.env.enabled:
+        from flows.report import format_tool_use
+        from forge_core.storage import ObjectStore
+
+        store = ObjectStore.from_config(cfg.storage)
+        print(f"\nTool use on the held-out prompts ({cfg.rollout.env.name}: {', '.join(cfg.rollout.env.tools)}):")
+        print(format_tool_use(evals, [store.read_manifest(e["eval_uri"]).metrics for e in evals]))
     if len(evals) > 1:
         gain = 100 * (evals[-1]["accuracy"] - evals[0]["accuracy"])
         print(f"GRPO changed held-out accuracy by {gain:+.1f} points over the SFT policy.")
@@ -87,27 +95,30 @@ def print_demo_report(summary: dict, cfg, started: float) -> None:
     print(f"total:         {time.time() - started:.0f}s")
 
 
-def run_demo(overrides: list[str], verbose: bool = False) -> dict:
-    """Run the demo flow with `overrides` on top of configs/demo_cpu.yaml, print the report, return the
-    flow's summary (flows.post_train.PipelineSummary as a dict)."""
+def run_demo(overrides: list[str], verbose: bool = False, config: str = DEMO_CONFIG) -> dict:
+    """Run the demo flow with `overrides` on top of `config` (configs/demo_cpu.yaml), print the report, return
+    the flow's summary (flows.post_train.PipelineSummary as a dict)."""
     _prepare_environment()
     from flows.post_train import post_train
     from forge_core.config import load_config
     from forge_core.credentials import hide_credentials_in_overrides
+    from forge_core.models.flavors import from_scratch_flavor
 
-    cfg = load_config(DEMO_CONFIG, overrides)  # fails here, before Prefect starts, on a bad override
+    cfg = load_config(config, overrides)  # fails here, before Prefect starts, on a bad override
     if not verbose:
         _quiet_worker_logs()
     samples = cfg.rollout.prompts_per_iteration * cfg.rollout.sampling.group_size
+    task = {"demo": "addition", "demo_tools": "multiplication with a calculator tool"}.get(cfg.data.source, "")
+    stops_early = cfg.sft.select == "best" and (cfg.sft.patience or cfg.sft.target is not None)
     print(
-        f"forgeflow demo: {cfg.model.family}/{cfg.model.flavor} from scratch on {cfg.data.demo.num_digits}-digit "
-        f"addition; SFT {cfg.sft.steps} steps on {cfg.data.demo.num_sft} examples, then {cfg.grpo.iterations} "
-        f"GRPO iterations of {samples} rollouts; held-out eval on {cfg.eval.num_prompts} prompts\n"
-        f"store {cfg.storage.root}, runs {cfg.logging.dir}",
+        f"forgeflow demo: {cfg.model.family}/{from_scratch_flavor(cfg.model.flavor)} from scratch on {cfg.data.demo.num_digits}-digit "
+        f"{task}; SFT {'up to ' if stops_early else ''}{cfg.sft.steps} steps on {cfg.data.demo.num_sft} examples, then {cfg.grpo.iterations} "
+        f"GRPO iterations of {samples} {'episodes' if cfg.rollout.env.enabled else 'rollouts'}; held-out eval on "
+        f"{cfg.eval.num_prompts} prompts\nstore {cfg.storage.root}, runs {cfg.logging.dir}",
         flush=True,
     )
     started = time.time()
-    summary = post_train(DEMO_CONFIG, hide_credentials_in_overrides(overrides))  # Prefect records parameters
+    summary = post_train(config, hide_credentials_in_overrides(overrides))  # Prefect records parameters
     summary["summary_path"] = str(write_summary(summary, cfg))
     print_demo_report(summary, cfg, started)
     return summary
@@ -125,12 +136,16 @@ def write_summary(summary: dict, cfg) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="also print every worker's log lines")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value on top of configs/demo_cpu.yaml")
+    parser.add_argument(
+        "--config", default=DEMO_CONFIG, help="the run's YAML (default configs/demo_cpu.yaml; the tool-use demo: "
+        "configs/demo_tools_cpu.yaml)"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value on top of the config")
     args = parser.parse_args(argv)
     from forge_core.config import ConfigError
 
     try:
-        run_demo(args.overrides, verbose=args.verbose)
+        run_demo(args.overrides, verbose=args.verbose, config=str(Path(args.config).resolve()))
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

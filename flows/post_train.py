@@ -28,17 +28,26 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
-from flows.report import StageRecord, format_table, plot_curves, stage_table
+from flows.preflight import check_run
+from flows.report import (
+    NoLearningSignal,
+    StageRecord,
+    format_table,
+    no_learning_signal,
+    no_signal_fix,
+    placement_table,
+    plot_curves,
+    stage_table,
+)
 from forge_core.config import RunConfig, load_config
 from forge_core.credentials import hide_credentials_in_overrides
-from forge_core.engine.preflight import preflight
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
 from forge_core.rollout.lifetime import with_run_id
 from forge_core.run.resources import FlowResources
-from forge_core.stages import stage_names
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
+from tasks.placement import cancel_node_runs
 
 
 @dataclass
@@ -59,6 +68,7 @@ class PipelineSummary:
     evals: list[EvalPoint] = field(default_factory=list)
     rollouts: list[str] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)  # rows of flows.report.stage_table
+    placement: list[dict] = field(default_factory=list)  # rows of flows.report.placement_table
     plot_path: str | None = None
 
     def as_markdown(self) -> str:
@@ -101,7 +111,9 @@ def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
     SIGTERM (a worker's cancel) take the launched process trees down with the flow, and end what a dead flow
     process on this machine left running."""
     cfg = flow_config(config, overrides, flow_run.get_id())
-    preflight(cfg, stage_names())
+    # Paths, checkpoint, pools, wandb, rewards on the data; this host for local placement (with placement=pool
+    # each node run checks its own host instead).
+    check_run(cfg)
     install_sigterm_handler()
     end_orphaned_launches()
     return cfg
@@ -117,7 +129,12 @@ def kill_launches(flow, flow_run, state) -> None:
         )
     except ValueError:
         return  # the flow failed on its config before it could start anything
-    FlowResources.of(cfg).abort(f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}")
+    reason = f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}"
+    FlowResources.of(cfg).abort(reason)
+    if cfg.launch.placement == "pool":
+        # Prefect does not cancel a parent's subflow runs: the node runs on the pools' workers are cancelled
+        # here (they also end on the attempt's stop object, and once this flow's heartbeat stops).
+        cancel_node_runs(flow_run.id, reason)
 
 
 def flow_resources(cfg: RunConfig) -> FlowResources:
@@ -253,6 +270,35 @@ class _RolloutLane:
             in_flight = [stage for stage in in_flight if stage.done_at is None]
 
 
+class _NoSignalWatch:
+    """Warns on the flow run (log + artifact) for every GRPO iteration without learning signal and stops the flow
+    after `grpo.max_no_signal_iterations` of them in a row (0 = never)."""
+
+    def __init__(self, limit: int, logger):
+        self._limit = limit
+        self._logger = logger
+        self._in_a_row = 0
+
+    def check(self, label: str, metrics: dict) -> None:
+        reason = no_learning_signal(metrics)
+        if reason is None:
+            self._in_a_row = 0
+            return
+        self._in_a_row += 1
+        message = f"{label}: no learning signal: {reason} ({self._in_a_row} such iteration(s) in a row)"
+        self._logger.warning(message)
+        create_markdown_artifact(
+            markdown=f"### {label}: no learning signal\n\n{message}.\n\n{no_signal_fix(self._limit)}.\n",
+            key=f"{label}-no-learning-signal",
+            description="a GRPO iteration that learned nothing",
+        )
+        if self._limit and self._in_a_row >= self._limit:
+            raise NoLearningSignal(
+                f"stopped after {self._in_a_row} GRPO iterations in a row without learning signal (last: {label}: "
+                f"{reason}). {no_signal_fix(self._limit)}"
+            )
+
+
 def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
     """The stage graph; called inside a flow so every stage is a task run."""
     logger = get_run_logger()
@@ -274,12 +320,14 @@ def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
 
     policies = [sft_uri]  # by policy index: SFT = 0, after GRPO iteration k = k+1
     lane = _RolloutLane(run, t.rollout, cfg, resources, data_uri)
+    no_signal = _NoSignalWatch(cfg.grpo.max_no_signal_iterations, logger)
     try:
         for iteration in range(cfg.grpo.iterations):
             n = iteration + 1
             lane.submit_ready(policies)
             rollouts_uri = lane.result(iteration)
             policies.append(run(f"grpo-{n}", t.grpo, cfg, policies[iteration], rollouts_uri, iteration))
+            no_signal.check(f"grpo-{n}", store.read_manifest(policies[n]).metrics)
             summary.rollouts.append(rollouts_uri)
             lane.drain()
             eval_uri = run(f"eval-grpo-{n}", t.evaluate, cfg, policies[n], data_uri)
@@ -291,6 +339,7 @@ def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
     summary.final_policy_uri = policies[-1]
 
     summary.stages = stage_table(run.records, store)
+    summary.placement = placement_table(run.records, store)
     summary.plot_path = str(_plot(cfg, summary, store))
     _publish_summary(summary)
     return summary
@@ -306,6 +355,11 @@ def _publish_summary(summary: PipelineSummary) -> None:
     create_markdown_artifact(markdown=summary.as_markdown(), key="post-train-summary", description="summary")
     create_table_artifact(
         table=summary.stages, key="post-train-stages", description="stage times and metrics"
+    )
+    create_table_artifact(
+        table=summary.placement,
+        key="post-train-placement",
+        description="where each stage ran: pool, node rank, worker, host, attempts, redirects",
     )
     if summary.plot_path:
         create_image_artifact(

@@ -2,8 +2,9 @@
 
 The numbers come from the committed manifests, so a report can be rebuilt from the store alone:
 
-    rows = stage_table(records, store)          # stage, duration, key metric, artifact URI
+    rows = stage_table(records, store)          # stage, duration, key metric, where it ran, attempts, artifact URI
     print(format_table(rows))
+    placement = placement_table(records, store) # per node of every stage: pool, worker, host, node rank
     print(format_learning(summary))             # accuracy after SFT and after every GRPO iteration
 """
 
@@ -24,13 +25,39 @@ class StageRecord:
 
 
 # The manifest metric each artifact kind is summarised by, as the stage workers name it:
-# prepare writes `rows` ({split: count}), sft `final_loss`, rollout `reward_mean` and `pass_rate`,
+# prepare writes `rows` ({split: count}), sft `final_loss` and its selection (`selected_step` of `steps`,
+# `selected_by`, the validation's `val_exact_match` / `eval_loss`), rollout `reward_mean` and `pass_rate`,
 # grpo the advantage statistics of its rollout batch (`reward/mean`) and `final/loss`, evaluate `accuracy`.
 def _data_metric(m: Mapping) -> str:
     rows = m.get("rows")
     if isinstance(rows, Mapping):
         return "rows " + " ".join(f"{split}={count}" for split, count in rows.items())
     return f"rows {_fmt(rows)}"
+
+
+class NoLearningSignal(ValueError):
+    """GRPO iterations in a row learned nothing (grpo.max_no_signal_iterations): the flow stops instead of
+    burning compute on more of them."""
+
+
+def no_learning_signal(metrics: Mapping) -> str | None:
+    """Why a GRPO iteration (its artifact's manifest metrics) carried no learning signal, or None: it made no
+    optimizer step, or every group of its rollouts scored equal rewards (zero advantage everywhere)."""
+    reasons = []
+    if metrics.get("train/steps") == 0:
+        reasons.append("it made no optimizer step")
+    if metrics.get("advantage/zero_variance_frac") == 1.0 or metrics.get("reward/std") == 0.0:
+        reasons.append(f"its rollouts carried no reward variance (every group scored {_fmt(metrics.get('reward/mean'))})")
+    return " and ".join(reasons) or None
+
+
+def no_signal_fix(max_iterations: int) -> str:
+    return (
+        "Check that rollout.rewards can score this data (forgeflow validate dry-runs them on the references), "
+        "raise rollout.sampling.temperature or group_size so samples differ, or start from a policy that solves "
+        f"some prompts (grpo.max_no_signal_iterations={max_iterations} bounds how many such iterations in a row "
+        "run; 0 = never stop)"
+    )
 
 
 def _grpo_metric(m: Mapping) -> str:
@@ -41,13 +68,32 @@ def _grpo_metric(m: Mapping) -> str:
     return f"loss {_fmt(m.get('final/loss'))} on reward {_fmt(m.get('reward/mean'))}"
 
 
+def _sft_metric(m: Mapping) -> str:
+    # Which step's weights the stage exported and why (sft.select): "last", "best" or "early_stop".
+    text = f"loss {_fmt(m.get('final_loss'))}"
+    if m.get("selected_step") is None:
+        return text
+    exact_match = m.get("val_exact_match")
+    if exact_match is not None:
+        validation = f"val exact match {_fmt(exact_match)}"
+    else:
+        validation = f"val loss {_fmt(m.get('eval_loss'))}"
+    return f"{text}, step {m['selected_step']}/{m.get('steps')} ({m.get('selected_by')}): {validation}"
+
+
 _KEY_METRICS: dict[str, Callable[[Mapping], str]] = {
     "data": _data_metric,
-    "sft": lambda m: f"loss {_fmt(m.get('final_loss'))}",
+    "sft": _sft_metric,
     "rollouts": lambda m: f"reward {_fmt(m.get('reward_mean'))} pass {_fmt(m.get('pass_rate'))}",
     "grpo": _grpo_metric,
-    "eval": lambda m: f"accuracy {_fmt(m.get('accuracy'))}",
+    "eval": lambda m: f"accuracy {_fmt(m.get('accuracy'))}" + _tool_use(m),
 }
+
+
+def _tool_use(m: Mapping) -> str:
+    """Episode evaluations (rollout.env) also say how often the policy called a tool."""
+    rate = m.get("env/tool_call_rate")
+    return "" if rate is None else f" tool calls {_fmt(rate)}"
 
 
 def key_metric(manifest: Manifest) -> str:
@@ -63,7 +109,8 @@ def _fmt(value) -> str:
 
 
 def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
-    """One row per stage run: stage, duration (s), key metric, artifact URI."""
+    """One row per stage run: stage, duration (s), key metric, warning (a GRPO iteration without learning signal),
+    where it ran, its attempts, artifact URI."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
@@ -72,9 +119,78 @@ def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
                 "stage": record.label,
                 "duration_s": round(record.seconds, 1),
                 "key metric": key_metric(manifest),
+                "warning": _warning(manifest),
+                "where": where_it_ran(manifest),
+                "attempts": attempts_of(manifest),
                 "artifact": record.uri,
             }
         )
+    return rows
+
+
+def _warning(manifest: Manifest) -> str:
+    """What a reader must not miss about a stage: a GRPO iteration without learning signal ("" otherwise)."""
+    no_signal = no_learning_signal(manifest.metrics) if manifest.kind == "grpo" else None
+    return f"no learning signal: {no_signal}" if no_signal else ""
+
+
+def _placed(manifest: Manifest) -> dict | None:
+    """The placement record of a stage placed on a pool; None for one that ran on the flow's machine (whose
+    record, if any, holds only the GPUs its launch was given: forge_core.launch.devices)."""
+    placement = manifest.placement
+    return placement if placement and "pool" in placement else None
+
+
+def where_it_ran(manifest: Manifest) -> str:
+    """`local (<host>)` (with its GPUs, if it was given any), or for a stage placed on a pool
+    `<pool>: <worker>[, <worker>...]` in node-rank order."""
+    placement = _placed(manifest)
+    if not placement:
+        devices = (manifest.placement or {}).get("devices")
+        return f"local ({manifest.host}{', GPUs ' + ','.join(devices) if devices else ''})"
+    workers = ", ".join(str(node.get("worker")) for node in placement.get("nodes", []))
+    return f"{placement.get('pool')}: {workers}"
+
+
+def attempts_of(manifest: Manifest) -> str:
+    """How many placed attempts the stage took, with the redirects of the committing one ("" when local)."""
+    placement = _placed(manifest)
+    if not placement:
+        return ""
+    redirects = placement.get("redirects") or []
+    moved = f" ({len(redirects)} redirect{'s' if len(redirects) != 1 else ''})" if redirects else ""
+    return f"{placement.get('attempt_number', 1)}{moved}"
+
+
+def placement_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
+    """Where every placed stage ran, one row per node: stage, pool, node rank, worker, host, attempt number,
+    the earlier attempts' outcomes and the redirects (workers that did not start a node run in time). Stages
+    that ran on the flow's machine get one row with pool "local"."""
+    rows = []
+    for record in records:
+        manifest = store.read_manifest(record.uri)
+        placement = _placed(manifest)
+        if not placement:
+            rows.append({"stage": record.label, "pool": "local", "node": 0, "worker": "", "host": manifest.host,
+                         "attempt": "", "earlier attempts": "", "redirects": ""})
+            continue
+        earlier = "; ".join(
+            f"{a.get('outcome')}: {str(a.get('reason', ''))[:120]}" for a in placement.get("earlier_attempts") or []
+        )
+        redirects = "; ".join(f"{r.get('worker')} ({r.get('why')})" for r in placement.get("redirects") or [])
+        for node in placement.get("nodes", []):
+            rows.append(
+                {
+                    "stage": record.label,
+                    "pool": placement.get("pool"),
+                    "node": node.get("node_rank"),
+                    "worker": node.get("worker"),
+                    "host": node.get("host"),
+                    "attempt": placement.get("attempt_number", 1),
+                    "earlier attempts": earlier,
+                    "redirects": redirects,
+                }
+            )
     return rows
 
 
@@ -102,6 +218,19 @@ def format_learning(evals: list[Mapping], rollout_rewards: list[float]) -> str:
         lines.append(
             f"{point['label']:<10}  {100 * point['accuracy']:6.1f}%   {delta:>8}   "
             f"{point['mean_reward']:11.3f}   {trained_on:>14}"
+        )
+    return "\n".join(lines)
+
+
+def format_tool_use(evals: list[Mapping], eval_metrics: list[Mapping]) -> str:
+    """Per evaluated policy, what its episodes did (multi-turn runs, rollout.env): held-out success, the share
+    of episodes that called a tool, the failed or malformed calls, turns per episode (the evaluate stage's
+    `env/*` metrics, forge_core.envs)."""
+    lines = ["policy      success   tool-call rate   tool errors   turns/episode"]
+    for point, metrics in zip(evals, eval_metrics):
+        lines.append(
+            f"{point['label']:<10}  {100 * point['accuracy']:6.1f}%   {100 * metrics.get('env/tool_call_rate', 0.0):13.1f}%"
+            f"   {int(metrics.get('env/tool_errors', 0)):11d}   {metrics.get('env/turns_mean', 0.0):13.2f}"
         )
     return "\n".join(lines)
 

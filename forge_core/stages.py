@@ -45,7 +45,8 @@ STAGE_MODULES_ENV = "FORGE_STAGE_MODULES"
 # Config keys inside key sections that only say how the work is run, never what it produces: left out of every
 # stage's key. The reward bounds say how scoring runs (with no timeout or crash the rewards are the same);
 # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them;
-# allow_uncorrected_async only lets such a config through validation; the lifetimes and the engines' state folder
+# allow_uncorrected_async only lets such a config through validation, max_no_signal_iterations only when the
+# flow stops; the lifetimes and the engines' state folder
 # say which process runs a stage; the engine's memory share and KV-cache size bound what it may hold at once, not
 # what it samples (every request is seeded on its own).
 OPERATIONAL_KEYS = (
@@ -59,6 +60,7 @@ OPERATIONAL_KEYS = (
     "grpo.mode",
     "grpo.max_staleness",
     "grpo.allow_uncorrected_async",
+    "grpo.max_no_signal_iterations",
 )
 
 # What a stage with a long-lived ("flow") lifetime is served by: a thread of the task's process talking to the
@@ -88,6 +90,8 @@ class Stage:
     key_sections: tuple[str, ...] = ("seed",)
     distributed: bool = False  # torchrun with launch.<stage>'s ranks; the world size is part of the key
     scoring: bool = False  # its output holds reward scores: the reward functions' versions are part of the key
+    # Config keys naming a reward function it scores with besides rollout.rewards (its versions are in the key).
+    verifiers: tuple[str, ...] = ()
     # Config keys naming files outside the store that it reads (forge_core.run.external): keyed by contents.
     external: tuple[str, ...] = ()
     produces_policy: bool = False  # its artifact holds `policy/`, an HF folder a later stage can start from
@@ -137,6 +141,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         ),
         key_sections=("seed", "model", "training", "sft"),
         distributed=True,
+        verifiers=("sft.verifier",),
         external=("model.hf_path",),
         produces_policy=True,
         description="supervised fine-tuning under torchrun; resumes from its newest committed checkpoint",

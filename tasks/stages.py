@@ -2,10 +2,10 @@
 
 Each task: plan the stage (content-addressed output), return at once if that output is committed (a re-run
 after a failure resumes at the failed stage), otherwise write the spec, take the pool's capacity, run the
-stage through its runner (forge_core.run.runners.runner_for: its own worker launch, the task's process or the
-flow's trainer job), verify the committed output and publish UI artifacts. The typed RunConfig comes in as the
-flow validated it (a task parameter is an in-process object; the tasks cache nothing); only URIs go out,
-never tensors or tables.
+stage through its runner (forge_core.run.runners.runner_for: its own worker launch, the task's process, the
+flow's trainer job, or with launch.placement=pool node runs on its pool's workers: tasks/placement.py), verify
+the committed output and publish UI artifacts. The typed RunConfig comes in as the flow validated it (a task
+parameter is an in-process object; the tasks cache nothing); only URIs go out, never tensors or tables.
 
 Retries: retryable failures (a rank killed, the stage's deadline, a lost node, transient storage) are
 retried with exponential backoff and jitter; fatal ones (bad config or data) fail at once with the worker's
@@ -44,6 +44,7 @@ from forge_core.run.runner import Cancel, Runner
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
 from forge_core.storage import ObjectStore, new_attempt_id
+from tasks.placement import prefect_dispatcher
 
 STAGE_RETRIES = 2
 
@@ -180,7 +181,7 @@ def run_stage(
             lease.release()
         logger.info("%s: output already committed at %s by another run; skipping", stage, plan.output_uri)
         return plan.output_uri
-    runner = runner or runner_for(cfg, stage)
+    runner = runner or runner_for(cfg, stage, prefect_dispatcher(cfg))
     cancel = Cancel()
     with lease.kept_alive(on_lost=lambda lost: cancel.request(str(lost))):
         result = _run_planned(plan, cfg, store, runner, logger, cancel)

@@ -11,7 +11,8 @@ storage, trainers and the generator; launch classifies storage errors; the polic
 is read by trainers and rollout alike; data/metrics/models read config and storage; the distributed engine
 builds models;
 the batch types are pure torch, below the losses that consume them; rewards run in workers watched through
-launch; rollout scores with rewards; trainers read the rollout table (GRPO trains on it) and never the
+launch; rollout scores with rewards; environments (multi-turn episodes) drive the generation protocol and run
+their tools in the reward workers; trainers read the rollout table (GRPO trains on it) and never the
 reverse; run (the stage workers) ties everything together; tasks wrap run for Prefect, flows call tasks.
 """
 
@@ -38,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("forge_core.losses",),
     ("forge_core.rewards",),
     ("forge_core.rollout",),
+    ("forge_core.envs",),
     ("forge_core.trainers",),
     ("forge_core.run",),
     ("tasks",),

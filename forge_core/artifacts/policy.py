@@ -15,8 +15,9 @@ without reading the weights again, and two exports of the same weights (a retrie
 change of weights changes it.
 
 vLLM loads from a local folder. The download goes through the artifact reader, which checks every file's size
-and sha256. Folders are kept under the policy cache, `$FORGE_POLICY_CACHE` (default
-`~/.cache/forgeflow/policies`), named by the policy's manifest hash, so a stage that runs again on the same
+and sha256. Folders are kept under the policy cache, `$FORGE_POLICY_CACHE` (default: `policy-cache/` in the
+run folder `logging.dir`, which `make clean` removes; the stage logs where), named by the policy's manifest
+hash, so a stage that runs again on the same
 policy (a retry, an evaluation after a rollout) does not download it again. A folder becomes visible under its
 final name only once complete.
 
@@ -35,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -51,6 +53,8 @@ from forge_core.storage.manifest import Manifest
 POLICY_DIR = "policy"  # the policy inside a training stage's artifact
 # What a stage artifact passed as a policy must be (the messages of policy_kind).
 POLICY_WHAT = f"the output of an SFT or GRPO stage, which holds {POLICY_DIR}/"
+log = logging.getLogger(__name__)
+
 CACHE_ENV = "FORGE_POLICY_CACHE"
 MAX_POLICIES_ENV = "FORGE_POLICY_CACHE_MAX_POLICIES"
 MAX_GB_ENV = "FORGE_POLICY_CACHE_MAX_GB"
@@ -92,8 +96,17 @@ def weights_version(manifest: Manifest, source: str = "policy") -> str:
     return digest.hexdigest()
 
 
-def policy_cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "forgeflow" / "policies").expanduser()
+POLICY_CACHE_DIR = "policy-cache"  # under the run folder (logging.dir), so `make clean` removes it
+
+
+def policy_cache_root(run_dir: str | os.PathLike | None = None) -> Path:
+    """`$FORGE_POLICY_CACHE` when set, else `<run_dir>/policy-cache` (a stage passes `logging.dir`, which
+    `make clean` removes), else `~/.cache/forgeflow/policies`."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if run_dir is not None:
+        return Path(run_dir).expanduser() / POLICY_CACHE_DIR
+    return Path.home() / ".cache" / "forgeflow" / "policies"
 
 
 @dataclass(frozen=True)
@@ -303,6 +316,7 @@ def fetch_policy(
         size = sum(entry.size for entry in manifest.files.values())
         _download_or_make_room(store, policy_uri(store, stage_uri), local_dir, input_name, size)
         prune_policy_cache(root, keep=local_dir)
+    log.info("policy %s at %s (policy cache %s: $%s moves it)", policy_uri(store, stage_uri), local_dir, root, CACHE_ENV)
     now = time.time_ns()  # explicit: the file system's own clock is too coarse to order quick fetches
     with contextlib.suppress(OSError):
         os.utime(local_dir / _COMPLETE_MARKER, ns=(now, now))  # the cache's least-recently-used order

@@ -7,11 +7,17 @@
 
 from __future__ import annotations
 
-FAMILIES: tuple[str, ...] = ("llama3", "qwen3")
+FAMILIES: tuple[str, ...] = ("llama3", "qwen2", "qwen3")
+
+# `model.flavor: auto`: the checkpoint's own architecture (model.hf_path's config.json, any size); without a
+# checkpoint (a from-scratch run), the family's `tiny` CPU flavor.
+AUTO_FLAVOR = "auto"
+FROM_SCRATCH_FLAVOR = "tiny"
 
 # forgeflow's CPU flavors (see forge_core.models.flavors for their sizes).
 FORGE_FLAVORS: dict[str, tuple[str, ...]] = {
     "llama3": ("tiny", "small", "medium"),
+    "qwen2": ("tiny",),
     "qwen3": ("tiny", "small", "medium"),
 }
 
@@ -19,6 +25,7 @@ FORGE_FLAVORS: dict[str, tuple[str, ...]] = {
 # HF export needs Qwen3MoeConfig and expert splitting, which forgeflow does not handle.
 TITAN_FLAVORS: dict[str, tuple[str, ...]] = {
     "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
+    "qwen2": (),  # torchtitan has no qwen2 registry: real Qwen2.5 sizes come from their config.json (auto)
     "qwen3": ("debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
 }
 
@@ -31,10 +38,10 @@ def flavor_errors(family: str, flavor: str) -> list[str]:
     """Config-style messages for an unknown family or flavor (empty when both are valid)."""
     if family not in FLAVORS:
         return [f"model.family={family!r}: unknown model family; valid families: {list(FAMILIES)}"]
-    if flavor not in FLAVORS[family]:
+    if flavor != AUTO_FLAVOR and flavor not in FLAVORS[family]:
         message = (
-            f"model.flavor={flavor!r}: unknown flavor for model.family={family!r}; "
-            f"valid flavors: {list(FLAVORS[family])}"
+            f"model.flavor={flavor!r}: unknown flavor for model.family={family!r}; valid flavors: "
+            f"{list(FLAVORS[family])}, or {AUTO_FLAVOR!r} for the architecture of model.hf_path's config.json"
         )
         return [message]
     return []

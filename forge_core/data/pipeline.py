@@ -8,8 +8,10 @@ As a worker: `python -m forge_core.run prepare --spec <output_uri>/_spec.json` (
 The artifact (kind `data`) holds `sft.parquet`, `rl_prompts.parquet`, `eval.parquet`, `rejects.parquet` and
 `tokenizer/` (see forge_core.data.schemas). Where rows go:
 - demo task: its own disjoint splits (data.demo): sft -> sft, rl -> rl_prompts, eval -> eval;
-- a file source: each valid row goes to eval when a hash of its prompt and the seed falls under
-  data.eval_fraction (a prompt never lands on both sides), otherwise to both sft and rl_prompts.
+- a file source: disjoint splits by a hash of each row's prompt and the seed (`SplitAssigner`: a prompt never
+  lands in two splits, the same seed gives the same splits): eval below data.eval_fraction, rl_prompts in the
+  next data.rl_fraction, sft the rest; with data.rl_reuses_sft every non-eval row goes to both sft and
+  rl_prompts. The manifest records how (`splits`).
 The source streams in batches of data.batch_rows rows (one Parquet row group each), so memory does not grow
 with the row count. Identical inputs and config give byte-identical files.
 """
@@ -25,7 +27,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from forge_core.config import RunConfig, config_to_dict
-from forge_core.data import demo
+from forge_core.data import demo, generated
 from forge_core.data.layouts import ExampleBatch, Layout, layout_from_config
 from forge_core.data.rejects import Reject, RejectCounter, RejectReason, check_reject_share
 from forge_core.data.schemas import TABLES, TOKENIZER_DIR, prompt_id, prompts_batch, rejects_batch, sft_batch
@@ -37,6 +39,7 @@ from forge_core.data.tokenizer import (
     train_demo_tokenizer,
     train_text_tokenizer,
 )
+from forge_core.data.traces import encode_trace, is_trace
 from forge_core.stages import stage_named
 from forge_core.storage import Manifest, ObjectStore
 from forge_core.storage.uris import split_scheme
@@ -44,7 +47,9 @@ from forge_core.storage.uris import split_scheme
 log = logging.getLogger(__name__)
 
 DEMO_SOURCE = "demo"
-TRAIN_DESTINATIONS = ("sft", "rl_prompts")
+TRAIN_DESTINATIONS = ("sft", "rl_prompts")  # data.rl_reuses_sft: the same rows for SFT and RL
+SFT_DESTINATIONS = ("sft",)
+RL_DESTINATIONS = ("rl_prompts",)
 EVAL_DESTINATIONS = ("eval",)
 DEMO_DESTINATIONS = {"sft": ("sft",), "rl": ("rl_prompts",), "eval": ("eval",)}
 
@@ -63,6 +68,8 @@ class Chunk:
 class TokenizedExamples:
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]  # each ends with EOS
+    # Per row: the loss mask of a multi-turn trace's completion (forge_core.data.traces); None = all ones.
+    completion_masks: list[list[int] | None] | None = None
 
 
 def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifest:
@@ -96,6 +103,7 @@ def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifes
         "seconds": seconds,
         "wall_s": seconds,  # the stage body's wall time under the name every stage uses
         "rows_per_s": counter.rows_read / seconds if seconds > 0 else 0.0,
+        "splits": split_record(cfg),
     }
     return writer.commit(config=stage_config(cfg), inputs={}, metrics=metrics)
 
@@ -109,6 +117,9 @@ def _open_source(cfg: RunConfig, store: ObjectStore) -> tuple[HFTokenizer, bool,
         )
         tokenizer = _tokenizer(cfg, store, lambda: _demo_texts(splits["sft"]))
         return tokenizer, True, _demo_chunks(splits, data.batch_rows)
+    if generated.is_generated(data.source):
+        tokenizer = _tokenizer(cfg, store, lambda: generated.generated_texts(cfg))
+        return tokenizer, True, _generated_chunks(cfg, data.batch_rows)
     options = storage_options_for(data.source, store)
     tokenizer = _tokenizer(cfg, store, lambda: _source_texts(cfg, options))
     layout = layout_from_config(data, tokenizer.chat_template, tokenizer.special_tokens)
@@ -145,6 +156,13 @@ def storage_options_for(uri: str, store: ObjectStore) -> dict:
     return dict(store.storage_options) if split_scheme(uri)[0] == store.scheme else {}
 
 
+def config_storage_options(uri: str, cfg: RunConfig) -> dict:
+    """`storage_options_for` without a store at hand (preflight): the options cfg.storage gives `uri`."""
+    if "://" not in uri or uri.startswith("file://"):
+        return {}
+    return storage_options_for(uri, ObjectStore.from_config(cfg.storage))
+
+
 # --- tokenizer ---------------------------------------------------------------------------------------------
 
 
@@ -155,6 +173,10 @@ def _tokenizer(cfg: RunConfig, store: ObjectStore, training_texts: Callable[[], 
         tokenizer = load_tokenizer(settings.path, storage_options_for(settings.path, store))
     elif cfg.data.source == DEMO_SOURCE:
         tokenizer = train_demo_tokenizer(training_texts(), settings.vocab_size, cfg.data.max_seq_len, demo.ALPHABET)
+    elif cfg.data.source == generated.TOOLS_DEMO_SOURCE:
+        tokenizer = train_demo_tokenizer(
+            training_texts(), settings.vocab_size, cfg.data.max_seq_len, generated.TOOLS_ALPHABET
+        )
     else:
         tokenizer = train_text_tokenizer(training_texts(), settings.vocab_size, cfg.data.max_seq_len)
     if settings.chat_template is not None:
@@ -175,7 +197,7 @@ def _source_texts(cfg: RunConfig, options: dict) -> Iterator[str]:
     tokens every trained BPE has."""
     layout = layout_from_config(cfg.data, cfg.data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS)
     for chunk in _source_chunks(cfg, layout, options):
-        if chunk.destinations == TRAIN_DESTINATIONS:
+        if chunk.destinations != EVAL_DESTINATIONS:
             for prompt, completion in zip(chunk.examples.prompts, chunk.examples.completions):
                 yield prompt
                 yield completion
@@ -195,30 +217,86 @@ def _demo_chunks(splits: dict[str, list[demo.AdditionExample]], batch_rows: int)
             yield Chunk(batch, destinations, [], len(batch))
 
 
+def _generated_chunks(cfg: RunConfig, batch_rows: int) -> Iterator[Chunk]:
+    for split, batch in generated.generated_batches(cfg, batch_rows):
+        yield Chunk(batch, DEMO_DESTINATIONS[split], [], len(batch))
+
+
 def _source_chunks(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[Chunk]:
     data = cfg.data
-    held_out = EvalSplitter(cfg.seed, data.eval_fraction)
+    assign = SplitAssigner.from_config(cfg)
     for raw in read_source(data.source, data.format, layout.fields, data.batch_rows, options):
         examples, rejects = layout.to_examples(raw)
-        eval_rows = [i for i, prompt in enumerate(examples.prompts) if held_out(prompt)]
-        if eval_rows:
-            eval_set = set(eval_rows)
-            train_rows = [i for i in range(len(examples)) if i not in eval_set]
-            yield Chunk(examples.take(train_rows), TRAIN_DESTINATIONS, raw.rejects + rejects, raw.rows_read)
-            yield Chunk(examples.take(eval_rows), EVAL_DESTINATIONS, [], 0)
-        else:
-            yield Chunk(examples, TRAIN_DESTINATIONS, raw.rejects + rejects, raw.rows_read)
+        by_split: dict[tuple[str, ...], list[int]] = {}
+        for i, prompt in enumerate(examples.prompts):
+            by_split.setdefault(assign(prompt), []).append(i)
+        for index, (destinations, rows) in enumerate(list(by_split.items()) or [(SFT_DESTINATIONS, [])]):
+            # The batch's rejects and rows read are counted once, with its first chunk.
+            first = index == 0
+            yield Chunk(
+                examples.take(rows), destinations, raw.rejects + rejects if first else [], raw.rows_read if first else 0
+            )
 
 
-class EvalSplitter:
-    """`splitter(prompt)` is True for held-out prompts: crc32 of the prompt, salted by the seed, under a cut."""
+def reference_examples(cfg: RunConfig, limit: int = 16) -> ExampleBatch | None:
+    """The first `limit` valid examples of data.source as the prepare stage reads them (prompt, reference
+    completion, ground truth): what preflight dry-runs the rewards on. None for generated sources."""
+    data = cfg.data
+    if data.source == DEMO_SOURCE:
+        splits = demo.generate_splits(data.demo.num_digits, limit, 1, 1, cfg.seed)
+        return next(_demo_chunks({"sft": splits["sft"], "rl": [], "eval": []}, limit)).examples
+    if generated.is_generated(data.source):
+        return None
+    if data.tokenizer.path is not None:
+        tokenizer = load_tokenizer(data.tokenizer.path, config_storage_options(data.tokenizer.path, cfg))
+        template, special = data.tokenizer.chat_template or tokenizer.chat_template, tokenizer.special_tokens
+    else:
+        template, special = data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS
+    layout = layout_from_config(data, template, special)
+    for raw in read_source(data.source, data.format, layout.fields, limit, config_storage_options(data.source, cfg)):
+        examples, _ = layout.to_examples(raw)
+        if len(examples):
+            return examples
+    return ExampleBatch(data.source)
 
-    def __init__(self, seed: int, fraction: float) -> None:
+
+class SplitAssigner:
+    """`assign(prompt)` -> the tables a row goes to: crc32 of the prompt salted by the seed, as a share u of
+    2**32, puts it in eval when u < eval_fraction, in rl_prompts when u < eval_fraction + rl_fraction, else in
+    sft (with `rl_reuses_sft`, every non-eval row in sft and rl_prompts). Disjoint by construction and the
+    same for the same seed; the eval cut is the one earlier versions used, so eval splits did not move."""
+
+    def __init__(self, seed: int, eval_fraction: float, rl_fraction: float, rl_reuses_sft: bool) -> None:
         self._salt = zlib.crc32(f"forgeflow-eval-split:{seed}".encode())
-        self._cut = int(fraction * 2**32)
+        self._eval_cut = int(eval_fraction * 2**32)
+        self._rl_cut = int((eval_fraction + (0.0 if rl_reuses_sft else rl_fraction)) * 2**32)
+        self._rl_reuses_sft = rl_reuses_sft
 
-    def __call__(self, prompt: str) -> bool:
-        return zlib.crc32(prompt.encode("utf-8"), self._salt) < self._cut
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> SplitAssigner:
+        return cls(cfg.seed, cfg.data.eval_fraction, cfg.data.rl_fraction, cfg.data.rl_reuses_sft)
+
+    def __call__(self, prompt: str) -> tuple[str, ...]:
+        u = zlib.crc32(prompt.encode("utf-8"), self._salt)
+        if u < self._eval_cut:
+            return EVAL_DESTINATIONS
+        if self._rl_reuses_sft:
+            return TRAIN_DESTINATIONS
+        return RL_DESTINATIONS if u < self._rl_cut else SFT_DESTINATIONS
+
+
+def split_record(cfg: RunConfig) -> dict:
+    """How the rows were split, for the data artifact's manifest."""
+    data = cfg.data
+    if data.source == DEMO_SOURCE:
+        return {"method": "demo task: disjoint operand pairs (data.demo)", "seed": cfg.seed}
+    return {
+        "method": "crc32 of the prompt salted by the seed (forge_core.data.pipeline.SplitAssigner)",
+        "seed": cfg.seed,
+        "eval_fraction": data.eval_fraction,
+        "rl_fraction": None if data.rl_reuses_sft else data.rl_fraction,
+        "rl_reuses_sft": data.rl_reuses_sft,
+    }
 
 
 # --- tokenizing and writing --------------------------------------------------------------------------------
@@ -242,6 +320,22 @@ def end_with_eos(ids: list[int], eos_id: int) -> list[int]:
     return ids
 
 
+def _encode_completions(
+    completions: list[str], encode: Callable, eos_id: int
+) -> tuple[list[list[int]], list[list[int] | None]]:
+    """Completion ids ending in EOS, and per row the loss mask of a multi-turn trace (None for a plain one)."""
+    plain = [end_with_eos(e.ids, eos_id) for e in encode(completions, add_special_tokens=False)]
+    masks: list[list[int] | None] = [None] * len(completions)
+    for row, completion in enumerate(completions):
+        if is_trace(completion):
+            plain[row], masks[row] = encode_trace(
+                completion,
+                lambda segments: [e.ids for e in encode(segments, add_special_tokens=False)],
+                lambda ids: end_with_eos(ids, eos_id),
+            )
+    return plain, masks
+
+
 def tokenize_chunk(
     examples: ExampleBatch, tokenizer: HFTokenizer, add_special_tokens: bool, max_seq_len: int
 ) -> tuple[ExampleBatch, TokenizedExamples, list[Reject]]:
@@ -251,10 +345,10 @@ def tokenize_chunk(
     encode = _encoder(tokenizer.backend)
     prompt_ids = [e.ids for e in encode(examples.prompts, add_special_tokens=add_special_tokens)]
     eos_id = tokenizer.eos_id
-    completion_ids = [end_with_eos(e.ids, eos_id) for e in encode(examples.completions, add_special_tokens=False)]
+    completion_ids, completion_masks = _encode_completions(examples.completions, encode, eos_id)
     too_long = [i for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)) if len(p) + len(c) > max_seq_len]
     if not too_long:
-        return examples, TokenizedExamples(prompt_ids, completion_ids), []
+        return examples, TokenizedExamples(prompt_ids, completion_ids, completion_masks), []
     rejects = [
         Reject(
             examples.source,
@@ -268,7 +362,9 @@ def tokenize_chunk(
     ]
     dropped = set(too_long)
     keep = [i for i in range(len(examples)) if i not in dropped]
-    tokenized = TokenizedExamples([prompt_ids[i] for i in keep], [completion_ids[i] for i in keep])
+    tokenized = TokenizedExamples(
+        [prompt_ids[i] for i in keep], [completion_ids[i] for i in keep], [completion_masks[i] for i in keep]
+    )
     return examples.without(too_long), tokenized, rejects
 
 
@@ -282,7 +378,9 @@ def _write_chunk(tables, rows: dict[str, int], examples: ExampleBatch, tokenized
     ids = [prompt_id(p, g) for p, g in zip(examples.prompts, examples.ground_truths)]
     for split in destinations:
         if split == "sft":
-            batch = sft_batch(tokenized.prompt_ids, tokenized.completion_ids, ids)
+            batch = sft_batch(
+                tokenized.prompt_ids, tokenized.completion_ids, ids, examples.ground_truths, tokenized.completion_masks
+            )
         else:
             batch = prompts_batch(examples, tokenized.prompt_ids, ids)
         tables[split].write_batch(batch)

@@ -32,7 +32,7 @@ class RejectThresholdExceeded(ValueError):
 @dataclass(frozen=True)
 class Reject:
     source: str  # the file (URI) or generator the row came from
-    source_row: int  # 0-based row (JSONL: line) number inside that source; CSV: the 1-based line number
+    source_row: int  # 1-based: the line number (JSONL, CSV) or row number (Parquet, save_to_disk) in that source
     reason: RejectReason
     detail: str
     raw: str  # the row as read, for inspection with any Parquet tool

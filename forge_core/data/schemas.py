@@ -2,7 +2,7 @@
 
 | file | one row per | columns |
 | --- | --- | --- |
-| `sft.parquet` | SFT example | prompt_id, input_ids (prompt + completion + EOS), loss_mask (1 on completion tokens incl. EOS), length, prompt_length |
+| `sft.parquet` | SFT example | prompt_id, input_ids (prompt + completion + EOS), loss_mask (1 on completion tokens incl. EOS), length, prompt_length, ground_truth (what a verifier checks; SFT validation) |
 | `rl_prompts.parquet`, `eval.parquet` | prompt | prompt_id, prompt, prompt_ids, prompt_length, ground_truth, source, source_row, metadata (JSON text) |
 | `rejects.parquet` | rejected source row | source, source_row, reason, detail, raw |
 
@@ -30,6 +30,7 @@ SFT_SCHEMA = pa.schema(
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
         pa.field("length", pa.int32(), nullable=False),
         pa.field("prompt_length", pa.int32(), nullable=False),
+        pa.field("ground_truth", pa.string(), nullable=False),
     ]
 )
 
@@ -83,8 +84,16 @@ def _token_lists(sequences: list[list[int]], lengths: np.ndarray) -> pa.ListArra
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), type=TOKEN_IDS)
 
 
-def sft_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], ids: list[str]) -> pa.RecordBatch:
-    """SFT rows: input_ids = prompt + completion (which already ends with EOS); loss on the completion."""
+def sft_batch(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    ids: list[str],
+    ground_truths: list[str],
+    completion_masks: list[list[int] | None] | None = None,
+) -> pa.RecordBatch:
+    """SFT rows: input_ids = prompt + completion (which already ends with EOS); loss on the completion; the
+    ground truth a verifier checks a generated completion against (SFT validation: forge_core.trainers.validation).
+    `completion_masks` (per row, None = all ones) marks the model's tokens of a multi-turn trace."""
     prompt_lengths = _lengths(prompt_ids)
     completion_lengths = _lengths(completion_ids)
     lengths = prompt_lengths + completion_lengths
@@ -95,6 +104,12 @@ def sft_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], ids:
     # Each row's mask is prompt_length zeros then completion_length ones: repeat [0, 1] by those counts.
     counts = np.column_stack([prompt_lengths, completion_lengths]).ravel()
     mask = np.repeat(np.tile(np.array([0, 1], dtype=np.int8), len(lengths)), counts)
+    if completion_masks is not None and any(m is not None for m in completion_masks):
+        # Multi-turn traces (forge_core.data.traces): loss on the model's turns only, not on observations.
+        for row, completion_mask in enumerate(completion_masks):
+            if completion_mask is not None:
+                start = offsets[row] + prompt_lengths[row]
+                mask[start : offsets[row + 1]] = completion_mask
     offsets_array = pa.array(offsets)
     columns = [
         pa.array(ids, type=pa.string()),
@@ -102,6 +117,7 @@ def sft_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], ids:
         pa.ListArray.from_arrays(offsets_array, pa.array(mask), type=pa.list_(pa.int8())),
         pa.array(lengths),
         pa.array(prompt_lengths),
+        pa.array(ground_truths, type=pa.string()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=SFT_SCHEMA)
 

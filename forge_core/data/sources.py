@@ -63,7 +63,7 @@ class RawBatch:
     """Up to `batch_rows` rows of one file: readable rows as columns, unreadable rows as rejects."""
 
     source: str
-    rows: list[int]  # 0-based row number of each readable row (JSONL: line number)
+    rows: list[int]  # 1-based row of each readable row: JSONL/CSV its line number, Parquet/Arrow its row number
     columns: dict[str, list]
     rejects: list[Reject] = field(default_factory=list)
 
@@ -256,11 +256,11 @@ def _read_jsonl(fs, source_file: SourceFile, fields: dict[str, pa.DataType], bat
 
 
 def _jsonl_blocks(fs, path: str, batch_rows: int) -> Iterator[tuple[list[bytes], list[int]]]:
-    """Up to `batch_rows` non-blank lines at a time, with their 0-based line numbers."""
+    """Up to `batch_rows` non-blank lines at a time, with their 1-based line numbers (what an editor shows)."""
     lines: list[bytes] = []
     rows: list[int] = []
     with fs.open(path, "rb") as f:
-        for number, line in enumerate(_iter_lines(f)):
+        for number, line in enumerate(_iter_lines(f), start=1):
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not records
             lines.append(line)
@@ -349,15 +349,16 @@ def _rebatch(batches, batch_rows: int) -> Iterator[pa.RecordBatch]:
 
 
 def _arrow_batch(
-    source: str, batch: pa.RecordBatch, first_row: int, names: list[str], reject_rows: list[int] | None = None
+    source: str, batch: pa.RecordBatch, first_row: int, names: list[str], row_numbers: list[int] | None = None
 ) -> RawBatch:
     """Python columns of an Arrow batch; rows holding invalid UTF-8 become rejects one by one.
 
-    A reject's `source_row` is `reject_rows[i]` when given (CSV: the line number), else `first_row + i`."""
+    Row i is numbered `row_numbers[i]` when given (CSV: its line number), else `first_row + i`."""
     batch = batch.select(names)
+    numbers = row_numbers if row_numbers is not None else list(range(first_row, first_row + batch.num_rows))
     try:
         batch.validate(full=True)
-        return RawBatch(source, list(range(first_row, first_row + batch.num_rows)), batch.to_pydict())
+        return RawBatch(source, list(numbers), batch.to_pydict())
     except pa.ArrowInvalid:
         pass
     result = RawBatch(source, [], {name: [] for name in names})
@@ -367,10 +368,9 @@ def _arrow_batch(
             row.validate(full=True)
         except pa.ArrowInvalid as exc:
             detail = f"invalid UTF-8: {exc}"
-            where = reject_rows[i] if reject_rows is not None else first_row + i
-            result.rejects.append(Reject(source, where, RejectReason.INVALID_UTF8, detail, _raw_bytes(row)))
+            result.rejects.append(Reject(source, numbers[i], RejectReason.INVALID_UTF8, detail, _raw_bytes(row)))
             continue
-        result.rows.append(first_row + i)
+        result.rows.append(numbers[i])
         for name, values in row.to_pydict().items():
             result.columns[name].append(values[0])
     return result
@@ -391,7 +391,7 @@ def _read_parquet(fs, source_file: SourceFile, fields: dict[str, pa.DataType], b
     with fs.open(source_file.path, "rb") as f:
         parquet = pq.ParquetFile(f)
         _check_columns(source_file.uri, parquet.schema_arrow.names, fields)
-        first_row = 0
+        first_row = 1  # rows are numbered from 1, as every reject and source_row is
         for batch in parquet.iter_batches(batch_size=batch_rows, columns=names):
             yield _arrow_batch(source_file.uri, batch, first_row, names)
             first_row += batch.num_rows
@@ -487,7 +487,7 @@ def _without_large_fields(
     largest = sizes[0] if len(sizes) == 1 else pc.max_element_wise(*sizes)
     too_large = pc.greater(largest, CSV_MAX_FIELD_BYTES).to_pylist()
     if not any(too_large):
-        return _arrow_batch(source, batch, first_row, names, reject_rows=lines)
+        return _arrow_batch(source, batch, first_row, names, row_numbers=lines)
     result = RawBatch(source, [], {name: [] for name in names})
     for i, large in enumerate(too_large):
         if large:
@@ -500,7 +500,7 @@ def _without_large_fields(
             preview = {n: _text_preview(batch.column(n).slice(i, 1)) for n in names}
             result.rejects.append(Reject(source, lines[i], RejectReason.FIELD_TOO_LARGE, detail, raw_text(preview)))
             continue
-        row = _arrow_batch(source, batch.slice(i, 1), first_row + i, names, reject_rows=[lines[i]])
+        row = _arrow_batch(source, batch.slice(i, 1), first_row + i, names, row_numbers=[lines[i]])
         result.rows += row.rows
         result.rejects += row.rejects
         for name in names:
@@ -521,7 +521,7 @@ def _read_hf_disk(fs, source_file: SourceFile, fields: dict[str, pa.DataType], b
     data_files = [_hf_data_file(source_file.uri, entry) for entry in state.get("_data_files", [])]
     if not data_files:
         raise DataSourceError(f"{source_file.uri}: {HF_STATE_FILE} lists no _data_files; re-save the dataset")
-    first_row = 0
+    first_row = 1  # rows are numbered from 1 across the data files, as every reject and source_row is
     for filename in data_files:
         with fs.open(f"{root}/{filename}", "rb") as f:
             reader = pa.ipc.open_stream(f)

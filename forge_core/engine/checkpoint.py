@@ -10,10 +10,13 @@ A checkpoint without a manifest does not exist; one whose files do not match the
 resume falls back to the previous committed one (with a warning naming the corrupt file).
 
 Retention: after each commit rank 0 deletes the committed checkpoints beyond the newest
-`storage.keep_checkpoints` (manifest first, then files), never the newest one.
+`storage.keep_checkpoints` (manifest first, then files), never the newest one, and never one that a kept
+checkpoint pins: `save(..., pins=[step])` records steps the run still needs (SFT's best validation so far,
+whose weights the stage exports), so retention keeps them however old they are.
 
     ckpt = Checkpointer(store, output_uri, dist_ctx, stage="sft", config=cfg_dict, inputs={"data": data_uri})
     ckpt.save(step, {"model": ModelState(model), "optimizer": opt, "lr_scheduler": sched}, data_cursor)
+    ckpt.save(step, components, data_cursor, pins=[best_step])     # retention keeps step-<best_step> too
     resume = ckpt.load_latest(same_components)      # ResumeState(step, data_cursor, uri) or None
     ref = latest_committed_checkpoint(store, output_uri)
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +56,7 @@ from forge_core.storage.retry import is_transient
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KIND = "checkpoint"
+PINS_METRIC = "pins"  # manifest metric: steps whose checkpoints retention must keep while this one is kept
 _STEP_DIR = re.compile(r"step-(\d+)$")
 _VERIFY_CHUNK_BYTES = 8 * 2**20
 
@@ -101,12 +106,20 @@ def latest_committed_checkpoint(store: ObjectStore, output_uri: str) -> Checkpoi
     return refs[0] if refs else None
 
 
+def pinned_steps(store: ObjectStore, ref: CheckpointRef) -> list[int]:
+    """The steps a checkpoint pins (`Checkpointer.save(..., pins=...)`), from its manifest."""
+    return [int(step) for step in store.read_manifest(ref.uri).metrics.get(PINS_METRIC, [])]
+
+
 def prune_checkpoints(store: ObjectStore, output_uri: str, keep: int) -> list[CheckpointRef]:
-    """Delete the committed checkpoints of `output_uri` beyond the newest `keep` (>= 1); returns those deleted.
+    """Delete the committed checkpoints of `output_uri` beyond the newest `keep` (>= 1), except those a kept one
+    pins; returns those deleted.
 
     Each is un-committed first (manifest, then files), so nothing half-deleted ever looks committed."""
     assert keep >= 1, f"keep={keep}: the newest checkpoint always stays"
-    doomed = committed_checkpoints(store, output_uri)[keep:]
+    refs = committed_checkpoints(store, output_uri)
+    pinned = {step for ref in refs[:keep] for step in pinned_steps(store, ref)}
+    doomed = [ref for ref in refs[keep:] if ref.step not in pinned]
     for ref in doomed:
         store.delete_artifact(ref.uri)
     return doomed
@@ -191,8 +204,11 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------------------------
 
-    def save(self, step: int, components: dict[str, Stateful], data_cursor: dict) -> CheckpointRef:
+    def save(
+        self, step: int, components: dict[str, Stateful], data_cursor: dict, pins: Sequence[int] = ()
+    ) -> CheckpointRef:
         """Collective: every rank writes its shards, then rank 0 commits the manifest. Returns the checkpoint.
+        `pins`: earlier steps whose checkpoints retention keeps as long as this one is kept.
 
         A step that is already committed (e.g. saved again right after resuming) is left as it is."""
         ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
@@ -212,7 +228,7 @@ class Checkpointer:
                 raise RetryableStageError(f"checkpoint {ref.uri}: writing shards failed: {exc}") from exc
             raise
         per_rank = gather_objects(writer.written_files)
-        failure = broadcast_object(self._commit(ref, per_rank) if self.dist.is_rank0 else None)
+        failure = broadcast_object(self._commit(ref, per_rank, pins) if self.dist.is_rank0 else None)
         if failure:
             message, retryable = failure
             # A storage outage at the commit point is worth a retry (it resumes from the previous checkpoint).
@@ -224,13 +240,16 @@ class Checkpointer:
         barrier()
         return ref
 
-    def _commit(self, ref: CheckpointRef, per_rank: list[dict[str, FileEntry]]) -> tuple[str, bool] | None:
+    def _commit(
+        self, ref: CheckpointRef, per_rank: list[dict[str, FileEntry]], pins: Sequence[int]
+    ) -> tuple[str, bool] | None:
         """Rank 0: commit the files every rank hashed while writing. None, or (what failed, whether a retry
         may succeed)."""
         writer = self._writer
+        metrics = {"step": ref.step, **({PINS_METRIC: sorted(set(pins))} if pins else {})}
         try:
             writer.adopt_hashed({rel: entry for files in per_rank for rel, entry in files.items()})
-            writer.commit(config=self.config, inputs=self.inputs, metrics={"step": ref.step})
+            writer.commit(config=self.config, inputs=self.inputs, metrics=metrics)
         except ArtifactAlreadyCommitted as exc:
             # Another attempt (a zombie or concurrent run) committed this step first: its checkpoint is as good.
             log.warning("checkpoint %s: %s; using that one", ref.uri, exc)
@@ -301,6 +320,27 @@ class Checkpointer:
         restore_rng_state(state["rng"].loaded, self.dist.device)
         log.info("resumed from %s (step %d)", ref.uri, train_state.step)
         return ResumeState(step=train_state.step, data_cursor=train_state.data_cursor, uri=ref.uri)
+
+    def load_step(self, step: int, components: dict[str, Stateful]) -> ResumeState:
+        """Collective: restore the committed checkpoint of `step`, verified first, into `components` (e.g. only
+        the model's weights). CheckpointCorrupted when it is not committed or does not verify."""
+        ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
+        problem = broadcast_object(self._verify_problem(ref) if self.dist.is_rank0 else None)
+        if problem:
+            raise CheckpointCorrupted(
+                f"{problem}; delete the stage's output prefix {self.output_uri} to run the stage afresh"
+            )
+        return self.load(ref, components)
+
+    def _verify_problem(self, ref: CheckpointRef) -> str | None:
+        """Rank 0: why `ref` cannot be loaded, or None."""
+        if not self.store.is_committed(ref.uri):
+            return f"checkpoint {ref.uri} is not committed"
+        try:
+            verify_checkpoint(self.store, ref)
+        except ArtifactCorrupted as exc:
+            return f"checkpoint {ref.uri} is corrupt: {exc}"
+        return None
 
     def _choose_checkpoint(self) -> CheckpointRef | str | None:
         """Rank 0: newest verifying checkpoint, None when there is none, or an error message when all fail."""

@@ -37,6 +37,8 @@ from forge_core.engine.parallel import (
 from forge_core.engine.preflight import HostDevices, training_device_problems
 from forge_core.engine.rng import seed_everything
 from forge_core.models import (
+    Architecture,
+    HFModelInfo,
     attention_choice,
     build_model_config,
     flops_per_token,
@@ -45,6 +47,7 @@ from forge_core.models import (
     load_hf_folder,
     num_params,
 )
+from forge_core.models.flavors import flavor_architecture, from_scratch_flavor
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +84,12 @@ class Engine(Configurable):
         training: TrainingConfig = field(default_factory=TrainingConfig)
         optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
         seed: int = 0
-        # Local HF folder to start from (download storage URIs first); None = random init from `seed`.
+        # Local HF folder to start from (download storage URIs first; rank 0 reads it); None = random init.
         init_weights_dir: str | None = None
+        # What that folder's config.json says (forge_core.models.read_hf_info; every rank needs it): the model
+        # is built with its architecture (`model.flavor: auto`, or a flavor that must match) and exports keep
+        # its facts (context length, RoPE, generation config).
+        checkpoint: HFModelInfo | None = None
 
         @classmethod
         def from_run_config(
@@ -92,6 +99,7 @@ class Engine(Configurable):
             optimizer: OptimizerConfig,
             total_steps: int,
             init_weights_dir: str | None = None,
+            checkpoint: HFModelInfo | None = None,
         ) -> Engine.Config:
             return cls(
                 model=cfg.model,
@@ -101,6 +109,7 @@ class Engine(Configurable):
                 optimizer=optimizer,
                 seed=cfg.seed,
                 init_weights_dir=init_weights_dir,
+                checkpoint=checkpoint,
             )
 
     def __init__(self, config: Config) -> None:
@@ -137,9 +146,20 @@ class Engine(Configurable):
 
     # ---- build steps --------------------------------------------------------------------------------------
 
+    @property
+    def architecture(self) -> Architecture | None:
+        """The checkpoint's architecture the model is built with (None: the configured flavor's)."""
+        return self.config.checkpoint.architecture if self.config.checkpoint is not None else None
+
     def _build_model_config(self):
         cfg = self.config
-        model_config = build_model_config(cfg.model, cfg.vocab_size, attention=self.attention)
+        if cfg.checkpoint is not None:
+            problem = cfg.checkpoint.context_problem(cfg.model.max_seq_len, "its config.json")
+            if problem:
+                raise ValueError(problem)
+        model_config = build_model_config(
+            cfg.model, cfg.vocab_size, attention=self.attention, architecture=self.architecture
+        )
         if self.parallel_dims.tp_enabled:
             add_tp_sharding(model_config, cfg.model.family)
         return model_config
@@ -163,7 +183,9 @@ class Engine(Configurable):
         """Rank 0: the unsharded starting weights (HF checkpoint, or random init from the seed) on CPU."""
         if self.config.init_weights_dir is not None:
             return self._read_hf_weights(self.config.init_weights_dir)
-        cpu_config = build_model_config(self.config.model, self.config.vocab_size, attention="sdpa")
+        cpu_config = build_model_config(
+            self.config.model, self.config.vocab_size, attention="sdpa", architecture=self.architecture
+        )
         with torch.device("meta"):
             unsharded = cpu_config.build()
         init_weights(unsharded, seed=self.config.seed, device="cpu")
@@ -171,12 +193,14 @@ class Engine(Configurable):
 
     def _read_hf_weights(self, folder: str) -> dict[str, torch.Tensor]:
         state_dict, info = load_hf_folder(folder)
-        expected = (self.config.model.family, self.config.model.flavor, self.config.vocab_size)
-        found = (info.family, info.flavor, info.vocab_size)
+        # The model was built from `checkpoint` (or the flavor); the weights must be that folder's own.
+        model = self.config.model
+        built = self.architecture or flavor_architecture(model.family, from_scratch_flavor(model.flavor))
+        found, expected = (info.architecture, info.vocab_size), (built, self.config.vocab_size)
         if found != expected:
             raise ValueError(
-                f"model.hf_path={folder}: holds family/flavor/vocab {found}, but the run is configured for "
-                f"{expected}; set model.family/model.flavor to match the checkpoint"
+                f"model.hf_path={folder}: holds architecture/vocab {found}, but the model was built as "
+                f"{expected}; pass the folder's own read_hf_info as Engine.Config.checkpoint"
             )
         return state_dict
 

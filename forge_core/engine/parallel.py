@@ -188,7 +188,7 @@ def add_tp_sharding(model_config, family: str, *, sequence_parallel: bool = True
         from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
         set_llama3_sharding_config(model_config, enable_sp=sequence_parallel)
-    elif family == "qwen3":
+    elif family in ("qwen2", "qwen3"):  # qwen2 is qwen3's decoder (forge_core.models.flavors.Qwen2Model)
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
         set_qwen3_sharding_config(model_config, enable_sp=sequence_parallel, enable_ep=False)

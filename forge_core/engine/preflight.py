@@ -1,8 +1,13 @@
-"""Host preflight: a config that asks for GPUs on a host without a usable one is an error, never a silent run
-on CPU. The config loader checks what a config means anywhere; this checks whether *this host* can run it.
+"""Preflight: what can be checked before anything runs, every problem at once with its fix. The config loader
+checks what a config means anywhere; this checks whether it can run *here*: this host (a config that asks for
+GPUs on a host without a usable one is an error, never a silent run on CPU), and what the run reads and writes
+(`input_problems`: the store root, model.hf_path and whether its checkpoint fits the model settings and
+model.max_seq_len, data.tokenizer.path, data.source). Callers add checks of layers above this one through
+`checks` (flows.preflight: the reward dry run on the data, the Prefect pools and their GPU limits).
 
     preflight(cfg, stages=("sft", "grpo"))       # PreflightError (a ValueError) listing every problem at once
     problems = preflight_problems(cfg, ("rollout",), HostDevices.probe())   # the same, as a list
+    preflight(cfg, [], checks=(input_problems,))  # no host checks (the stages run elsewhere), inputs only
 
 Call it where the stages will run: `forgeflow validate --here`, the flow's start for the stages it runs in its
 own process, and a stage worker for its own stage (before torchrun starts ranks). What asks for a GPU:
@@ -18,10 +23,12 @@ key (rank 0 of every training stage would fail at its first log).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import netrc
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 from forge_core.config.schema import RunConfig, TrainingConfig
@@ -211,27 +218,152 @@ def wandb_key_problems(cfg: RunConfig) -> list[str]:
     return [problem]
 
 
+# A check of what a run needs besides this host's devices: cfg -> problems, each with its fix.
+Check = Callable[[RunConfig], list[str]]
+
+
+def _file_system(uri: str, cfg: RunConfig):
+    """fsspec file system and path of a local path or storage URI (S3 with the store's endpoint)."""
+    import fsspec
+
+    from forge_core.credentials import reveal_url
+    from forge_core.data.pipeline import config_storage_options
+
+    if "://" not in uri or uri.startswith("file://"):
+        return fsspec.filesystem("file"), uri.removeprefix("file://")
+    return fsspec.core.url_to_fs(reveal_url(uri), **config_storage_options(uri, cfg))
+
+
+def _store_problems(cfg: RunConfig) -> list[str]:
+    """The store root can be reached: a local folder that can be created or written, or an existing bucket."""
+    root = cfg.storage.root
+    if "://" not in root or root.startswith("file://"):
+        folder = Path(root.removeprefix("file://")).expanduser().absolute()
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return [f"storage.root={root!r}: {existing} is not writable by this user; fix it or choose another"]
+        return []
+    if root.startswith("memory://"):
+        return []
+    from forge_core.storage import ObjectStore
+
+    try:  # no retries: an unreachable store is reported now, not ridden out for storage.retry_horizon_s
+        store = ObjectStore(root, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region, retries=0)
+        store.exists(store.root)
+    except Exception as exc:  # noqa: BLE001 - every failure to reach the store is the problem reported
+        unreachable = (
+            f"storage.root={root!r}: cannot reach the store ({type(exc).__name__}: {exc}); check the bucket, "
+            "storage.endpoint_url and the AWS_* credentials"
+        )
+        return [unreachable]
+    return []
+
+
+def _folder_problems(key: str, uri: str | None, needs: tuple[str, ...], what: str, cfg: RunConfig) -> list[str]:
+    """`uri` is a readable folder holding the files `needs`."""
+    if uri is None:
+        return []
+    try:
+        fs, path = _file_system(uri, cfg)
+        if not fs.isdir(path):
+            return [f"{key}={uri!r}: no such folder; give {what}"]
+        missing = [name for name in needs if not fs.exists(f"{path.rstrip('/')}/{name}")]
+    except Exception as exc:  # noqa: BLE001 - an unreadable folder is the problem reported
+        return [f"{key}={uri!r}: cannot read it ({type(exc).__name__}: {exc}); give {what}"]
+    if missing:
+        return [f"{key}={uri!r}: the folder has no {', '.join(missing)}; give {what}"]
+    return []
+
+
+def checkpoint_problems(cfg: RunConfig) -> list[str]:
+    """model.hf_path is an HF folder of a supported model that the model settings fit: family and a hand-set
+    flavor agree with its config.json, and model.max_seq_len is within its context."""
+    uri = cfg.model.hf_path
+    what = "an HF model folder (config.json + *.safetensors), e.g. the folder save_pretrained wrote"
+    problems = _folder_problems("model.hf_path", uri, ("config.json",), what, cfg)
+    if uri is None or problems:
+        return problems
+    from forge_core.models.flavors import check_architecture
+    from forge_core.models.hf import model_info_of_config
+
+    fs, path = _file_system(uri, cfg)
+    if not fs.glob(f"{path.rstrip('/')}/*.safetensors"):
+        problems.append(f"model.hf_path={uri!r}: no *.safetensors weights in the folder; give {what}")
+    where = f"model.hf_path={uri!r} config.json"
+    try:
+        info = model_info_of_config(json.loads(fs.cat_file(f"{path.rstrip('/')}/config.json")), where)
+        check_architecture(cfg.model, info.architecture)
+    except ValueError as exc:
+        return [*problems, str(exc)]
+    context = info.context_problem(cfg.model.max_seq_len, where)
+    return [*problems, *([context] if context else [])]
+
+
+def _data_source_problems(cfg: RunConfig) -> list[str]:
+    source = cfg.data.source
+    from forge_core.data import generated
+    from forge_core.data.pipeline import config_storage_options
+    from forge_core.data.sources import resolve_source
+
+    if source == "demo" or generated.is_generated(source):
+        return []
+    try:
+        resolve_source(source, cfg.data.format, config_storage_options(source, cfg))
+    except Exception as exc:  # noqa: BLE001 - DataSourceError or an unreachable store: reported, not raised
+        return [f"{exc}" if isinstance(exc, ValueError) else f"data.source={source!r}: cannot read it ({exc})"]
+    return []
+
+
+def input_problems(cfg: RunConfig) -> list[str]:
+    """What the run reads and writes outside itself, checked without running a stage: the store root, the
+    checkpoint (checkpoint_problems), the tokenizer folder and the data source."""
+    tokenizer = _folder_problems(
+        "data.tokenizer.path", cfg.data.tokenizer.path, ("tokenizer.json",),
+        "an HF tokenizer folder (tokenizer.json), e.g. the model folder", cfg,
+    )
+    return [*_store_problems(cfg), *checkpoint_problems(cfg), *tokenizer, *_data_source_problems(cfg)]
+
+
+def _check_problems(check: Check, cfg: RunConfig) -> list[str]:
+    try:
+        return list(check(cfg))
+    except Exception as exc:  # noqa: BLE001 - a check that cannot run is itself a problem to report
+        return [f"preflight check {getattr(check, '__name__', check)!r} could not run: {type(exc).__name__}: {exc}"]
+
+
 def preflight_problems(
-    cfg: RunConfig, stages: Iterable[str] | None = None, host: HostDevices | None = None
+    cfg: RunConfig,
+    stages: Iterable[str] | None = None,
+    host: HostDevices | None = None,
+    checks: Iterable[Check] = (input_problems,),
 ) -> list[str]:
-    """Every reason this host cannot run `stages` (default: every registered stage) of `cfg` as configured
-    (empty when it can). An unknown stage name is a ValueError (from the registry)."""
+    """Every reason `stages` (default: every registered stage) of `cfg` cannot run on this host, plus every
+    problem `checks` find (default: `input_problems`); empty when it can run. An unknown stage name is a
+    ValueError (from the registry)."""
     stages = list(stage_names() if stages is None else stages)
-    host = host or HostDevices.probe()
     problems = []
-    for stage in stages:
-        problems += _stage_gpu_problems(cfg, stage, host)
+    if stages:
+        host = host or HostDevices.probe()
+        for stage in stages:
+            problems += _stage_gpu_problems(cfg, stage, host)
     if any(stage_named(stage).distributed for stage in stages):
         problems += wandb_key_problems(cfg)
-    return problems
+    for check in checks:
+        problems += _check_problems(check, cfg)
+    return list(dict.fromkeys(problems))  # a check that repeats another's finding is reported once
 
 
 def preflight(
-    cfg: RunConfig, stages: Iterable[str] | None = None, host: HostDevices | None = None
-) -> HostDevices:
-    """Raise PreflightError listing every problem of running `stages` here; returns the probed host."""
-    host = host or HostDevices.probe()
-    problems = preflight_problems(cfg, stages, host)
+    cfg: RunConfig,
+    stages: Iterable[str] | None = None,
+    host: HostDevices | None = None,
+    checks: Iterable[Check] = (input_problems,),
+) -> HostDevices | None:
+    """Raise PreflightError listing every problem of running `stages` here (and of `checks`); returns the probed
+    host (None when no stage runs here)."""
+    stages = list(stage_names() if stages is None else stages)
+    host = host or (HostDevices.probe() if stages else None)
+    problems = preflight_problems(cfg, stages, host, checks)
     if problems:
-        raise PreflightError(problems, where=f"this host ({host.describe()})")
+        raise PreflightError(problems, where=f"this host ({host.describe()})" if host else "this host")
     return host

@@ -37,6 +37,11 @@ Every launch is also recorded in a machine-local registry while it runs (`regist
 with `reap_orphaned_launches()`, which ends what is left of launches whose launcher died (a SIGKILLed flow
 process cannot run its own clean-up).
 
+GPUs: `LaunchSpec(gpus=N)` takes N of the host's visible devices no other launch on the host holds
+(`devices.py`: one flock per device, dropped by the kernel when its holder dies), sets the launch's
+CUDA_VISIBLE_DEVICES to them and records them in its placement record; more than the host shows is a
+ValueError, devices busy past a bounded wait a retryable `DevicesBusy`.
+
 Signals: the first SIGTERM to the launching process ends every live launch (`terminate_all_live`: in
 parallel, SIGTERM, `kill_grace_s`, SIGKILL; bounded by the largest kill grace + 10 s); a second SIGTERM
 meanwhile SIGKILLs every tree at once (`kill_all_live`).
@@ -92,6 +97,7 @@ from forge_core.launch.errors import (
 )
 from forge_core.launch.handle import (
     LaunchHandle,
+    add_remote_stop,
     install_sigterm_handler,
     kill_all_live,
     launch,
@@ -117,6 +123,7 @@ __all__ = [
     "Outcome",
     "RankError",
     "RetryableStageError",
+    "add_remote_stop",
     "classify_exception",
     "install_sigterm_handler",
     "kill_all_live",

@@ -13,9 +13,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from forge_core.launch import classify, registry
+from forge_core.launch.devices import DeviceLease
 from forge_core.launch.errors import Category
 from forge_core.launch.heartbeat import read_heartbeats, stall_note
 from forge_core.launch.output import LogSink, OutputPump
@@ -59,17 +61,24 @@ class LaunchHandle:
         self._heartbeat_dir = os.path.join(self._workdir, "heartbeats")
         os.mkdir(self._heartbeat_dir)
         self._started = time.monotonic()
+        self._devices: DeviceLease | None = None
         try:
+            if spec.gpus:
+                self._devices = DeviceLease.acquire(spec.gpus, holder=f"launch {self.launch_id}")
+            devices = self._devices.devices if self._devices else None
             self._proc = subprocess.Popen(
                 build_command(spec, self._log_dir),
-                env=build_env(spec, self.launch_id, self._root_error_file, self._heartbeat_dir),
+                env=build_env(spec, self.launch_id, self._root_error_file, self._heartbeat_dir, devices),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 # Our own session: a terminal's Ctrl-C or the caller's process-group signals do not hit it.
                 start_new_session=True,
+                # The tree's root holds its devices' locks too: they stay taken while it lives.
+                pass_fds=self._devices.fds if self._devices else (),
             )
         except BaseException:
+            self._release_devices()
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise
         self._tree = ProcessTree(self._proc.pid, self.launch_id)
@@ -84,6 +93,10 @@ class LaunchHandle:
         self._supervisor = threading.Thread(
             target=self._supervise, name=f"forge-launch-{self.launch_id}", daemon=True
         )
+
+    def _release_devices(self) -> None:
+        if self._devices is not None:
+            self._devices.release()
 
     def _note_in_registry(self) -> None:
         """Let a later flow run end this launch if this process dies without doing it (registry.py)."""
@@ -154,6 +167,7 @@ class LaunchHandle:
                 launch_id=self.launch_id,
             )
         finally:
+            self._release_devices()
             shutil.rmtree(self._workdir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 registry.forget_launch(self.launch_id)
@@ -282,6 +296,9 @@ def _killed(error: RankError) -> bool:
 
 _live: dict[str, LaunchHandle] = {}
 _live_lock = threading.Lock()
+# Attempts that run elsewhere on this process's behalf (forge_core.run.placement: node runs on a pool's workers),
+# each as the `stop(reason)` that ends it (bounded by itself): terminate_all_live ends them with the launches.
+_remote_stops: dict[int, Callable[[str], object]] = {}
 _hooks_installed = False
 _previous_sigterm = None
 _sigterms = 0
@@ -337,6 +354,7 @@ def terminate_all_live(
     handles = live_handles()
     for handle in handles:
         handle.cancel(reason)
+    remote = _stop_remote_attempts(reason)
     if timeout_s is None:
         timeout_s = max((h.spec.kill_grace_s for h in handles), default=0.0) + SHUTDOWN_MARGIN_S
     deadline = time.monotonic() + timeout_s
@@ -355,7 +373,34 @@ def terminate_all_live(
             results.append(handle.wait(KILL_WAIT_S))
         except TimeoutError:
             _logger.error("launch %s did not end even after SIGKILL", handle.launch_id)
+    for thread in remote:
+        thread.join(max(0.0, deadline + KILL_WAIT_S - time.monotonic()))
     return results
+
+
+def add_remote_stop(stop: Callable[[str], object]) -> Callable[[], None]:
+    """Have `terminate_all_live` (the flow's cancel or crash, SIGTERM, interpreter exit) also call `stop(reason)`
+    for an attempt that runs on other machines on this process's behalf; returns what removes it again."""
+    token = id(stop)
+    with _live_lock:
+        _remote_stops[token] = stop
+    _install_exit_hooks()
+
+    def remove() -> None:
+        with _live_lock:
+            _remote_stops.pop(token, None)
+
+    return remove
+
+
+def _stop_remote_attempts(reason: str) -> list[threading.Thread]:
+    """Start every registered remote stop on a thread of its own (they end in parallel with the launches)."""
+    with _live_lock:
+        stops = list(_remote_stops.values())
+    threads = [threading.Thread(target=stop, args=(reason,), name="forge-remote-stop", daemon=True) for stop in stops]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def kill_all_live() -> list[int]:

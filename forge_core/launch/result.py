@@ -57,17 +57,34 @@ class LaunchResult:
         data["tail"] = list(self.tail)
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict) -> LaunchResult:
+        """The result `to_dict` wrote (through JSON: rank keys come back as strings)."""
+        errors = {int(rank): RankError(**error) for rank, error in (data.get("rank_errors") or {}).items()}
+        return cls(
+            outcome=Outcome(data["outcome"]),
+            returncode=data.get("returncode"),
+            reason=str(data.get("reason", "")),
+            tail=tuple(data.get("tail") or ()),
+            rank_errors=errors,
+            duration_s=float(data.get("duration_s", 0.0)),
+            launch_id=str(data.get("launch_id", "")),
+            stall=str(data.get("stall", "")),
+        )
+
 
 class LaunchFailed(RuntimeError):
-    """A launch that did not succeed; `.result` has everything, `.retryable` only for RETRYABLE outcomes."""
+    """A launch that did not succeed; `.result` has everything, `.retryable` only for RETRYABLE outcomes.
 
-    TAIL_IN_MESSAGE = 20
+    Its message is what a person reads first where the flow fails: the worker's cause and fix (`reason`), then
+    where the rest is. The worker's output, tracebacks included, went line by line to the task's log; the
+    last lines stay in `.result.tail`."""
 
     def __init__(self, result: LaunchResult):
         self.result = result
-        tail = "\n".join(result.tail[-self.TAIL_IN_MESSAGE :])
+        where = f"launch {result.launch_id}, " if result.launch_id else ""
         super().__init__(
-            f"launch {result.launch_id} {result.outcome.value}: {result.reason}\n--- last output ---\n{tail}"
+            f"{result.reason} [{result.outcome.value}; {where}the worker's output and tracebacks are in the task log]"
         )
 
     @property

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
 
 from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV
 from forge_core.launch.owner import OWNER_ENV, Owner
+from forge_core.storage.manifest import PLACEMENT_ENV
 
 # Set by the launcher in every child; a user value would break leftover-process search or error capture.
 LAUNCH_ID_ENV = "FORGE_LAUNCH_ID"
@@ -21,6 +23,30 @@ DEADLINE_ENV = "FORGE_LAUNCH_DEADLINE_S"
 _RESERVED_ENV = (
     LAUNCH_ID_ENV, OWNER_ENV, ERROR_FILE_ENV, LOG_PREFIX_TEMPLATE_ENV, DEADLINE_ENV, HEARTBEAT_DIR_ENV
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NodeRendezvous:
+    """One node's part in a multi-node launch whose c10d rendezvous was arranged at run time
+    (forge_core.run.placement): `nnodes` nodes, this one `node_rank`, node 0's store at `endpoint`
+    (host:port), `run_id` shared by every node of the launch, `local_addr` how the peers reach this node."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str
+    run_id: str
+    local_addr: str | None = None
+
+    def launch_fields(self) -> dict:
+        """The LaunchSpec fields this node's launch takes from it."""
+        return {
+            "nnodes": self.nnodes,
+            "node_rank": self.node_rank,
+            "rdzv_endpoint": self.endpoint,
+            "rdzv_id": self.run_id,
+            "rdzv_is_host": self.node_rank == 0,
+            "local_addr": self.local_addr,
+        }
 
 
 @dataclass(frozen=True)
@@ -46,8 +72,16 @@ class LaunchSpec:
     torchrun: bool = True
     # Shared by all nodes of one multi-node job; None = torchrun's default.
     rdzv_id: str | None = None
+    # Multi-node: whether this node hosts the c10d rendezvous store (node 0 does), stated rather than guessed
+    # from the endpoint's host name (several nodes on one host would all guess yes); None = torchrun guesses.
+    rdzv_is_host: bool | None = None
+    # This node's address as its peers reach it (torchrun --local-addr); None = torchrun's default (its FQDN).
+    local_addr: str | None = None
     kill_grace_s: float = 10.0
     tail_lines: int = 200
+    # GPUs this node's launch takes from the host's visible devices (forge_core.launch.devices): the launcher
+    # sets CUDA_VISIBLE_DEVICES to them and records them in the placement record; 0 = no assignment.
+    gpus: int = 0
 
     def __post_init__(self) -> None:
         errors = self.check()
@@ -66,6 +100,11 @@ class LaunchSpec:
             errors.append(f"node_rank={self.node_rank}: must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             errors.append(f"nnodes={self.nnodes}: multi-node launches need rdzv_endpoint='host:port'")
+        if (self.rdzv_is_host is not None or self.local_addr is not None) and self.rdzv_endpoint is None:
+            errors.append(
+                f"rdzv_is_host={self.rdzv_is_host!r}, local_addr={self.local_addr!r}: only for a c10d rendezvous; "
+                "give rdzv_endpoint='host:port' too"
+            )
         if self.rdzv_endpoint is not None and ":" not in self.rdzv_endpoint:
             errors.append(f"rdzv_endpoint={self.rdzv_endpoint!r}: expected 'host:port'")
         if not self.torchrun and (self.nproc_per_node, self.nnodes, self.rdzv_endpoint) != (1, 1, None):
@@ -77,6 +116,12 @@ class LaunchSpec:
             errors.append(f"deadline_s={self.deadline_s}: must be > 0")
         if self.kill_grace_s < 0:
             errors.append(f"kill_grace_s={self.kill_grace_s}: must be >= 0")
+        if self.gpus < 0:
+            errors.append(f"gpus={self.gpus}: must be >= 0 (launch.<stage>.gpus_per_node)")
+        if self.gpus and "CUDA_VISIBLE_DEVICES" in self.env:
+            errors.append(
+                f"gpus={self.gpus} with CUDA_VISIBLE_DEVICES in env: the launcher assigns the devices; drop one"
+            )
         if self.tail_lines < 1:
             errors.append(f"tail_lines={self.tail_lines}: must be >= 1")
         bad_values = sorted(k for k, v in self.env.items() if not isinstance(v, str))
@@ -144,15 +189,28 @@ def _rendezvous_args(spec: LaunchSpec) -> list[str]:
     args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
     if spec.rdzv_id is not None:
         args += ["--rdzv-id", spec.rdzv_id]
+    if spec.rdzv_is_host is not None:
+        args += ["--rdzv-conf", f"is_host={int(spec.rdzv_is_host)}"]
+    if spec.local_addr is not None:
+        args += ["--local-addr", spec.local_addr]
     return args
 
 
 def build_env(
-    spec: LaunchSpec, launch_id: str, error_file: str, heartbeat_dir: str | None = None
+    spec: LaunchSpec,
+    launch_id: str,
+    error_file: str,
+    heartbeat_dir: str | None = None,
+    devices: list[str] | None = None,
 ) -> dict[str, str]:
-    """os.environ, then the spec's env, then the launcher's own keys (validated not to clash)."""
+    """os.environ, then the spec's env, then the launcher's own keys (validated not to clash); `devices`: the
+    GPUs assigned to the launch (forge_core.launch.devices), its CUDA_VISIBLE_DEVICES and in its placement record."""
     env = dict(os.environ)
     env.update(spec.env)
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        placement = json.loads(env.get(PLACEMENT_ENV) or "{}")
+        env[PLACEMENT_ENV] = json.dumps({**placement, "devices": devices}, sort_keys=True)
     env[LAUNCH_ID_ENV] = launch_id
     env[DEADLINE_ENV] = f"{spec.deadline_s:g}"
     if heartbeat_dir is not None:

@@ -7,19 +7,19 @@ Typical use (random init on CPU):
     init_weights(model, seed=cfg.seed, device="cpu")
     logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)
 
-Starting from an HF folder (download object-store folders first with `store.reader(uri).download_dir`):
+Starting from an HF folder of any size (download object-store folders first with `store.reader(uri).download_dir`):
 
-    state_dict, info = load_hf_folder(local_dir)      # info.model_config(max_seq_len) -> ModelConfig
-    model = build_model(info.model_config(cfg.model.max_seq_len), info.vocab_size, device="cpu",
-                        attention="sdpa")
-    model.load_state_dict(state_dict)
+    state_dict, info = load_hf_folder(local_dir)      # info.architecture: what its config.json describes
+    model = build_model(cfg.model, info.vocab_size, device="meta", attention="sdpa", architecture=info.architecture)
+    init_buffers(model, device="cpu"); model.load_state_dict(state_dict)
 
-Exporting for vLLM / transformers:
+Exporting for vLLM / transformers (`checkpoint=info` keeps the starting checkpoint's config facts):
 
-    write_hf_folder(full_state_dict, cfg.model, vocab_size, out_dir, tokenizer_dir=tok_dir)
+    write_hf_folder(full_state_dict, cfg.model, vocab_size, out_dir, tokenizer_dir=tok_dir, checkpoint=info)
 
-Flavors: `FLAVORS[family]` lists every valid flavor name: torchtitan's dense registry flavors (real sizes, for
-GPU) plus forgeflow's CPU flavors `tiny` and `small`.
+Families: llama3 (HF `llama`), qwen2, qwen3. Flavors: `model.flavor: auto` takes the architecture from the
+checkpoint's config.json; `FLAVORS[family]` lists the registered names: torchtitan's dense registry flavors
+(real sizes, for GPU) plus forgeflow's CPU flavors `tiny`, `small`, `medium`.
 
 Names are imported lazily, so importing the package does not pull in torch and torchtitan (the flavor names
 live in config: `forge_core.config.catalog`).
@@ -42,6 +42,9 @@ _EXPORTS = {
     "attention_choice": "flavors",
     "attention_for_device": "flavors",
     "build_model_config": "flavors",
+    "Architecture": "architecture",
+    "architecture_of_hf_config": "architecture",
+    "read_hf_info": "hf",
     "build_model": "build",
     "flops_per_token": "build",
     "init_buffers": "build",
@@ -64,8 +67,10 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "FAMILIES",
     "FLAVORS",
+    "Architecture",
     "AttentionBackend",
     "HFModelInfo",
+    "architecture_of_hf_config",
     "attention_backend_of",
     "attention_choice",
     "attention_for_device",
@@ -82,6 +87,7 @@ __all__ = [
     "load_hf_folder",
     "model_logprobs",
     "num_params",
+    "read_hf_info",
     "titan_to_hf_state_dict",
     "token_entropy",
     "token_logprobs",
@@ -91,6 +97,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from forge_core.config.catalog import FAMILIES, FLAVORS, flavor_errors, validate_flavor
+    from forge_core.models.architecture import Architecture, architecture_of_hf_config
     from forge_core.models.build import build_model, flops_per_token, init_buffers, init_weights, num_params
     from forge_core.models.flavors import (
         ATTENTION_BACKENDS,
@@ -105,6 +112,7 @@ if TYPE_CHECKING:
         hf_config_dict,
         hf_to_titan_state_dict,
         load_hf_folder,
+        read_hf_info,
         titan_to_hf_state_dict,
         write_hf_folder,
     )

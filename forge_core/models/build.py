@@ -12,6 +12,7 @@ from torch import nn
 from torchtitan.models.common import Decoder
 
 from forge_core.config.schema import ModelConfig
+from forge_core.models.architecture import Architecture
 from forge_core.models.flavors import AttentionBackend, build_model_config
 
 
@@ -21,15 +22,17 @@ def build_model(
     device: str | torch.device = "meta",
     *,
     attention: AttentionBackend,
+    architecture: Architecture | None = None,
 ) -> Decoder:
-    """Build the torchtitan module for `cfg` with parameters on `device` (default: meta, no memory).
+    """Build the torchtitan module for `cfg` (or the checkpoint `architecture`: forge_core.models.flavors.
+    build_model_config) with parameters on `device` (default: meta, no memory).
 
     A meta model must be materialised by `init_weights(model, seed, device=...)` (random init) or by
     `model.to_empty(device=...)` followed by `init_weights` and then loading a state dict. On a real device the
     parameters are allocated but left uninitialised until `init_weights` runs (torchtitan initialises through
     `init_states`, not in the constructors).
     """
-    model_config = build_model_config(cfg, vocab_size, attention=attention)
+    model_config = build_model_config(cfg, vocab_size, attention=attention, architecture=architecture)
     with torch.device(device):
         model = model_config.build()
     return model

@@ -1,9 +1,12 @@
-"""Model flavors: torchtitan's dense registry flavors plus forgeflow's small CPU flavors.
+"""Model configs: any architecture of a supported family (read from a checkpoint's config.json:
+forge_core.models.architecture), torchtitan's dense registry flavors and forgeflow's small CPU flavors.
 
-`build_model_config(cfg.model, vocab_size, attention="sdpa")` returns a torchtitan `Decoder.Config`
-(`Llama3Model.Config` / `Qwen3Model.Config`) with the tokenizer's vocab size, `max_seq_len` applied to every
-layer's RoPE and the chosen inner attention in every layer. Build the module with `config.build()` or
-`forge_core.models.build_model`.
+`build_model_config(cfg.model, vocab_size, attention="sdpa", architecture=None)` returns a torchtitan
+`Decoder.Config` (`Llama3Model.Config` / `Qwen2Model.Config` / `Qwen3Model.Config`) with the tokenizer's vocab
+size, `max_seq_len` applied to every layer's RoPE and the chosen inner attention in every layer: the given
+architecture (`model.flavor: auto`, or a flavor that must agree with it) or the named flavor. Build the module
+with `config.build()` or `forge_core.models.build_model`. Every family is assembled from torchtitan's own
+building blocks and initialisers (Qwen2 = Qwen3's decoder with q/k/v biases and no qk-norm).
 
 Attention backends:
 - "sdpa": `F.scaled_dot_product_attention` with `is_causal=True`. Works on CPU and GPU, forward and backward.
@@ -17,7 +20,7 @@ Attention backends:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from torchtitan.models.common import (
@@ -32,11 +35,19 @@ from torchtitan.models.common import (
     RMSNorm,
     ScaledDotProductAttention,
     VarlenAttention,
-    compute_ffn_hidden_dim,
 )
+from torchtitan.models.qwen3.model import Qwen3Model
 
-from forge_core.config.catalog import FAMILIES, FLAVORS, FORGE_FLAVORS, validate_flavor
+from forge_core.config.catalog import (
+    AUTO_FLAVOR,
+    FAMILIES,
+    FLAVORS,
+    FORGE_FLAVORS,
+    FROM_SCRATCH_FLAVOR,
+    validate_flavor,
+)
 from forge_core.config.schema import ModelConfig
+from forge_core.models.architecture import MODEL_TYPE_OF_FAMILY, Architecture
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -59,81 +70,128 @@ _PLACEHOLDER_VOCAB = 64
 _PLACEHOLDER_SEQ_LEN = 2048
 
 
-def _llama3_forge_flavor(
-    *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, rope_theta: float, rope_scaling: str
-) -> Callable[[], Decoder.Config]:
-    """A Llama3 config assembled from torchtitan's own llama3 building blocks and initialisers."""
+class Qwen2Model(Qwen3Model):
+    """Qwen2 / Qwen2.5: Qwen3's decoder with biases on the q/k/v projections and no qk-norm (its own class so
+    that the HF adapter and the export know which family a built config is)."""
 
-    def build() -> Decoder.Config:
-        # The initialisers and layer builder are module-level helpers of the pinned torchtitan 0.3.0; reusing
-        # them keeps our small flavors initialised exactly like torchtitan's registry flavors.
-        from torchtitan.models import llama3 as tt_llama3
-        from torchtitan.models.llama3.model import Llama3Model
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen3Model.Config):
+        pass
 
-        vocab = _PLACEHOLDER_VOCAB
-        return Llama3Model.Config(
+
+def _llama3_config(arch: Architecture) -> Decoder.Config:
+    """A Llama3 config from torchtitan's own llama3 building blocks and initialisers (module-level helpers of the
+    pinned torchtitan 0.3.0; reusing them initialises our flavors exactly like torchtitan's registry ones)."""
+    from torchtitan.models import llama3 as tt_llama3
+    from torchtitan.models.llama3.model import Llama3Model
+
+    dim, vocab = arch.hidden_size, _PLACEHOLDER_VOCAB
+    scaling = {}
+    if arch.rope_scaling is not None:
+        factor, low, high, original = arch.rope_scaling
+        scaling = {
+            "scaling": "llama",
+            "scaling_factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+    return Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        enable_weight_tying=arch.tie_word_embeddings,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=tt_llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=tt_llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt_llama3._output_linear_init(dim)),
+        layers=tt_llama3._build_llama3_layers(
+            fuse_qkv=True,
+            n_layers=arch.num_hidden_layers,
             dim=dim,
-            vocab_size=vocab,
-            tok_embeddings=Embedding.Config(
-                num_embeddings=vocab, embedding_dim=dim, param_init=tt_llama3._EMBEDDING_INIT
+            n_heads=arch.num_attention_heads,
+            n_kv_heads=arch.num_key_value_heads,
+            hidden_dim=arch.intermediate_size,
+            rope=ComplexRoPE.Config(
+                dim=arch.head_dim, max_seq_len=_PLACEHOLDER_SEQ_LEN, theta=arch.rope_theta, **scaling
             ),
-            norm=RMSNorm.Config(normalized_shape=dim, param_init=tt_llama3._NORM_INIT),
-            lm_head=Linear.Config(
-                in_features=dim, out_features=vocab, param_init=tt_llama3._output_linear_init(dim)
-            ),
-            layers=tt_llama3._build_llama3_layers(
-                fuse_qkv=True,
-                n_layers=n_layers,
-                dim=dim,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
-                rope=ComplexRoPE.Config(
-                    dim=dim // n_heads,
-                    max_seq_len=_PLACEHOLDER_SEQ_LEN,
-                    theta=rope_theta,
-                    scaling=rope_scaling,
-                ),
-                attn_backend="flex",
-            ),
+            attn_backend="flex",
+        ),
+    )
+
+
+def _qwen_config(arch: Architecture) -> Decoder.Config:
+    """A dense Qwen3 config (qk-norm) from torchtitan's qwen3 building blocks; Qwen2 is the same decoder with
+    q/k/v biases instead of the qk-norm."""
+    from torchtitan.models import qwen3 as tt_qwen3
+
+    dim, vocab = arch.hidden_size, _PLACEHOLDER_VOCAB
+    layers = tt_qwen3._build_qwen3_layers(
+        # Qwen2's biased projections are built separate: _separate_qkv only splits bias-free fused ones.
+        fuse_qkv=not arch.qkv_bias,
+        n_layers=arch.num_hidden_layers,
+        dim=dim,
+        n_heads=arch.num_attention_heads,
+        n_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        hidden_dim=arch.intermediate_size,
+        attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=arch.head_dim, max_seq_len=_PLACEHOLDER_SEQ_LEN, theta=arch.rope_theta),
+    )
+    if not arch.qk_norm:
+        layers = [_without_qk_norm_with_qkv_bias(layer) for layer in layers]
+    config_cls = Qwen2Model.Config if arch.family == "qwen2" else Qwen3Model.Config
+    return config_cls(
+        vocab_size=vocab,
+        dim=dim,
+        norm=tt_qwen3._qwen3_norm(dim),
+        enable_weight_tying=arch.tie_word_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=tt_qwen3._EMBEDDING_SKIP_INIT
+        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt_qwen3._LINEAR_INIT),
+        layers=layers,
+    )
+
+
+def _without_qk_norm_with_qkv_bias(layer):
+    attn = layer.attention
+    qkv = attn.qkv_linear
+    qkv = dataclasses.replace(
+        qkv, wq=dataclasses.replace(qkv.wq, bias=True), wkv=dataclasses.replace(qkv.wkv, bias=True)
+    )
+    return dataclasses.replace(layer, attention=dataclasses.replace(attn, qk_norm=None, qkv_linear=qkv))
+
+
+def _with_norm_eps(config: Decoder.Config, eps: float) -> Decoder.Config:
+    """Every RMSNorm of the model (block norms, qk-norm, final norm) at the checkpoint's rms_norm_eps."""
+
+    def norm(norm_config):
+        return None if norm_config is None else dataclasses.replace(norm_config, eps=eps)
+
+    layers = []
+    for layer in config.layers:
+        attention = dataclasses.replace(layer.attention, qk_norm=norm(layer.attention.qk_norm))
+        layers.append(
+            dataclasses.replace(
+                layer, attention_norm=norm(layer.attention_norm), ffn_norm=norm(layer.ffn_norm), attention=attention
+            )
         )
+    return dataclasses.replace(config, norm=norm(config.norm), layers=layers)
 
-    return build
+
+def config_of_architecture(arch: Architecture) -> Decoder.Config:
+    """The torchtitan config of an architecture (placeholder vocab and context: build_model_config sets both)."""
+    builder = _llama3_config if arch.family == "llama3" else _qwen_config
+    return _with_norm_eps(builder(arch), arch.rms_norm_eps)
 
 
-def _qwen3_forge_flavor(
-    *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, hidden_dim: int
-) -> Callable[[], Decoder.Config]:
-    """A dense Qwen3 config (qk-norm, tied embeddings) from torchtitan's qwen3 building blocks."""
-
-    def build() -> Decoder.Config:
-        from torchtitan.models import qwen3 as tt_qwen3
-        from torchtitan.models.qwen3.model import Qwen3Model
-
-        vocab = _PLACEHOLDER_VOCAB
-        return Qwen3Model.Config(
-            vocab_size=vocab,
-            dim=dim,
-            norm=tt_qwen3._qwen3_norm(dim),
-            enable_weight_tying=True,
-            tok_embeddings=Embedding.Config(
-                num_embeddings=vocab, embedding_dim=dim, param_init=tt_qwen3._EMBEDDING_SKIP_INIT
-            ),
-            lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt_qwen3._LINEAR_INIT),
-            layers=tt_qwen3._build_qwen3_layers(
-                fuse_qkv=True,
-                n_layers=n_layers,
-                dim=dim,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                hidden_dim=hidden_dim,
-                attn_backend="flex",
-                rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=_PLACEHOLDER_SEQ_LEN, theta=1000000.0),
-            ),
-        )
-
-    return build
+def _flavor(family: str, **sizes) -> Architecture:
+    defaults = {
+        "llama3": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "rope_theta": 10000.0},
+        "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 1000000.0},
+        "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 1000000.0},
+    }[family]
+    sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
+    return Architecture(family=family, **{**defaults, **sizes})
 
 
 # forgeflow's CPU flavors. llama3 `tiny` is the demo model of DESIGN.md section 8 (hidden 128, 2 layers,
@@ -141,27 +199,40 @@ def _qwen3_forge_flavor(
 # 6 layers, Llama-3 RoPE scaling) with grouped-query attention, ~5M parameters with a small vocab; `medium`
 # (dim 512, 8 layers, head dim 64, ~27M parameters) is the size where vLLM starts to beat transformers' generate
 # on CPU (bench/rollout_throughput.py) and the model bench/grpo_iteration.py compares against TRL on.
-_FORGE_FLAVORS: dict[str, dict[str, Callable[[], Decoder.Config]]] = {
+# The llama3 FFN widths are torchtitan's compute_ffn_hidden_dim(dim, multiple_of=256).
+_FORGE_FLAVORS: dict[str, dict[str, Architecture]] = {
     "llama3": {
-        "tiny": _llama3_forge_flavor(
-            dim=128, n_layers=2, n_heads=4, n_kv_heads=4, rope_theta=10000.0, rope_scaling="none"
+        "tiny": _flavor(
+            "llama3", hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4,
         ),
-        "small": _llama3_forge_flavor(
-            dim=256, n_layers=6, n_heads=16, n_kv_heads=8, rope_theta=500000.0, rope_scaling="llama"
+        "small": _flavor(
+            "llama3", hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=16,
+            num_key_value_heads=8, rope_theta=500000.0, rope_type="llama3", rope_scaling=(8.0, 1.0, 4.0, 8192),
         ),
-        "medium": _llama3_forge_flavor(
-            dim=512, n_layers=8, n_heads=8, n_kv_heads=8, rope_theta=500000.0, rope_scaling="none"
+        "medium": _flavor(
+            "llama3", hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=8, rope_theta=500000.0,
+        ),
+    },
+    "qwen2": {
+        "tiny": _flavor(
+            "qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
         ),
     },
     "qwen3": {
-        "tiny": _qwen3_forge_flavor(
-            dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=384
+        "tiny": _flavor(
+            "qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32,
         ),
-        "small": _qwen3_forge_flavor(
-            dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768
+        "small": _flavor(
+            "qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=64,
         ),
-        "medium": _qwen3_forge_flavor(
-            dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=1536
+        "medium": _flavor(
+            "qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=64,
         ),
     },
 }
@@ -220,12 +291,73 @@ def attention_backend_of(model_config: Decoder.Config) -> AttentionBackend:
 
 def _base_config(family: str, flavor: str) -> Decoder.Config:
     if flavor in _FORGE_FLAVORS[family]:
-        return _FORGE_FLAVORS[family][flavor]()
+        return config_of_architecture(_FORGE_FLAVORS[family][flavor])
     if family == "llama3":
         from torchtitan.models.llama3 import model_registry
     else:
         from torchtitan.models.qwen3 import model_registry
     return model_registry(flavor, attn_backend="flex").model
+
+
+def architecture_of_titan(model_config: Decoder.Config) -> Architecture:
+    """The architecture a torchtitan config builds (the inverse of `config_of_architecture`)."""
+    from torchtitan.models.llama3.model import Llama3Model
+
+    if isinstance(model_config, Qwen2Model.Config):
+        family = "qwen2"
+    elif isinstance(model_config, Qwen3Model.Config):
+        family = "qwen3"
+    elif isinstance(model_config, Llama3Model.Config):
+        family = "llama3"
+    else:
+        raise TypeError(f"no forgeflow family builds a {type(model_config).__qualname__}")
+    attn = model_config.first_attention
+    rope = attn.rope
+    if rope.scaling not in ("none", "llama"):
+        raise ValueError(f"RoPE scaling {rope.scaling!r} has no HF export in forgeflow (supported: none, llama)")
+    scaling = None
+    if rope.scaling == "llama":
+        scaling = (
+            float(rope.scaling_factor),
+            float(rope.low_freq_factor),
+            float(rope.high_freq_factor),
+            int(rope.original_max_position_embeddings),
+        )
+    return Architecture(
+        family=family,
+        hidden_size=model_config.dim,
+        intermediate_size=model_config.layers[0].feed_forward.w1.out_features,
+        num_hidden_layers=len(model_config.layers),
+        num_attention_heads=attn.n_heads,
+        num_key_value_heads=attn.n_kv_heads or attn.n_heads,
+        head_dim=attn.head_dim or model_config.dim // attn.n_heads,
+        rms_norm_eps=float(model_config.layers[0].attention_norm.eps),
+        tie_word_embeddings=bool(model_config.enable_weight_tying),
+        rope_theta=float(rope.theta),
+        rope_type="llama3" if scaling else "default",
+        rope_scaling=scaling,
+    )
+
+
+def from_scratch_flavor(flavor: str) -> str:
+    """The registered flavor a from-scratch run builds: `auto` without a checkpoint is the family's `tiny`."""
+    return FROM_SCRATCH_FLAVOR if flavor == AUTO_FLAVOR else flavor
+
+
+def flavor_architecture(family: str, flavor: str) -> Architecture:
+    """The architecture of a registered flavor (forgeflow's CPU flavors or torchtitan's registry)."""
+    validate_flavor(family, flavor)
+    if flavor in _FORGE_FLAVORS[family]:
+        return _FORGE_FLAVORS[family][flavor]
+    return architecture_of_titan(_base_config(family, flavor))
+
+
+def matching_flavor(arch: Architecture) -> str | None:
+    """The registered flavor of `arch`'s family with exactly this architecture, if any."""
+    for flavor in FLAVORS[arch.family]:
+        if flavor_architecture(arch.family, flavor) == arch:
+            return flavor
+    return None
 
 
 def _with_vocab(config: Decoder.Config, vocab_size: int) -> Decoder.Config:
@@ -242,7 +374,7 @@ def _qkv_base_init(family: str) -> dict:
     # bit-identical to initialising separate wq/wk/wv with it.
     if family == "llama3":
         from torchtitan.models import llama3 as tt_family
-    else:
+    else:  # qwen2 and qwen3 share qwen3's initialisers
         from torchtitan.models import qwen3 as tt_family
     return tt_family._LINEAR_INIT
 
@@ -283,22 +415,62 @@ def _with_attention(config: Decoder.Config, family: str, max_seq_len: int, atten
     return dataclasses.replace(config, layers=layers)
 
 
-def build_model_config(cfg: ModelConfig, vocab_size: int, *, attention: AttentionBackend) -> Decoder.Config:
-    """torchtitan model config for `cfg.family`/`cfg.flavor` with the tokenizer's vocab and `cfg.max_seq_len`.
+def check_architecture(cfg: ModelConfig, architecture: Architecture | None) -> Architecture:
+    """What to build: the checkpoint's architecture (when given), which a hand-set flavor must agree with; else
+    the named flavor's."""
+    if architecture is None:
+        if cfg.flavor == AUTO_FLAVOR and cfg.hf_path is not None:
+            raise ValueError(
+                f"model.flavor={AUTO_FLAVOR!r} with model.hf_path={cfg.hf_path!r}: the architecture comes from "
+                "that checkpoint's config.json, which the caller did not pass (architecture=read_hf_info(folder)"
+                ".architecture)"
+            )
+        return flavor_architecture(cfg.family, from_scratch_flavor(cfg.flavor))
+    if architecture.family != cfg.family:
+        raise ValueError(
+            f"model.family={cfg.family!r}, but the checkpoint's config.json is model_type="
+            f"{MODEL_TYPE_OF_FAMILY[architecture.family]!r} (family {architecture.family!r}); set "
+            f"model.family={architecture.family}"
+        )
+    if cfg.flavor != AUTO_FLAVOR:
+        named = flavor_architecture(cfg.family, cfg.flavor)
+        if named != architecture:
+            differences = ", ".join(
+                f"{name}: flavor {mine!r} vs checkpoint {theirs!r}"
+                for name, (mine, theirs) in named.differences(architecture).items()
+            )
+            raise ValueError(
+                f"model.flavor={cfg.flavor!r} disagrees with the checkpoint's config.json ({differences}); set "
+                f"model.flavor={AUTO_FLAVOR} (the checkpoint's own architecture) or use the matching checkpoint"
+            )
+    return architecture
+
+
+def build_model_config(
+    cfg: ModelConfig, vocab_size: int, *, attention: AttentionBackend, architecture: Architecture | None = None
+) -> Decoder.Config:
+    """torchtitan model config with the tokenizer's vocab and `cfg.max_seq_len`: `architecture` (read from a
+    checkpoint's config.json: any size of a supported family) when given, else `cfg.family`/`cfg.flavor`.
 
     Attention uses separate wq/wk/wv projections (torchtitan's registry fuses them into `wqkv`; see
     `_separate_qkv` for why forgeflow does not), initialised exactly as torchtitan initialises the fused one.
 
     `attention` is explicit on purpose (FlexAttention has no CPU backward); `attention_choice(device.type)`
-    gives forgeflow's choice and its reason. Raises ValueError for an unknown
-    family/flavor/backend or non-positive sizes.
+    gives forgeflow's choice and its reason. Raises ValueError for an unknown family/flavor/backend,
+    non-positive sizes, `flavor: auto` without an architecture, or a hand-set flavor (or family) that
+    disagrees with the given architecture (naming both).
     """
-    validate_flavor(cfg.family, cfg.flavor)
+    if cfg.flavor != AUTO_FLAVOR or cfg.family not in FAMILIES:
+        validate_flavor(cfg.family, cfg.flavor)
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size}: must be >= 1 (the tokenizer's vocabulary size)")
     if cfg.max_seq_len < 1:
         raise ValueError(f"model.max_seq_len={cfg.max_seq_len}: must be >= 1")
     _inner_attention_config(attention)  # validate before building anything
-    config = _base_config(cfg.family, cfg.flavor)
+    arch = check_architecture(cfg, architecture)
+    if architecture is None and from_scratch_flavor(cfg.flavor) not in _FORGE_FLAVORS[cfg.family]:
+        config = _base_config(cfg.family, cfg.flavor)  # torchtitan's registry config, its own initialisers
+    else:
+        config = config_of_architecture(arch)
     config = _with_vocab(config, vocab_size)
     return _with_attention(config, cfg.family, cfg.max_seq_len, attention)

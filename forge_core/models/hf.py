@@ -8,13 +8,16 @@ Export (end of an SFT/GRPO stage, rank 0, full unsharded state dict of plain ten
 Import (object-store folders: download them first with `store.reader(uri).download_dir(prefix, local)`):
 
     state_dict, info = load_hf_folder("/tmp/policy")
-    model = build_model(info.to_model_config(max_seq_len=256), info.vocab_size, attention="sdpa")
+    model = build_model(info.to_model_config(max_seq_len=256), info.vocab_size, attention="sdpa",
+                        architecture=info.architecture)
     init_buffers(model, device="cpu")
     model.load_state_dict(state_dict)
 
-Weight names and layouts go through torchtitan's own `Llama3StateDictAdapter` / `Qwen3StateDictAdapter`,
-which also permute Llama's q/k rows between torchtitan's interleaved-pair RoPE (`ComplexRoPE`) and HF's
-rotate-half RoPE. Qwen3 uses rotate-half on both sides (`CosSinRoPE`), so no permutation there.
+Weight names and layouts go through torchtitan's own `Llama3StateDictAdapter` / `Qwen3StateDictAdapter`
+(Qwen2: Qwen3's plus the q/k/v biases), which also permute Llama's q/k rows between torchtitan's
+interleaved-pair RoPE (`ComplexRoPE`) and HF's rotate-half RoPE. Qwen2/3 use rotate-half on both sides
+(`CosSinRoPE`), so no permutation there. Any size loads: the architecture comes from config.json
+(forge_core.models.architecture).
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from typing import Any
 import torch
 from torchtitan.models.common import Decoder
 
+from forge_core.config.catalog import AUTO_FLAVOR
 from forge_core.config.schema import ModelConfig
-from forge_core.models.flavors import FLAVORS, build_model_config
-
-_HF_MODEL_TYPE = {"llama3": "llama", "qwen3": "qwen3"}
-_HF_ARCHITECTURE = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_FAMILY_OF_MODEL_TYPE = {v: k for k, v in _HF_MODEL_TYPE.items()}
+from forge_core.models.architecture import (
+    HF_ARCHITECTURE,
+    Architecture,
+    architecture_of_hf_config,
+    family_of_model_type,
+)
+from forge_core.models.flavors import Qwen2Model, architecture_of_titan, build_model_config, matching_flavor
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -59,75 +65,6 @@ def _is_tokenizer_file(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _rope_parameters(model_config: Decoder.Config) -> dict[str, Any]:
-    rope = model_config.first_attention.rope
-    if rope.scaling == "none":
-        return {"rope_type": "default", "rope_theta": float(rope.theta)}
-    if rope.scaling == "llama":
-        return {
-            "rope_type": "llama3",
-            "rope_theta": float(rope.theta),
-            "factor": float(rope.scaling_factor),
-            "low_freq_factor": float(rope.low_freq_factor),
-            "high_freq_factor": float(rope.high_freq_factor),
-            "original_max_position_embeddings": int(rope.original_max_position_embeddings),
-        }
-    raise ValueError(f"RoPE scaling {rope.scaling!r} has no HF export in forgeflow (supported: none, llama)")
-
-
-def _architecture_of_titan(model_config: Decoder.Config) -> dict[str, Any]:
-    """The HF config fields that define the network, derived from a torchtitan config."""
-    attn = model_config.first_attention
-    layer = model_config.layers[0]
-    return {
-        "hidden_size": model_config.dim,
-        "intermediate_size": layer.feed_forward.w1.out_features,
-        "num_hidden_layers": len(model_config.layers),
-        "num_attention_heads": attn.n_heads,
-        "num_key_value_heads": attn.n_kv_heads or attn.n_heads,
-        "head_dim": attn.head_dim or model_config.dim // attn.n_heads,
-        "rms_norm_eps": float(layer.attention_norm.eps),
-        "tie_word_embeddings": bool(model_config.enable_weight_tying),
-        "rope_parameters": _rope_parameters(model_config),
-    }
-
-
-def _architecture_of_hf(hf_config) -> dict[str, Any]:
-    """The same fields read from a transformers config object (any serialisation format it accepts)."""
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", "default")
-    keep = ["rope_type", "rope_theta"]
-    if rope_type == "llama3":
-        keep += ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
-    rope = {k: rope.get(k) for k in keep}
-    rope["rope_type"] = rope_type
-    for k in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"):
-        if rope.get(k) is not None:
-            rope[k] = float(rope[k])
-    heads = hf_config.num_attention_heads
-    return {
-        "hidden_size": hf_config.hidden_size,
-        "intermediate_size": hf_config.intermediate_size,
-        "num_hidden_layers": hf_config.num_hidden_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": hf_config.num_key_value_heads or heads,
-        "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        "rms_norm_eps": float(hf_config.rms_norm_eps),
-        "tie_word_embeddings": bool(hf_config.tie_word_embeddings),
-        "rope_parameters": rope,
-    }
-
-
-def _unsupported_hf_features(hf_config) -> list[str]:
-    problems = []
-    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if getattr(hf_config, flag, False):
-            problems.append(f"{flag}=True")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf_config.hidden_act!r}")
-    return problems
-
-
 def hf_config_dict(
     cfg: ModelConfig,
     vocab_size: int,
@@ -136,39 +73,83 @@ def hf_config_dict(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
+    architecture: Architecture | None = None,
 ) -> dict[str, Any]:
-    """The `config.json` of `cfg`'s model as transformers (and vLLM) read it: LlamaConfig or Qwen3Config.
+    """The `config.json` of a model forgeflow made from scratch, as transformers (and vLLM) read it:
+    LlamaConfig, Qwen2Config or Qwen3Config of `architecture` (default: `cfg`'s flavor).
 
     Built through the installed transformers' own config class so the serialisation format (e.g. v5's
-    `rope_parameters`) is the one its readers expect. `max_position_embeddings` is `cfg.max_seq_len`.
+    `rope_parameters`) is the one its readers expect. `max_position_embeddings` is `cfg.max_seq_len`: a model
+    that started from a checkpoint keeps the checkpoint's config instead (`write_hf_folder(checkpoint=...)`).
     """
     import transformers
 
-    model_config = build_model_config(cfg, vocab_size, attention="sdpa")
-    config_cls = {"llama3": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[cfg.family]
+    arch = architecture_of_titan(build_model_config(cfg, vocab_size, attention="sdpa", architecture=architecture))
+    config_cls = {
+        "llama3": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch.family]
     dtype_name = str(dtype).removeprefix("torch.")
+    fields = arch.hf_fields()
+    if arch.family != "qwen2":
+        fields["attention_bias"] = False  # Qwen2's config has no switch: its q/k/v biases are always there
+    else:
+        fields.pop("head_dim")  # Qwen2Config derives it from hidden_size / num_attention_heads
     hf_config = config_cls(
         vocab_size=vocab_size,
         max_position_embeddings=cfg.max_seq_len,
         hidden_act="silu",
-        attention_bias=False,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        architectures=[_HF_ARCHITECTURE[cfg.family]],
+        architectures=[HF_ARCHITECTURE[arch.family]],
         dtype=dtype_name,
-        **_architecture_of_titan(model_config),
+        **fields,
     )
     config = hf_config.to_dict()
+    return _with_dtype(config, dtype_name)
+
+
+def _with_dtype(config: dict[str, Any], dtype_name: str) -> dict[str, Any]:
     # Older readers (transformers < 4.56, some vLLM paths) look for `torch_dtype`, newer ones for `dtype`.
     config["dtype"] = dtype_name
     config["torch_dtype"] = dtype_name
     return config
 
 
+def checkpoint_config_dict(
+    checkpoint: HFModelInfo, arch: Architecture, vocab_size: int, dtype: torch.dtype, token_ids: dict[str, Any]
+) -> dict[str, Any]:
+    """The starting checkpoint's own config.json for a model trained from it: its context length
+    (`max_position_embeddings`), RoPE settings and every other field kept; the weights' dtype and vocab size
+    set; special token ids it does not state taken from the exported tokenizer."""
+    if arch != checkpoint.architecture:
+        raise ValueError(
+            f"export: the trained model's architecture differs from its checkpoint's config.json in "
+            f"{sorted(arch.differences(checkpoint.architecture))}; it cannot keep that config"
+        )
+    config = dict(checkpoint.hf_config)
+    config["vocab_size"] = vocab_size
+    for name, value in token_ids.items():
+        if config.get(name) is None and value is not None:
+            config[name] = value
+    return _with_dtype(config, str(dtype).removeprefix("torch."))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # State dicts
 # ----------------------------------------------------------------------------------------------------------
+
+
+def _qwen2_adapter(model_config: Decoder.Config):
+    """Qwen3's adapter plus the q/k/v biases (Qwen2 has no qk-norm weights, so to_hf never meets them)."""
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    adapter = Qwen3StateDictAdapter(model_config, None)
+    for proj, titan in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
+        adapter.from_hf_map[f"model.layers.{{}}.self_attn.{proj}.bias"] = f"layers.{{}}.attention.qkv_linear.{titan}.bias"
+    return adapter
 
 
 def _adapter(model_config: Decoder.Config):
@@ -177,11 +158,13 @@ def _adapter(model_config: Decoder.Config):
     from torchtitan.models.qwen3.model import Qwen3Model
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
+    if isinstance(model_config, Qwen2Model.Config):
+        return _qwen2_adapter(model_config)
     if isinstance(model_config, Qwen3Model.Config):
         return Qwen3StateDictAdapter(model_config, None)
     if isinstance(model_config, Llama3Model.Config):
         return Llama3StateDictAdapter(model_config, None)
-    raise TypeError(f"no HF adapter for {type(model_config).__name__}; forgeflow supports llama3 and qwen3")
+    raise TypeError(f"no HF adapter for {type(model_config).__name__}; forgeflow supports llama3, qwen2 and qwen3")
 
 
 def titan_to_hf_state_dict(
@@ -207,7 +190,7 @@ def hf_to_titan_state_dict(
     except KeyError as exc:
         raise ValueError(
             f"HF weight {exc.args[0]!r} has no torchtitan counterpart for a "
-            f"{type(model_config).__qualname__}; is this a dense Llama/Qwen3 checkpoint?"
+            f"{type(model_config).__qualname__}; is this a dense Llama/Qwen2/Qwen3 checkpoint?"
         ) from None
 
 
@@ -243,18 +226,22 @@ def _check_state_dict_matches(
 
 @dataclass(frozen=True)
 class HFModelInfo:
-    """What an HF folder says about its model, in forgeflow's terms."""
+    """What an HF folder's config.json (and generation_config.json) say about its model, in forgeflow's terms:
+    what a model trained from it is built as, and the facts its exports keep."""
 
-    family: str  # "llama3" | "qwen3"
-    flavor: str  # the FLAVORS[family] entry whose architecture equals config.json's
+    family: str  # "llama3" | "qwen2" | "qwen3"
+    architecture: Architecture
+    flavor: str  # the registered flavor with exactly this architecture, else "auto"
     vocab_size: int  # rows of the embedding table (may exceed the tokenizer's vocabulary)
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
-    hf_config: dict[str, Any]
+    hf_config: dict[str, Any]  # config.json as written
+    generation_config: dict[str, Any] | None = None  # generation_config.json as written, if the folder has one
 
     def to_model_config(self, max_seq_len: int | None = None, hf_path: str | None = None) -> ModelConfig:
-        """A `ModelConfig` that rebuilds this architecture (context defaults to max_position_embeddings)."""
+        """A `ModelConfig` that rebuilds this architecture (context defaults to max_position_embeddings): its
+        registered flavor, else `auto` (build with `architecture=self.architecture`)."""
         return ModelConfig(
             family=self.family,
             flavor=self.flavor,
@@ -262,29 +249,55 @@ class HFModelInfo:
             max_seq_len=max_seq_len if max_seq_len is not None else self.max_position_embeddings,
         )
 
-
-def _family_of(hf_config, config_path: Path) -> str:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _FAMILY_OF_MODEL_TYPE:
-        raise ValueError(
-            f"{config_path}: model_type={model_type!r} is not supported; forgeflow loads "
-            f"{sorted(_FAMILY_OF_MODEL_TYPE)} (families {list(_HF_MODEL_TYPE)})"
+    def context_problem(self, max_seq_len: int, where: str) -> str | None:
+        """Why `model.max_seq_len` does not fit this checkpoint (None when it does)."""
+        if max_seq_len <= self.max_position_embeddings:
+            return None
+        return (
+            f"model.max_seq_len={max_seq_len}: exceeds the checkpoint's context, max_position_embeddings="
+            f"{self.max_position_embeddings} in {where}; lower model.max_seq_len (and data.max_seq_len) to at "
+            f"most {self.max_position_embeddings}"
         )
-    return _FAMILY_OF_MODEL_TYPE[model_type]
 
 
-def _matching_flavor(family: str, hf_config, vocab_size: int, config_path: Path) -> str:
-    architecture = _architecture_of_hf(hf_config)
-    for flavor in FLAVORS[family]:
-        candidate = build_model_config(
-            ModelConfig(family=family, flavor=flavor, max_seq_len=1), vocab_size, attention="sdpa"
-        )
-        if _architecture_of_titan(candidate) == architecture:
-            return flavor
-    raise ValueError(
-        f"{config_path}: architecture {architecture} matches no flavor of model.family={family!r} "
-        f"(flavors: {list(FLAVORS[family])}); add a flavor with these sizes to forge_core.models.flavors"
+def model_info_of_config(
+    raw: dict[str, Any], where: str, generation_config: dict[str, Any] | None = None
+) -> HFModelInfo:
+    """HFModelInfo of a parsed config.json (`where` names it in errors); ValueError for an unsupported model."""
+    arch = architecture_of_hf_config(raw, where)
+    vocab_size = raw.get("vocab_size")
+    positions = raw.get("max_position_embeddings")
+    for name, value in (("vocab_size", vocab_size), ("max_position_embeddings", positions)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: {name}={value!r}; an HF model config needs a positive integer here")
+    return HFModelInfo(
+        family=family_of_model_type(raw, where),
+        architecture=arch,
+        flavor=matching_flavor(arch) or AUTO_FLAVOR,
+        vocab_size=vocab_size,
+        max_position_embeddings=positions,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        hf_config=raw,
+        generation_config=generation_config,
     )
+
+
+def read_hf_info(local_dir: str | os.PathLike) -> HFModelInfo:
+    """HFModelInfo of a local HF folder from its config.json alone (no weights read)."""
+    folder = Path(local_dir)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ValueError(
+            f"{config_path}: not found; pass a local HF model folder (download storage URIs first)"
+        )
+    try:
+        raw = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: not valid JSON ({exc}); is this an HF model folder?") from None
+    generation_path = folder / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else None
+    return model_info_of_config(raw, str(config_path), generation)
 
 
 def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -304,36 +317,18 @@ def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_folder(local_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], HFModelInfo]:
-    """Read an HF Llama/Qwen3 folder into a torchtitan state dict (tensors in their stored dtype).
+    """Read an HF Llama/Qwen2/Qwen3 folder of any size into a torchtitan state dict (tensors in their stored
+    dtype) and what its config.json says (`info.architecture` builds the model:
+    `build_model_config(cfg, info.vocab_size, attention=..., architecture=info.architecture)`).
 
     Raises ValueError naming the folder/file for a missing config or weights, an unsupported model type or
-    feature, an architecture that matches no forgeflow flavor, or weights that do not fit the config.
+    feature (the config.json field and value), or weights that do not fit the config.
     """
-    import transformers
-
     folder = Path(local_dir)
-    config_path = folder / "config.json"
-    if not config_path.exists():
-        raise ValueError(
-            f"{config_path}: not found; pass a local HF model folder (download storage URIs first)"
-        )
-    hf_config = transformers.AutoConfig.from_pretrained(folder)
-    family = _family_of(hf_config, config_path)
-    problems = _unsupported_hf_features(hf_config)
-    if problems:
-        raise ValueError(f"{config_path}: unsupported settings for forgeflow's {family}: {problems}")
-    vocab_size = int(hf_config.vocab_size)
-    flavor = _matching_flavor(family, hf_config, vocab_size, config_path)
-    info = HFModelInfo(
-        family=family,
-        flavor=flavor,
-        vocab_size=vocab_size,
-        max_position_embeddings=int(hf_config.max_position_embeddings),
-        bos_token_id=hf_config.bos_token_id,
-        eos_token_id=hf_config.eos_token_id,
-        hf_config=json.loads(config_path.read_text()),
+    info = read_hf_info(folder)
+    model_config = build_model_config(
+        info.to_model_config(), info.vocab_size, attention="sdpa", architecture=info.architecture
     )
-    model_config = build_model_config(info.to_model_config(), vocab_size, attention="sdpa")
     state_dict = hf_to_titan_state_dict(_read_hf_weights(folder), model_config)
     _check_state_dict_matches(state_dict, model_config, str(folder))
     return state_dict, info
@@ -385,19 +380,23 @@ def write_hf_folder(
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    checkpoint: HFModelInfo | None = None,
 ) -> Path:
     """Write `model.safetensors`, `config.json`, `generation_config.json` (+ tokenizer files) into `out_dir`.
 
     `titan_state_dict` is the full model state dict (plain tensors, as `model.state_dict()` gives it). Special
-    token ids default to those of the tokenizer in `tokenizer_dir`; explicit arguments win. Files already in
-    `out_dir` are replaced one by one atomically, so a running vLLM can reload the new weights in place.
-    Returns `out_dir`.
+    token ids default to those of the tokenizer in `tokenizer_dir`; explicit arguments win. A model trained
+    from `checkpoint` (the HF folder it started from) is built with its architecture and keeps its facts: its
+    config.json (context length, RoPE settings, token ids it states) and its generation_config.json; only the
+    dtype and vocab size are the export's. Files already in `out_dir` are replaced one by one atomically, so a
+    running vLLM can reload the new weights in place. Returns `out_dir`.
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model_config = build_model_config(cfg, vocab_size, attention="sdpa")
+    arch = checkpoint.architecture if checkpoint is not None else None
+    model_config = build_model_config(cfg, vocab_size, attention="sdpa", architecture=arch)
     _check_state_dict_matches(titan_state_dict, model_config, "write_hf_folder")
 
     token_ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -414,10 +413,17 @@ def write_hf_folder(
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
         raise ValueError(f"write_hf_folder: mixed parameter dtypes {sorted(map(str, dtypes))}; cast first")
-    config = hf_config_dict(cfg, vocab_size, dtype=dtypes.pop(), **token_ids)
-    generation_config = {k: v for k, v in token_ids.items() if v is not None}
-    generation_config["_from_model_config"] = True
-    generation_config["transformers_version"] = config.get("transformers_version")
+    dtype = dtypes.pop()
+    if checkpoint is not None:
+        config = checkpoint_config_dict(checkpoint, architecture_of_titan(model_config), vocab_size, dtype, token_ids)
+    else:
+        config = hf_config_dict(cfg, vocab_size, dtype=dtype, **token_ids)
+    if checkpoint is not None and checkpoint.generation_config is not None:
+        generation_config = dict(checkpoint.generation_config)
+    else:
+        generation_config = {k: v for k, v in token_ids.items() if v is not None}
+        generation_config["_from_model_config"] = True
+        generation_config["transformers_version"] = config.get("transformers_version")
 
     if tokenizer_dir is not None:
         for src in sorted(Path(tokenizer_dir).iterdir()):

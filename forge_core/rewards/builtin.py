@@ -9,6 +9,9 @@
 - `answer_format(tag="answer")`: 1 if the completion holds exactly one non-empty, well-formed answer tag.
 - `math_verify()`: 1 if HF math-verify finds the completion's answer equivalent to the ground truth (needs
   the `math-verify` package).
+- `reasoning_gym(tag="answer")`: the reasoning-gym task's own scorer on the tagged answer; the ground truth is
+  the task's entry as JSON (data.source=reasoning_gym:<task>, forge_core.data.generated; needs `reasoning-gym`).
+- `environment(scale=1.0)`: the reward a multi-turn episode's environment gave (forge_core.envs; rollout.env).
 - `overlong(window=4, penalty=1.0)`: DAPO's soft overlong punishment, 0 for completions of at most
   `max_new_tokens - window` tokens, falling linearly to `-penalty` at `max_new_tokens` (and below it for
   anything longer). It reads the sample's `response_len` and the run's `max_new_tokens`
@@ -115,4 +118,35 @@ def _math_verify_reward() -> RewardFn:
 
 register_optional_reward(
     "math_verify", module="math_verify", distribution="math-verify", factory=_math_verify_reward
+)
+
+
+@register_reward("environment", version="1")
+def environment(completion: str, ground_truth: str, *, env_reward: float, scale: float = 1.0) -> float:
+    """The reward the episode's environment gave (e.g. a skyrl-gym environment's step rewards, summed over
+    the episode: forge_core.envs), times `scale`. Only multi-turn episodes carry one (rollout.env)."""
+    return scale * float(env_reward)
+
+
+def _reasoning_gym_reward() -> RewardFn:
+    import json
+
+    import reasoning_gym
+
+    def reasoning_gym_score(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG) -> float:
+        try:
+            entry = json.loads(ground_truth)
+            task = entry["metadata"]["source_dataset"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"ground truth {ground_truth[:80]!r} is not a reasoning-gym entry (JSON with metadata."
+                "source_dataset); the reasoning_gym reward scores rows of a data.source=reasoning_gym:<task> source"
+            ) from exc
+        return float(reasoning_gym.get_score_answer_fn(task)(tagged_answer(completion, tag), entry))
+
+    return reasoning_gym_score
+
+
+register_optional_reward(
+    "reasoning_gym", module="reasoning_gym", distribution="reasoning-gym", factory=_reasoning_gym_reward
 )

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -89,6 +90,24 @@ class IsolatedRewards(Protocol):
     components: tuple
 
     def versions(self) -> dict[str, str]: ...
+
+
+CALL_RAISED, CALL_TIMEOUT, CALL_CRASHED = "raised", "timeout", "crashed"
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """One isolated call's outcome (RewardPool.call_each): its value, or `kind` (raised, timeout, crashed) and
+    `error` (what happened); `latency_s` is the call's time (the wait, for a call that never answered)."""
+
+    value: object = None
+    error: str = ""
+    kind: str = ""
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.kind
 
 
 class RewardWorkerError(RetryableStageError):
@@ -224,6 +243,60 @@ class RewardPool:
             assert worker.next_answer(batch.isolation.timeout_s)[0] == "done"
         except _Failed:  # every sample was answered; only the worker is lost
             self._replace(slot)
+        return []
+
+    def call_each(
+        self, fn: str, calls: Sequence[tuple[tuple, dict]], timeout_s: float, what: str = "per call"
+    ) -> list[CallOutcome]:
+        """Run the function `fn` ('package.module:function') once per `(args, kwargs)` in `calls`, in a worker
+        process, each call bounded by `timeout_s`: an environment's tools (forge_core.envs.tools). A call that
+        raises, hangs past the timeout or kills its worker is an outcome with an `error` (the worker is replaced
+        and the next call goes to a fresh one), never an exception here: the caller decides what a failed call
+        means. ValueError when `fn` cannot be imported (a config mistake); RewardWorkerError when a worker
+        cannot start."""
+        outcomes: list[CallOutcome | None] = [None] * len(calls)
+        with self._lock:
+            if not self._slots:
+                self._slots.append(None)
+            todo = list(range(len(calls)))
+            while todo:
+                todo = self._call_slice(fn, calls, todo, outcomes, timeout_s, what)
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def _call_slice(self, fn, calls, todo: list[int], outcomes: list, timeout_s: float, what: str) -> list[int]:
+        """One request for the calls `todo` to slot 0's worker; returns the calls left after a failure."""
+        worker = self._worker(0)
+        try:
+            worker.conn.send(("call", {"fn": fn, "calls": [calls[i] for i in todo]}))
+            kind, _, payload = worker.next_answer(STARTUP_TIMEOUT_S, f"to import {fn}")
+        except _Failed as failure:
+            self._replace(0)
+            raise RewardWorkerError(f"worker pid {worker.proc.pid} did not start {fn}: {failure}") from None
+        if kind == "error":
+            raise ValueError(payload)
+        for position, index in enumerate(todo):
+            started = time.perf_counter()
+            try:
+                kind, answered, (value, seconds) = worker.next_answer(timeout_s, f"{what}")
+            except _Failed as failure:
+                self._replace(0)
+                outcomes[index] = CallOutcome(
+                    error=str(failure),
+                    kind=CALL_TIMEOUT if failure.kind == TIMEOUTS else CALL_CRASHED,
+                    latency_s=time.perf_counter() - started,
+                )
+                log.warning("%s call %d of %d: %s; the next call goes to a fresh worker", fn, index, len(calls), failure)
+                return todo[position + 1 :]
+            assert answered == position, f"worker answered call {answered}, expected {position}"
+            if kind == "raised":
+                outcomes[index] = CallOutcome(error=value, kind=CALL_RAISED, latency_s=seconds)
+            else:
+                outcomes[index] = CallOutcome(value=value, latency_s=seconds)
+        try:
+            assert worker.next_answer(timeout_s)[0] == "done"
+        except _Failed:  # every call was answered; only the worker is lost
+            self._replace(0)
         return []
 
     def _worker(self, slot: int) -> _Worker:

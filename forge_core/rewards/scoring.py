@@ -43,17 +43,22 @@ _SNIPPET_CHARS = 120
 
 
 # Sample facts a reward function may take as keyword-only parameters (see the module docstring).
-SAMPLE_FIELDS = ("response_len", "finish_reason", "max_new_tokens")
-_EXAMPLE_CONTEXT = {"response_len": 1, "finish_reason": "stop", "max_new_tokens": 1}
+# `env_reward` only exists for multi-turn episodes (forge_core.envs): the reward their environment gave.
+SAMPLE_FIELDS = ("response_len", "finish_reason", "max_new_tokens", "env_reward")
+_EXAMPLE_CONTEXT = {"response_len": 1, "finish_reason": "stop", "max_new_tokens": 1, "env_reward": 0.0}
 
 
 def sample_context(sample: Any, max_new_tokens: int) -> dict[str, Any]:
-    """The SAMPLE_FIELDS of one generated sample (anything with `response_len` and `finish_reason`)."""
-    return {
+    """The SAMPLE_FIELDS of one generated sample (anything with `response_len` and `finish_reason`; an
+    episode of forge_core.envs also has `env_reward`)."""
+    context = {
         "response_len": int(sample.response_len),
         "finish_reason": str(sample.finish_reason),
         "max_new_tokens": int(max_new_tokens),
     }
+    if getattr(sample, "env_reward", None) is not None:
+        context["env_reward"] = float(sample.env_reward)
+    return context
 
 
 def column_key(name: str) -> str:
@@ -103,6 +108,13 @@ class RewardComponent:
         self, completion: str, ground_truth: str, sample_ref: str, context: Mapping[str, Any] | None = None
     ) -> float:
         fields = self.sample_fields
+        if fields and context is not None and any(name not in context for name in fields):
+            missing = [name for name in fields if name not in context]
+            raise RewardFunctionError(
+                f"reward {self.spec.name!r} ({self.config_key}) needs {missing} of each sample, which sample "
+                f"{sample_ref} does not have (env_reward: only multi-turn episodes, rollout.env); drop the "
+                "component or configure rollout.env"
+            )
         if fields and context is None:
             raise RewardFunctionError(
                 f"reward {self.spec.name!r} ({self.config_key}) needs {list(fields)} of each sample, but the "

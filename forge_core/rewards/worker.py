@@ -4,15 +4,19 @@
 
 (started by the pool, never by hand). It serves score requests on the socket `--fd`, answering sample by
 sample: ("ready"), then ("value", i, [component values]) per sample and ("done", n); a reward function's
-Python error becomes ("error", i, message) and ends that request. It exits when the parent closes the socket
-or is gone (forge_core.launch.owner); a hang or a crash in a reward function is the parent's to notice.
+Python error becomes ("error", i, message) and ends that request. It also serves call requests (a function by
+import path, e.g. an environment's tool: forge_core.envs.tools), answered call by call the same way, where the
+function's exception is an answer ("raised"), not the end of the request. It exits when the parent closes the
+socket or is gone (forge_core.launch.owner); a hang or a crash in a function is the parent's to notice.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
@@ -31,6 +35,9 @@ def serve(conn: Connection) -> None:
             op, request = conn.recv()
         except EOFError:
             return
+        if op == "call":
+            _call(conn, request)
+            continue
         assert op == "score", op
         key = repr((request["configs"], request["section"]))
         if key not in built:
@@ -52,6 +59,37 @@ def _score(conn: Connection, rewards: RewardSet, items: list[tuple]) -> None:
             return
         conn.send(("value", position, values))
     conn.send(("done", len(items), None))
+
+
+def _call(conn: Connection, request: dict) -> None:
+    """Run a function (by import path) on each argument set: ("ready"), then per call ("value", i, (value,
+    seconds)) or ("raised", i, (message, seconds)), then ("done"); ("error", None, message) when the function
+    cannot be imported."""
+    try:
+        fn = _import_function(request["fn"])
+    except (ImportError, AttributeError, ValueError) as exc:
+        conn.send(("error", None, f"cannot import {request['fn']!r}: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None, None))
+    for position, (args, kwargs) in enumerate(request["calls"]):
+        started = time.perf_counter()
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a tool's failure is the caller's observation, not ours
+            conn.send(("raised", position, (f"{type(exc).__name__}: {exc}", time.perf_counter() - started)))
+            continue
+        conn.send(("value", position, (value, time.perf_counter() - started)))
+    conn.send(("done", len(request["calls"]), None))
+
+
+def _import_function(path: str):
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError("give the function as 'package.module:function'")
+    fn = getattr(importlib.import_module(module_name), attr)
+    if not callable(fn):
+        raise ValueError(f"{attr!r} is a {type(fn).__name__}, not a function")  # noqa: TRY004 - a config error
+    return fn
 
 
 def main(argv: Sequence[str] | None = None) -> int:

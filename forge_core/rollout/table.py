@@ -19,6 +19,23 @@
 | sampling_round | int32 | the generation round (0; 1.. are dynamic sampling's extra rounds) |
 | kept | bool | GRPO trains on this row (dynamic sampling keeps prompts_per_iteration groups; else all) |
 
+With `rollout.env` (multi-turn episodes, forge_core.envs) a row is one episode and the table has these columns
+too (a single-turn table has none of them, so it stays what it was):
+
+| column | type | meaning |
+| --- | --- | --- |
+| response_ids, response_logprobs | list | every token after the first prompt, model and environment interleaved; logprob 0.0 on environment tokens |
+| response_mask | list<int8> | 1 on the model's tokens (they carry loss), 0 on the environment's (context only) |
+| turns | list<struct> | per turn: turn, role (model/env), text, start/end (into response_ids), tool, latency_s, error |
+| num_turns, model_tokens | int32 | model turns; tokens the model generated |
+| tool_calls, tool_errors, tool_timeouts | int32 | tool calls made; failed or malformed ones; ones past their timeout |
+| end_reason | string | env (the environment ended it), turn_limit, token_limit |
+| env_reward | float64 (null) | the environment's own reward (the `environment` reward component reads it) |
+| environment | string | JSON: the environment, its tools/parser/package and the limits (lineage) |
+
+`response_text` is then the model's text of every turn, concatenated (what the rewards scored), and
+`response_len` counts every token after the prompt.
+
 A row's staleness is `iteration - policy_iteration`: 0 in `grpo.mode: sync`, at most `grpo.max_staleness` in
 `async` (forge_core.trainers.staleness checks it in the GRPO stage).
 
@@ -31,6 +48,7 @@ engine (or the long-lived engine service) confirmed it was serving when it gener
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +56,7 @@ import numpy as np
 import pyarrow as pa
 
 from forge_core.rewards import TOTAL_COLUMN, ScoredRewards
-from forge_core.rollout.types import Sample
+from forge_core.rollout.types import Episode, Sample
 
 TOKEN_IDS = pa.list_(pa.int32())
 ROLLOUTS_TABLE = "rollouts.parquet"
@@ -74,6 +92,32 @@ _SELECTION_FIELDS = [
     pa.field(ROUND_COLUMN, pa.int32(), nullable=False),
     pa.field(KEPT_COLUMN, pa.bool_(), nullable=False),
 ]
+# Episodes only (forge_core.envs): the model-token mask the GRPO loss reads, and what happened per turn.
+RESPONSE_MASK_COLUMN = "response_mask"
+TURN_TYPE = pa.struct(
+    [
+        pa.field("turn", pa.int32(), nullable=False),
+        pa.field("role", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("start", pa.int32(), nullable=False),
+        pa.field("end", pa.int32(), nullable=False),
+        pa.field("tool", pa.string(), nullable=False),
+        pa.field("latency_s", pa.float64(), nullable=False),
+        pa.field("error", pa.string(), nullable=False),
+    ]
+)
+_EPISODE_FIELDS = [
+    pa.field(RESPONSE_MASK_COLUMN, pa.list_(pa.int8()), nullable=False),
+    pa.field("turns", pa.list_(TURN_TYPE), nullable=False),
+    pa.field("num_turns", pa.int32(), nullable=False),
+    pa.field("model_tokens", pa.int32(), nullable=False),
+    pa.field("tool_calls", pa.int32(), nullable=False),
+    pa.field("tool_errors", pa.int32(), nullable=False),
+    pa.field("tool_timeouts", pa.int32(), nullable=False),
+    pa.field("end_reason", pa.string(), nullable=False),
+    pa.field("env_reward", pa.float64(), nullable=True),
+    pa.field("environment", pa.string(), nullable=False),
+]
 
 
 @dataclass(frozen=True)
@@ -88,13 +132,16 @@ class RolloutLineage:
     reward_versions: str  # JSON
     # The sampling policy's index (forge_core.trainers.staleness); None = `iteration` (on-policy, sync).
     policy_iteration: int | None = None
+    # JSON describing the environment of multi-turn episodes (forge_core.envs); None = single-turn samples.
+    environment: str | None = None
 
     @property
     def sampler_index(self) -> int:
         return self.iteration if self.policy_iteration is None else self.policy_iteration
 
 
-def rollout_schema(reward_columns: Sequence[str]) -> pa.Schema:
+def rollout_schema(reward_columns: Sequence[str], episodes: bool = False) -> pa.Schema:
+    """The rollout table's schema; `episodes` adds the multi-turn columns (module docstring)."""
     reward_fields = [pa.field(c, pa.float64(), nullable=False) for c in reward_columns]
     return pa.schema(
         [
@@ -103,15 +150,33 @@ def rollout_schema(reward_columns: Sequence[str]) -> pa.Schema:
             pa.field(TOTAL_COLUMN, pa.float64(), nullable=False),
             *_LINEAGE_FIELDS,
             *_SELECTION_FIELDS,
+            *(_EPISODE_FIELDS if episodes else []),
         ]
     )
+
+
+def episode_columns(episodes: Sequence[Episode], environment: str) -> dict[str, list]:
+    """The multi-turn columns of `episodes` (module docstring)."""
+    return {
+        RESPONSE_MASK_COLUMN: [list(e.response_mask) for e in episodes],
+        "turns": [[dataclasses.asdict(t) for t in e.turns] for e in episodes],
+        "num_turns": [e.num_turns for e in episodes],
+        "model_tokens": [e.model_tokens for e in episodes],
+        "tool_calls": [e.tool_calls for e in episodes],
+        "tool_errors": [e.tool_errors for e in episodes],
+        "tool_timeouts": [e.tool_timeouts for e in episodes],
+        "end_reason": [e.end_reason for e in episodes],
+        "env_reward": [e.env_reward for e in episodes],
+        "environment": [environment] * len(episodes),
+    }
 
 
 def rollout_table(
     samples: Sequence[Sample], scored: ScoredRewards, lineage: RolloutLineage, sampling_round: int = 0
 ) -> pa.Table:
     """The rows of `samples` with their rewards and lineage, in the explicit rollout schema; every row is
-    `kept` (dynamic sampling decides otherwise once it has all its rounds)."""
+    `kept` (dynamic sampling decides otherwise once it has all its rounds). With `lineage.environment` the
+    samples are Episodes and the table has the multi-turn columns."""
     n = len(samples)
     if len(scored.total) != n:
         raise ValueError(f"rollout_table: {n} samples but {len(scored.total)} rewards")
@@ -139,7 +204,11 @@ def rollout_table(
         ROUND_COLUMN: [sampling_round] * n,
         KEPT_COLUMN: [True] * n,
     }
-    return pa.Table.from_pydict(columns, schema=rollout_schema(list(scored.columns)))
+    episodes = lineage.environment is not None
+    if episodes:
+        assert all(isinstance(s, Episode) for s in samples), "a table with an environment holds episodes"
+        columns.update(episode_columns(samples, lineage.environment))
+    return pa.Table.from_pydict(columns, schema=rollout_schema(list(scored.columns), episodes))
 
 
 def reward_columns_of(schema: pa.Schema) -> list[str]:

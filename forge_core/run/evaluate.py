@@ -8,7 +8,9 @@ Inputs (`spec.inputs`, kinds checked by the worker scaffold):
   data     a committed `data` artifact; the held-out prompts are the first `eval.num_prompts` rows of its
            `eval.parquet`.
 Generation is greedy when `eval.pass_k == 1`, else `pass_k` samples per prompt at the rollout temperature;
-the rewards are the rollout's (`rollout.rewards`), so evaluation measures what GRPO optimises.
+the rewards are the rollout's (`rollout.rewards`), so evaluation measures what GRPO optimises. With `rollout.env`
+each sample is a whole episode (forge_core.envs; greedy turns), and the metrics add `env/*` (tool-call rate,
+tool errors, turns).
 
 Output `<output_uri>` (kind `eval`): `results.parquet` (one row per prompt: responses, per-sample rewards,
 passed) and a manifest whose metrics hold accuracy, mean_reward, n (prompts), k and length statistics.
@@ -20,16 +22,17 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from forge_core.artifacts.policy import PolicyRef, fetch_policy, release_policy
+from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, release_policy
 from forge_core.config import RunConfig
+from forge_core.envs import Environment, environment_from_config, environment_json, episode_metrics
 from forge_core.rewards import RewardSet
-from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate
+from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate, score_evaluation
 from forge_core.rollout.lifetime import stage_generator
 from forge_core.rollout.prompts import prompts_from_table
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import evaluation_sampling
 from forge_core.rollout.types import Prompt
-from forge_core.run.rollout import engine_metrics, read_prompt_split
+from forge_core.run.rollout import Generation, engine_metrics, generate_samples, read_prompt_split
 from forge_core.run.scaffold import StageContext
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class EvalPlan:
     prompts: list[Prompt]
     rewards: RewardSet
     policy: PolicyRef
+    environment: Environment | None = None  # rollout.env: evaluate whole episodes
 
     @property
     def cfg(self) -> RunConfig:
@@ -54,6 +58,7 @@ def plan_evaluation(ctx: StageContext) -> EvalPlan:
     cfg = ctx.cfg
     data_uri = ctx.input("data")
     rewards = RewardSet.for_stage(cfg.rollout)
+    environment = environment_from_config(cfg.rollout.env)
     table = read_prompt_split(ctx.store, data_uri, EVAL_SPLIT)
     if table.num_rows < cfg.eval.num_prompts:
         log.warning(
@@ -64,15 +69,30 @@ def plan_evaluation(ctx: StageContext) -> EvalPlan:
             table.num_rows,
         )
     prompts = prompts_from_table(table.slice(0, cfg.eval.num_prompts))
-    return EvalPlan(ctx=ctx, prompts=prompts, rewards=rewards, policy=fetch_policy(ctx.store, ctx.input("policy")))
+    policy = fetch_policy(ctx.store, ctx.input("policy"), cache_root=policy_cache_root(ctx.cfg.logging.dir))
+    return EvalPlan(ctx=ctx, prompts=prompts, rewards=rewards, policy=policy, environment=environment)
 
 
 def run_evaluation(plan: EvalPlan, generator: GenerationEngine) -> EvalOutcome:
     """Generate on the eval prompts, score, write `results.parquet` and commit; returns the outcome."""
     sampling = evaluation_sampling(plan.cfg.eval, plan.cfg.rollout.sampling)
-    outcome = evaluate(generator, plan.prompts, plan.rewards, sampling, seed=plan.cfg.seed)
+    env_metrics = {}
+    if plan.environment is None:
+        outcome = evaluate(generator, plan.prompts, plan.rewards, sampling, seed=plan.cfg.seed)
+    else:
+        totals = Generation()
+        samples = generate_samples(
+            generator, plan.prompts, sampling, plan.cfg.seed, plan.environment, plan.cfg, plan.policy.local_dir,
+            totals,
+        )
+        outcome = score_evaluation(plan.prompts, samples, plan.rewards, sampling, totals.seconds)
+        env_metrics = {
+            **episode_metrics(totals.episodes),
+            "environment": environment_json(plan.environment, plan.cfg.rollout.env),
+        }
     metrics = {
         **outcome.metrics,
+        **env_metrics,
         **engine_metrics(plan.cfg, generator),
         "policy_uri": plan.policy.uri,
         "policy_version": plan.policy.version,

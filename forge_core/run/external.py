@@ -85,11 +85,15 @@ def _storage_options(uri: str, store: ObjectStore) -> dict:
 
 
 def _data_source(cfg: RunConfig, store: ObjectStore) -> str | None:
+    from forge_core.data.generated import REASONING_GYM_DISTRIBUTION, TOOLS_DEMO_SOURCE, reasoning_gym_version
     from forge_core.data.pipeline import DEMO_SOURCE
     from forge_core.data.sources import source_fingerprint
 
-    if cfg.data.source == DEMO_SOURCE:
+    if cfg.data.source in (DEMO_SOURCE, TOOLS_DEMO_SOURCE):
         return None
+    if cfg.data.source.startswith("reasoning_gym:"):
+        # Generated, not read: its rows depend on the settings (in the key) and the generator's version.
+        return f"{REASONING_GYM_DISTRIBUTION}=={reasoning_gym_version()}"
     return source_fingerprint(cfg.data.source, cfg.data.format, _storage_options(cfg.data.source, store))
 
 

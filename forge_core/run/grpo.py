@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ from forge_core.engine import Engine
 from forge_core.engine.distributed import broadcast_object, run_on_rank0
 from forge_core.losses.correction import mismatch_summary
 from forge_core.losses.grpo import build_policy_loss
-from forge_core.models import load_hf_folder
+from forge_core.models import load_hf_folder, read_hf_info
 from forge_core.run.scaffold import StageContext
 from forge_core.run.training import TrainingRun, training_process_group
 from forge_core.storage import ArtifactError, ObjectStore
@@ -148,10 +147,6 @@ def plan_seed(seed: int, iteration: int) -> int:
     return int(np.random.SeedSequence([seed, iteration]).generate_state(1)[0])
 
 
-def _hf_vocab_size(policy_dir: Path) -> int:
-    return int(json.loads((policy_dir / "config.json").read_text())["vocab_size"])
-
-
 def _load_policy_weights(engine: Engine, folder: Path | None) -> None:
     """Collective: replace the engine's weights with an HF folder read on rank 0."""
     engine.load_full_state_dict(load_hf_folder(folder)[0] if engine.dist.is_rank0 else None)
@@ -221,11 +216,13 @@ def train(ctx: StageContext) -> None:
     inputs = resolve_inputs(ctx, kl_on=loss.kl is not None)
     with training_process_group(ctx) as dist:
         policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist)
-        vocab_size = broadcast_object(_hf_vocab_size(policy_dir) if dist.is_rank0 else None)
+        # Every rank builds the model its policy's config.json describes (rank 0 alone holds the folder).
+        checkpoint = broadcast_object(read_hf_info(policy_dir) if dist.is_rank0 else None)
+        vocab_size = checkpoint.vocab_size
         rollouts = read_rollouts(store, cfg, inputs)
         steps = steps_per_batch(cfg.grpo, rollouts.batch.batch_size)
         run = TrainingRun(ctx, dist, lineage=inputs.lineage(), run_name=f"{cfg.name}-{ctx.stage.name}-{iteration}")
-        engine = run.engine(vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir)
+        engine = run.engine(vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint)
         trainer = GRPOTrainer(engine, cfg.grpo, loss, **run.trainer_parts(engine))
         try:
             scoring_started = time.perf_counter()

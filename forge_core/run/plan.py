@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from forge_core.config import RunConfig, config_to_dict, select_sections
+from forge_core.config import RunConfig, config_to_dict, section_to_dict, select_sections
 from forge_core.credentials import secret_urls_env
 from forge_core.launch import LaunchSpec
+from forge_core.launch.spec import NodeRendezvous
 from forge_core.run.external import KEYED_BY_CONTENT_ONLY, external_fingerprints
 from forge_core.run.spec import StageSpec
 from forge_core.stages import OPERATIONAL_KEYS, STAGE_MODULES_ENV, Stage, is_builtin, stage_named
@@ -71,8 +72,9 @@ def stage_key_material(cfg: RunConfig, stage: str) -> dict:
 
 def stage_dependencies(cfg: RunConfig, stage: str, fingerprints: dict[str, str]) -> dict:
     """What else a stage's output depends on, beyond its config slice, inputs and params: the contents of what
-    it reads outside the store, its reward functions' versions (scoring stages), and its world size (training
-    stages: per-rank RNG streams and data shards, and a checkpoint resumes only on as many ranks as wrote it).
+    it reads outside the store, its reward functions' versions (scoring stages, and verifiers such as
+    sft.verifier), and its world size (training stages: per-rank RNG streams and data shards, and a checkpoint
+    resumes only on as many ranks as wrote it).
     The rest of `launch.*` (pool, deadline, retries) stays out of every key: a pool change must not retrain."""
     record = stage_named(stage)
     dependencies: dict = {}
@@ -82,6 +84,11 @@ def stage_dependencies(cfg: RunConfig, stage: str, fingerprints: dict[str, str])
         from forge_core.rewards import RewardSet
 
         dependencies["rewards"] = RewardSet.from_config(cfg.rollout.rewards).versions()
+    verifiers = {key: name for key in record.verifiers if (name := section_to_dict(cfg, key))}
+    if verifiers:
+        from forge_core.rewards import resolve_reward
+
+        dependencies["verifiers"] = {key: resolve_reward(name).version for key, name in verifiers.items()}
     if record.distributed:
         resources = cfg.launch.for_stage(stage)
         dependencies["world_size"] = resources.nnodes * resources.nproc_per_node
@@ -129,11 +136,16 @@ def _check_input_names(record: Stage, inputs: dict[str, str]) -> None:
         )
 
 
-def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None) -> LaunchSpec:
-    """The worker command for a planned stage: torchrun for distributed stages, one process otherwise."""
+def launch_spec_for(
+    plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None, node: NodeRendezvous | None = None
+) -> LaunchSpec:
+    """The worker command for a planned stage: torchrun for distributed stages, one process otherwise.
+    `node`: this machine's part of a multi-node launch arranged at run time (forge_core.run.placement)."""
     record = stage_named(plan.stage)
     resources = cfg.launch.for_stage(plan.stage)
     distributed = record.distributed
+    assert node is None or distributed, f"{plan.stage} is not distributed: it runs on one node"
+    nodes = {"nnodes": resources.nnodes, "rdzv_endpoint": resources.rdzv_endpoint} if distributed else {}
     env = dict(extra_env or {})
     if cfg.storage.endpoint_url:
         # The worker reads its spec before it has a config: tell it where a custom S3 endpoint is.
@@ -146,11 +158,11 @@ def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] |
         module="forge_core.run",
         args=[plan.stage, "--spec", plan.spec_uri],
         nproc_per_node=resources.nproc_per_node if distributed else 1,
-        nnodes=resources.nnodes if distributed else 1,
-        rdzv_endpoint=resources.rdzv_endpoint if distributed else None,
+        **(node.launch_fields() if node is not None else nodes),
         env=env,
         deadline_s=resources.deadline_s + resources.kill_grace_s + LAUNCHER_BACKSTOP_S,
         rank0_only_logs=cfg.logging.rank0_only,
         torchrun=distributed,
         kill_grace_s=resources.kill_grace_s,
+        gpus=resources.gpus_per_node,  # which of the node's GPUs: the launcher assigns them (launch.devices)
     )

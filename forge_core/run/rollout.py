@@ -20,6 +20,11 @@ logprobs, finish reason, each reward component, the total reward, lineage and th
 generation tokens/s, the dynamic-sampling rounds and groups generated and kept, and the engine start-up time
 (or, with `rollout.engine_lifetime: flow`, the in-place reload time of the flow's long-lived engine service;
 forge_core.rollout.lifetime).
+
+With `rollout.env` (forge_core.envs) each sample is a multi-turn episode: its turns are generated in batched
+calls, its tools run in the isolated worker pool, one row per episode holds every token with the model-token
+mask and the per-turn records (forge_core.rollout.table), and the metrics add `env/*` (tool-call rate, tool
+errors and timeouts, turns, end reasons); tokens/s then counts the model's tokens.
 """
 
 from __future__ import annotations
@@ -31,9 +36,20 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from forge_core.artifacts.policy import PolicyRef, fetch_policy, release_policy
+from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, release_policy
 from forge_core.config import RunConfig
+from forge_core.config.schema import SamplingConfig
 from forge_core.data.schemas import TABLES
+from forge_core.envs import (
+    Environment,
+    EpisodeBatch,
+    environment_from_config,
+    environment_json,
+    episode_limits,
+    episode_metrics,
+    observation_encoder,
+    run_episodes,
+)
 from forge_core.rewards import RewardSet, sample_context
 from forge_core.rollout.dynamic import DynamicSampling
 from forge_core.rollout.lifetime import stage_generator
@@ -41,7 +57,7 @@ from forge_core.rollout.prompts import check_prompt_table, iteration_indices, pr
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
-from forge_core.rollout.types import Prompt
+from forge_core.rollout.types import Prompt, Sample
 from forge_core.run.scaffold import StageContext
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
@@ -63,6 +79,7 @@ class RolloutPlan:
     rewards: RewardSet
     policy: PolicyRef
     prompt_table: pa.Table | None = None  # rl_prompts, for dynamic sampling's extra rounds
+    environment: Environment | None = None  # rollout.env: multi-turn episodes instead of single samples
 
     @property
     def cfg(self) -> RunConfig:
@@ -144,12 +161,13 @@ def plan_rollout(ctx: StageContext) -> RolloutPlan:
     iteration = iteration_param(ctx.spec)
     policy_iteration = policy_iteration_param(ctx.spec, iteration)
     rewards = RewardSet.for_stage(cfg.rollout)  # a bad reward fails before vLLM starts
+    environment = environment_from_config(cfg.rollout.env)  # so does a bad environment
     seed = rollout_seed(cfg.seed, cfg.rollout.sampling)
     table = read_prompt_split(store, ctx.input("data"), PROMPTS_SPLIT)
     per_iteration = cfg.rollout.prompts_per_iteration
     first_slot = DynamicSampling(cfg.rollout.dynamic_sampling, per_iteration).slot(iteration, 0)
     prompts = iteration_prompts(table, per_iteration, first_slot, seed)
-    policy = fetch_policy(store, ctx.input("policy"))
+    policy = fetch_policy(store, ctx.input("policy"), cache_root=policy_cache_root(ctx.cfg.logging.dir))
     return RolloutPlan(
         ctx=ctx,
         iteration=iteration,
@@ -159,15 +177,53 @@ def plan_rollout(ctx: StageContext) -> RolloutPlan:
         rewards=rewards,
         policy=policy,
         prompt_table=table,
+        environment=environment,
     )
 
 
 @dataclass
-class _Generation:
-    """Generation time and tokens summed over a stage's rounds."""
+class Generation:
+    """Generation time and tokens summed over a stage's rounds (and, with an environment, their episodes)."""
 
     seconds: float = 0.0
     tokens: int = 0
+    episodes: EpisodeBatch | None = None
+
+    def add_episodes(self, batch: EpisodeBatch) -> None:
+        self.seconds += batch.generation_s
+        self.tokens += batch.model_tokens
+        if self.episodes is None:
+            self.episodes = EpisodeBatch(episodes=[])
+        self.episodes.episodes += batch.episodes
+        self.episodes.generate_calls += batch.generate_calls
+        self.episodes.generation_s += batch.generation_s
+        self.episodes.tool_s += batch.tool_s
+
+
+def generate_samples(
+    generator: GenerationEngine,
+    prompts: list[Prompt],
+    sampling: SamplingConfig,
+    seed: int,
+    environment: Environment | None,
+    cfg: RunConfig,
+    policy_dir,
+    totals: Generation,
+) -> list[Sample]:
+    """Single samples (one generate call), or with `rollout.env` whole episodes (batched turns,
+    forge_core.envs), adding their time and generated tokens to `totals`."""
+    if environment is not None:
+        batch = run_episodes(
+            generator, prompts, environment, sampling, seed, observation_encoder(policy_dir),
+            episode_limits(cfg.rollout.env),
+        )
+        totals.add_episodes(batch)
+        return list(batch.episodes)
+    start = time.perf_counter()
+    samples = generator.generate(prompts, sampling, seed)
+    totals.seconds += time.perf_counter() - start
+    totals.tokens += sum(s.response_len for s in samples)
+    return samples
 
 
 def sample_round(
@@ -176,14 +232,13 @@ def sample_round(
     prompts: list[Prompt],
     lineage: RolloutLineage,
     sampling_round: int,
-    totals: _Generation,
+    totals: Generation,
 ) -> pa.Table:
     """Generate and score one round of prompts: its rows of the rollout table."""
     sampling = plan.cfg.rollout.sampling
-    start = time.perf_counter()
-    samples = generator.generate(prompts, sampling, plan.seed)
-    totals.seconds += time.perf_counter() - start
-    totals.tokens += sum(s.response_len for s in samples)
+    samples = generate_samples(
+        generator, prompts, sampling, plan.seed, plan.environment, plan.cfg, plan.policy.local_dir, totals
+    )
     scored = plan.rewards.score(
         [s.response_text for s in samples],
         [s.ground_truth for s in samples],
@@ -205,8 +260,9 @@ def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
         sampling_params=sampling_json(sampling, plan.seed),
         reward_versions=json.dumps(plan.rewards.versions(), sort_keys=True),
         policy_iteration=plan.policy_iteration,
+        environment=environment_json(plan.environment, plan.cfg.rollout.env) if plan.environment else None,
     )
-    generation = _Generation()
+    generation = Generation()
 
     def generate(slot: int, index: int) -> pa.Table:
         return sample_round(plan, generator, plan.round_prompts(slot, index), lineage, index, generation)
@@ -230,6 +286,7 @@ def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
         "reward_weights": plan.rewards.weights(),
         "primary_reward": plan.rewards.primary_column,
         **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
+        **(episode_metrics(generation.episodes) if generation.episodes is not None else {}),
         "wall_s": plan.ctx.wall_s(),
     }
     writer = plan.ctx.writer()

@@ -5,15 +5,19 @@
 
 Inputs: `data`, a committed `data` artifact (sft.parquet + tokenizer/), checked by the scaffold. Optional
 `model.hf_path` (local folder or storage URI of an HF folder) to start from instead of random init.
-Output: `<output_uri>/policy` (a committed `policy` artifact: HF folder with the tokenizer files), in-stage
-checkpoints under `<output_uri>/_checkpoints/step-<N>`, and finally the `sft` artifact at `<output_uri>`
-(train_summary.json; manifest metrics: final loss, eval loss, tokens/s, steps, wall time, policy URI).
+Output: `<output_uri>/policy` (a committed `policy` artifact: HF folder with the tokenizer files) holding the
+selected weights (sft.select: the last step's, or the best validation's), in-stage checkpoints under
+`<output_uri>/_checkpoints/step-<N>`, and finally the `sft` artifact at `<output_uri>` (train_summary.json;
+manifest metrics: final loss, steps run, the selected step and why (`selected_by`: last / best / early_stop),
+its validation loss and exact match, the validation curve, tokens/s, wall time, policy URI).
+Validation rows are `sft.eval_rows` rows of sft.parquet held out from training (never rows of the eval split);
+exact match is decided by `sft.verifier` against the table's ground_truth column, scored the way the rollout
+stages score (isolated reward workers: rollout.reward_timeout_s / reward_workers).
 A rerun resumes from the newest committed checkpoint; an already committed output is left alone.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +25,16 @@ from pathlib import Path
 import pyarrow as pa
 
 from forge_core.config import RunConfig
+from forge_core.config.schema import RewardComponentConfig
+from forge_core.data.tokenizer import load_tokenizer
+from forge_core.models import HFModelInfo, read_hf_info
+from forge_core.rewards import RewardSet
+from forge_core.rewards.isolation import RewardIsolation
 from forge_core.run.scaffold import StageContext
 from forge_core.run.training import TrainingRun, training_process_group
 from forge_core.storage import ArtifactError, ObjectStore
-from forge_core.trainers.sft import SFTData, SFTTrainer
+from forge_core.trainers.sft import GROUND_TRUTH_COLUMN, SFTData, SFTTrainer
+from forge_core.trainers.validation import GreedyExactMatch
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +55,41 @@ def _read_data_artifact(ctx: StageContext) -> SFTInputs:
     data_uri = ctx.input("data")
     try:
         reader = ctx.store.reader(data_uri)
-        table = reader.read_table(SFT_TABLE, columns=["input_ids", "loss_mask"])
+        table = reader.read_table(SFT_TABLE)
         tokenizer_dir = reader.download_dir(TOKENIZER_DIR, ctx.workdir / TOKENIZER_DIR)
     except (ArtifactError, FileNotFoundError) as exc:
         raise ValueError(f"inputs.data={data_uri}: cannot read the data artifact: {exc}") from exc
+    wanted = ["input_ids", "loss_mask"] + ([GROUND_TRUTH_COLUMN] if ctx.cfg.sft.verifier else [])
+    table = table.select([c for c in wanted if c in table.column_names])
     return SFTInputs(data_uri, table, tokenizer_dir, _tokenizer_vocab_size(tokenizer_dir))
+
+
+def _exact_match(cfg: RunConfig, data: SFTData, inputs: SFTInputs) -> GreedyExactMatch | None:
+    """The validation's exact-match scorer (forge_core.trainers.validation), or None without sft.verifier or
+    validation rows."""
+    if cfg.sft.verifier is None or not data.eval_rows:
+        return None
+    if data.eval_ground_truths is None:
+        raise ValueError(
+            f"sft.verifier={cfg.sft.verifier!r}: {inputs.data_uri}/{SFT_TABLE} has no {GROUND_TRUTH_COLUMN} column "
+            "(a data artifact written before SFT validation existed); delete that artifact's prefix so the prepare "
+            "stage writes it again, or set sft.verifier=null, sft.select_metric=loss and sft.target=null"
+        )
+    tokenizer = load_tokenizer(str(inputs.tokenizer_dir))
+    verifier = RewardComponentConfig(name=cfg.sft.verifier, kwargs=dict(cfg.sft.verifier_kwargs))
+    isolation = RewardIsolation.from_config(cfg.rollout)
+    rewards = RewardSet.from_config([verifier], section="sft.verifier", isolation=isolation)
+    prompts, references = data.validation_prompts()
+    return GreedyExactMatch(
+        prompts,
+        references,
+        data.eval_ground_truths,
+        lambda ids: tokenizer.backend.decode(ids, skip_special_tokens=True),
+        tokenizer.eos_id,
+        rewards,
+        micro_batch_size=cfg.sft.micro_batch_size,
+        max_seq_len=cfg.model.max_seq_len,
+    )
 
 
 def _tokenizer_vocab_size(tokenizer_dir: Path) -> int:
@@ -77,11 +117,11 @@ def _initial_weights_dir(cfg: RunConfig, store: ObjectStore, workdir: Path) -> s
         raise ValueError(f"model.hf_path={hf_path}: cannot read the HF folder artifact: {exc}") from exc
 
 
-def _vocab_size(cfg: RunConfig, inputs: SFTInputs, init_dir: str | None) -> int:
+def _vocab_size(cfg: RunConfig, inputs: SFTInputs, checkpoint: HFModelInfo | None) -> int:
     """The embedding size: the tokenizer's, or the starting checkpoint's (which may pad it)."""
-    if init_dir is None:
+    if checkpoint is None:
         return inputs.tokenizer_vocab_size
-    hf_vocab = int(json.loads((Path(init_dir) / "config.json").read_text())["vocab_size"])
+    hf_vocab = checkpoint.vocab_size
     if hf_vocab < inputs.tokenizer_vocab_size:
         raise ValueError(
             f"model.hf_path={cfg.model.hf_path}: vocab_size {hf_vocab} is smaller than the data tokenizer's "
@@ -96,12 +136,20 @@ def train(ctx: StageContext) -> None:
     inputs = _read_data_artifact(ctx)
     data = SFTData.from_table(inputs.table, cfg.sft.eval_rows, cfg.seed, where=f"{inputs.data_uri}/{SFT_TABLE}")
     init_dir = _initial_weights_dir(cfg, ctx.store, ctx.workdir)
-    vocab_size = _vocab_size(cfg, inputs, init_dir)
+    # Its config.json decides the architecture (model.flavor: auto, any size) and what the export keeps.
+    checkpoint = read_hf_info(init_dir) if init_dir is not None else None
+    vocab_size = _vocab_size(cfg, inputs, checkpoint)
     with training_process_group(ctx) as dist:
         run = TrainingRun(ctx, dist, lineage=ctx.inputs, run_name=f"{cfg.name}-{ctx.stage.name}")
-        engine = run.engine(vocab_size, cfg.sft.optimizer, cfg.sft.steps, init_dir)
+        engine = run.engine(vocab_size, cfg.sft.optimizer, cfg.sft.steps, init_dir, checkpoint)
         trainer = SFTTrainer(
-            engine, data, cfg.sft, seed=cfg.seed, log_every=cfg.logging.log_every, **run.trainer_parts(engine)
+            engine,
+            data,
+            cfg.sft,
+            seed=cfg.seed,
+            log_every=cfg.logging.log_every,
+            exact_match=_exact_match(cfg, data, inputs),
+            **run.trainer_parts(engine),
         )
         try:
             run.finish(trainer, trainer.fit().as_metrics(), str(inputs.tokenizer_dir))

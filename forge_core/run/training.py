@@ -24,6 +24,7 @@ from forge_core.config.schema import OptimizerConfig
 from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
 from forge_core.engine.distributed import DistContext, run_on_rank0
 from forge_core.metrics import build_sinks
+from forge_core.models import HFModelInfo
 from forge_core.run.scaffold import StageContext
 from forge_core.trainers.base import ArtifactContext, TitanTrainer
 from forge_core.trainers.stage import commit_stage, export_policy
@@ -55,12 +56,17 @@ class TrainingRun:
     run_name: str  # the metric sinks' run name (a wandb run per stage)
 
     def engine(
-        self, vocab_size: int, optimizer: OptimizerConfig, total_steps: int, init_weights_dir: str | None
+        self,
+        vocab_size: int,
+        optimizer: OptimizerConfig,
+        total_steps: int,
+        init_weights_dir: str | None,
+        checkpoint: HFModelInfo | None = None,
     ) -> Engine:
-        """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder or
-        from the seed."""
+        """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder (built
+        with `checkpoint`'s architecture: what its config.json says) or from the seed."""
         return Engine.Config.from_run_config(
-            self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir
+            self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir, checkpoint=checkpoint
         ).build()
 
     def trainer_parts(self, engine: Engine) -> dict:

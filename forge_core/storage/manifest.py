@@ -2,7 +2,8 @@
 
 Fields: format_version, kind, stage, key, attempt, files {rel: {size, sha256}}, schema {table_rel: arrow
 schema string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at,
-metrics.
+metrics, placement (where a stage placed on a pool's workers ran: forge_core.run.placement puts its record into
+the workers' environment as FORGE_PLACEMENT; null when the stage ran on the flow's machine; optional when read).
 
 Layout (format 2): every writer (attempt) writes its files under its own prefix `<uri>/_attempts/<attempt>/`,
 and the manifest names the attempt whose files it lists, so two writers of one key never touch each other's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +30,23 @@ _ATTEMPT_STAMP = "%Y%m%dT%H%M%SZ"
 _ATTEMPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
 TEMP_MARKER = ".forge-tmp-"
+# A JSON object: where the process writing artifacts runs when a stage was placed on a pool's workers
+# (pool, nodes with their workers and hosts, attempts, redirects); recorded in every manifest it writes.
+PLACEMENT_ENV = "FORGE_PLACEMENT"
+
+
+def placement_from_env() -> dict | None:
+    """The placement record FORGE_PLACEMENT holds, None when unset; ValueError naming it when not a JSON object."""
+    raw = os.environ.get(PLACEMENT_ENV)
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{PLACEMENT_ENV}: not JSON ({exc}); forge_core.run.placement writes it") from exc
+    if not isinstance(record, dict):
+        raise ValueError(f"{PLACEMENT_ENV}={raw[:80]!r}: expected a JSON object")  # noqa: TRY004
+    return record
 
 
 def utc_now_iso() -> str:
@@ -84,6 +103,7 @@ class Manifest:
     # the artifact root).
     attempt: str | None = None
     format_version: int = FORMAT_VERSION
+    placement: dict | None = None
 
     def to_json_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, indent=1, allow_nan=False).encode("utf-8")
@@ -99,7 +119,7 @@ class Manifest:
             raise ValueError(
                 f"manifest format_version={version!r}; this forgeflow reads {list(READABLE_FORMAT_VERSIONS)}"
             )
-        optional = {"attempt"} if version == 1 else set()
+        optional = {"attempt", "placement"} if version == 1 else {"placement"}
         missing = sorted({f.name for f in dataclasses.fields(cls)} - set(raw) - optional)
         if missing:
             raise ValueError(f"manifest lacks fields {missing}")
@@ -121,4 +141,5 @@ class Manifest:
             metrics=raw["metrics"],
             attempt=attempt,
             format_version=version,
+            placement=raw.get("placement"),
         )

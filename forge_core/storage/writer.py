@@ -40,6 +40,7 @@ from forge_core.storage.manifest import (
     Manifest,
     is_attempt_id,
     new_attempt_id,
+    placement_from_env,
     utc_now_iso,
 )
 from forge_core.storage.streams import HashingWriter
@@ -286,6 +287,7 @@ class ArtifactWriter:
             committed_at=utc_now_iso(),
             metrics=_finite_or_text(metrics),
             attempt=self.attempt,
+            placement=placement_from_env(),
         )
         try:
             data = manifest.to_json_bytes()

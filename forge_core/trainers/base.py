@@ -85,15 +85,20 @@ class TitanTrainer:
 
     # ---- the one forward path -------------------------------------------------------------------------------
 
-    def _model_outputs(self, batch: TokenBatch, with_entropy: bool) -> ModelOutputs:
+    def logits(self, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V] of the current weights as one plain tensor (collective under FSDP/TP)."""
         # A compiled model runs each batch at its length bucket, so it meets a few shapes, not one per length.
         logits_BLV = forward_logits(
-            self.model, batch.input_ids_BL, batch.positions_BL, pad_to=self.engine.padded_length(batch.seq_len)
+            self.model, input_ids_BL, positions_BL, pad_to=self.engine.padded_length(input_ids_BL.shape[1])
         )
         if isinstance(logits_BLV, DTensor):
             # Tensor parallelism leaves the logits sharded over the vocab; gather them (differentiably) so the
             # loss sees plain per-token log-probabilities.
             logits_BLV = logits_BLV.full_tensor()
+        return logits_BLV
+
+    def _model_outputs(self, batch: TokenBatch, with_entropy: bool) -> ModelOutputs:
+        logits_BLV = self.logits(batch.input_ids_BL, batch.positions_BL)
         target_logprobs_BL = token_logprobs(logits_BLV, batch.target_ids_BL)
         entropy_BL = None
         if with_entropy:
@@ -231,7 +236,8 @@ class TitanTrainer:
             ctx = self.artifacts
             with tempfile.TemporaryDirectory(prefix="forge-export-") as tmp:
                 write_hf_folder(
-                    full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir
+                    full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir,
+                    checkpoint=self.engine.config.checkpoint,  # keeps the starting checkpoint's facts
                 )
                 writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
                 writer.put_dir(tmp)

@@ -39,7 +39,7 @@ from forge_core.config.schema import AdvantageConfig, GRPOConfig
 from forge_core.engine import Engine
 from forge_core.losses.grpo import ClippedPolicyLoss
 from forge_core.metrics.progress import emit_progress
-from forge_core.rollout.table import KEPT_COLUMN
+from forge_core.rollout.table import KEPT_COLUMN, RESPONSE_MASK_COLUMN
 from forge_core.trainers.advantages import compute_advantages
 from forge_core.trainers.base import TitanTrainer
 
@@ -92,6 +92,21 @@ def training_rows(table: pa.Table) -> pa.Table:
     return table.filter(table.column(KEPT_COLUMN))
 
 
+def response_masks(table: pa.Table, source: str) -> list[np.ndarray] | None:
+    """Per row, which response tokens the model generated (multi-turn episodes, forge_core.envs: the
+    `response_mask` column); None for single-turn rows, where every response token is the model's."""
+    if RESPONSE_MASK_COLUMN not in table.column_names:
+        return None
+    masks = [np.asarray(m, dtype=bool) for m in table.column(RESPONSE_MASK_COLUMN).to_pylist()]
+    for i, (mask, response) in enumerate(zip(masks, table.column("response_ids").to_pylist())):
+        if len(mask) != len(response):
+            raise ValueError(
+                f"{source}: row {i} has {len(response)} response tokens but a {RESPONSE_MASK_COLUMN} of {len(mask)}; "
+                "an episode's mask marks each of its tokens"
+            )
+    return masks
+
+
 def rollouts_to_rl_batch(
     table: pa.Table, advantage_cfg: AdvantageConfig, pad_id: int = 0, source: str = "rollouts.parquet"
 ) -> RolloutBatch:
@@ -99,7 +114,10 @@ def rollouts_to_rl_batch(
 
     Row i is `prompt_ids + response_ids`; the model reads all but the last token and is scored on the next
     one, so response token j is the target at position `len(prompt) - 1 + j`, where the generator's
-    `response_logprobs[j]` and the response mask are placed. Advantages come from `reward` within `group_id`;
+    `response_logprobs[j]` and the response mask are placed. A multi-turn episode (a `response_mask` column,
+    forge_core.envs) carries loss only on the tokens the model generated: the environment's tokens are context,
+    and their stored logprobs (0.0) are never read, since every loss term and the mismatch metrics go through
+    that mask. Advantages come from `reward` within `group_id`;
     completions with `finish_reason == "length"` are truncated (masked when `advantage_cfg.mask_truncated`).
     """
     _check_rollout_columns(table, source)
@@ -110,6 +128,7 @@ def rollouts_to_rl_batch(
     prompts = table.column("prompt_ids").to_pylist()
     responses = table.column("response_ids").to_pylist()
     logprobs = table.column("response_logprobs").to_pylist()
+    model_masks = response_masks(table, source)
     token_rows = []
     for i, (prompt, response, response_logprobs) in enumerate(zip(prompts, responses, logprobs)):
         if not prompt or not response:
@@ -120,7 +139,7 @@ def rollouts_to_rl_batch(
                 "the generator must return one logprob per sampled token"
             )
         mask = np.zeros(len(prompt) + len(response), dtype=bool)
-        mask[len(prompt) :] = True
+        mask[len(prompt) :] = True if model_masks is None else model_masks[i]
         token_rows.append((np.asarray(prompt + response, dtype=np.int64), mask))
     tokens = pad_token_rows(token_rows, pad_id=pad_id)
     generator_BL = torch.zeros(tokens.input_ids_BL.shape, dtype=torch.float32)

@@ -1,14 +1,22 @@
 """SFTTrainer: supervised fine-tuning on a committed `data` artifact's `sft.parquet`.
 
-    data = SFTData.from_table(table)                      # input_ids list<int32>, loss_mask list<int8>
+    data = SFTData.from_table(table, cfg.eval_rows, seed)  # input_ids, loss_mask (+ ground_truth for exact match)
     trainer = SFTTrainer(engine, data, cfg.sft, seed=cfg.seed, log_every=cfg.logging.log_every,
+                         exact_match=GreedyExactMatch(...),   # optional: forge_core.trainers.validation
                          sink=sink, checkpointer=ckpt, artifacts=ArtifactContext(store, "sft", cfg_dict, inputs))
-    summary = trainer.fit()                                # resumes from the newest committed checkpoint
+    summary = trainer.fit()        # resumes from the newest committed checkpoint; ends holding the selected weights
 
 The loss is token cross-entropy on completion tokens (loss_mask = 1), averaged over the global batch.
-`cfg.eval_rows` rows, chosen by the seed, are held out from training for the eval loss. The loop
-checkpoints every `checkpoint_every` steps and after the last step; the data cursor and RNG states travel
-in the checkpoint, so an interrupted run that resumes produces the same losses as one that was not.
+`cfg.eval_rows` rows, chosen by the seed, are held out from training for validation: every `eval_every` steps
+and after the last step, the held-out loss and (given `exact_match`) the greedy exact match. `cfg.select` picks
+the weights `fit` ends with: the last step's, or the best validation's (`select_metric`); `cfg.patience`
+stops the run after that many validations without a better one, `cfg.target` at the first validation that
+reaches it (forge_core.trainers.validation.Selection).
+The best validation's step is checkpointed at once and pinned against retention, so its weights can be
+loaded back at the end; no checkpoint is written at the step where training ends (the export follows).
+The loop checkpoints every `checkpoint_every` steps; the data cursor, the RNG states and the selection state
+travel in the checkpoint, so an interrupted run that resumes produces the same losses, the same validations
+and the same selection as one that was not.
 """
 
 from __future__ import annotations
@@ -23,30 +31,35 @@ import pyarrow as pa
 from forge_core.batch import TokenBatch, pad_token_rows
 from forge_core.config.schema import SFTConfig
 from forge_core.engine import Checkpointer, Engine
+from forge_core.engine.checkpoint import ModelState
 from forge_core.losses import TokenCrossEntropy
 from forge_core.metrics import MetricsSink
 from forge_core.metrics.progress import emit_progress
 from forge_core.trainers.base import ArtifactContext, TitanTrainer
 from forge_core.trainers.sampler import GlobalBatchSampler
+from forge_core.trainers.validation import EXACT_MATCH, LOSS, GreedyExactMatch, Selection, split_completion
 
 log = logging.getLogger(__name__)
 
 SFT_COLUMNS = ("input_ids", "loss_mask")
+GROUND_TRUTH_COLUMN = "ground_truth"  # what a verifier checks a generated completion against (validation)
 # Right-padding granularity: fewer distinct shapes (kernel / compile caches) at a small padding cost.
 PAD_TO_MULTIPLE = 8
 
 
 @dataclass
 class SFTData:
-    """Token rows of an SFT table, split into training rows and held-out eval rows."""
+    """Token rows of an SFT table, split into training rows and held-out validation (eval) rows."""
 
     train_rows: list[tuple[np.ndarray, np.ndarray]]
     eval_rows: list[tuple[np.ndarray, np.ndarray]]
+    # The held-out rows' ground truths, when the table has a ground_truth column (greedy exact match).
+    eval_ground_truths: list[str] | None = None
 
     @classmethod
     def from_table(cls, table: pa.Table, eval_rows: int, seed: int, where: str = "sft.parquet") -> SFTData:
-        """Rows from a table with `input_ids` and `loss_mask` list columns; `eval_rows` of them, picked by
-        `seed`, are held out."""
+        """Rows from a table with `input_ids` and `loss_mask` list columns (and optionally `ground_truth`);
+        `eval_rows` of them, picked by `seed`, are held out."""
         missing = [c for c in SFT_COLUMNS if c not in table.column_names]
         if missing:
             raise ValueError(
@@ -58,11 +71,22 @@ class SFTData:
                 f"sft.eval_rows={eval_rows}: {where} has only {len(rows)} rows; hold out fewer (or 0)"
             )
         order = np.random.default_rng([seed, 2**31 - 1]).permutation(len(rows))
-        held_out = set(order[:eval_rows].tolist())
+        held_out = sorted(order[:eval_rows].tolist())
+        held_out_set = set(held_out)
+        truths = None
+        if GROUND_TRUTH_COLUMN in table.column_names:
+            column = table.column(GROUND_TRUTH_COLUMN)
+            truths = [column[i].as_py() for i in held_out]
         return cls(
-            train_rows=[row for i, row in enumerate(rows) if i not in held_out],
-            eval_rows=[rows[i] for i in sorted(held_out)],
+            train_rows=[row for i, row in enumerate(rows) if i not in held_out_set],
+            eval_rows=[rows[i] for i in held_out],
+            eval_ground_truths=truths,
         )
+
+    def validation_prompts(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(prompts, reference completions) of the held-out rows."""
+        pairs = [split_completion(ids, mask) for ids, mask in self.eval_rows]
+        return [p for p, _ in pairs], [c for _, c in pairs]
 
 
 def _token_rows(table: pa.Table, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -92,21 +116,30 @@ def micro_batches(rows: list[tuple[np.ndarray, np.ndarray]], micro_batch_size: i
 
 @dataclass
 class SFTSummary:
-    steps: int
+    steps: int  # optimizer steps run (fewer than sft.steps after an early stop)
     resumed_from_step: int
-    final_loss: float
-    eval_loss: float | None
+    final_loss: float  # training loss of the last step run
+    eval_loss: float | None  # validation loss of the selected weights
     tokens_per_s: float
     wall_time_s: float
     train_rows: int
     eval_rows: int
+    selected_step: int  # the step whose weights the trainer ends with (and the stage exports)
+    # "last", "best" (the best validation), "early_stop" (the best, patience ran out) or "target" (the first
+    # validation that reached sft.target)
+    selected_by: str
+    select_metric: str
+    val_exact_match: float | None = None  # greedy exact match of the selected weights on the validation rows
+    verifier_reference_pass: float | None = None  # the verifier's pass rate on the reference completions
+    validation: list[dict] | None = None  # every validation: {"step", "loss", "exact_match"?}
 
     def as_metrics(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 class SFTTrainer(TitanTrainer):
-    """The SFT loop on top of TitanTrainer: sampling, micro-batching, eval, checkpoints, resume."""
+    """The SFT loop on top of TitanTrainer: sampling, micro-batching, validation and selection, checkpoints,
+    resume."""
 
     def __init__(
         self,
@@ -116,6 +149,7 @@ class SFTTrainer(TitanTrainer):
         *,
         seed: int,
         log_every: int = 10,
+        exact_match: GreedyExactMatch | None = None,
         sink: MetricsSink | None = None,
         checkpointer: Checkpointer | None = None,
         artifacts: ArtifactContext | None = None,
@@ -125,6 +159,8 @@ class SFTTrainer(TitanTrainer):
         self.data = data
         self.log_every = log_every
         self.loss = TokenCrossEntropy()
+        self.exact_match = exact_match
+        self.selection = Selection.from_config(cfg)
         self.sampler = GlobalBatchSampler(
             len(data.train_rows), cfg.batch_size, engine.dp_degree, engine.dp_rank, seed
         )
@@ -149,6 +185,36 @@ class SFTTrainer(TitanTrainer):
             return None
         return self.evaluate(self._eval_batches, self.loss)["loss"]
 
+    def validate(self) -> dict:
+        """Collective: {"step", "loss", "exact_match" (with an exact_match scorer)} at the current weights."""
+        point = {"step": self.step, LOSS: self.evaluate_held_out()}
+        if self.exact_match is not None:
+            point[EXACT_MATCH] = self.exact_match(self)
+        return point
+
+    def _check_selection_inputs(self) -> None:
+        cfg = self.cfg
+        if cfg.select == "best" and not self._eval_batches:
+            raise ValueError(
+                f"sft.select=best with sft.eval_rows={cfg.eval_rows}: no validation rows for the "
+                f"{self.engine.dp_degree} data-parallel ranks; hold out at least {self.engine.dp_degree}, or set "
+                "sft.select=last"
+            )
+        if cfg.select == "best" and self.checkpointer is None:
+            raise ValueError("sft.select=best loads the best step's weights from its checkpoint: pass a checkpointer")
+        if cfg.select_metric == EXACT_MATCH and cfg.select == "best" and self.exact_match is None:
+            raise ValueError(
+                "sft.select_metric=exact_match needs an exact-match scorer (the SFT stage builds one from "
+                "sft.verifier and the data's ground_truth column); or set sft.select_metric=loss (with a loss sft.target, or null)"
+            )
+        if self.exact_match is not None:
+            self.exact_match.check_verifier(self)
+
+    def _validation_due(self, is_last: bool) -> bool:
+        if not self._eval_batches:
+            return False
+        return is_last or bool(self.cfg.eval_every and self.step % self.cfg.eval_every == 0)
+
     def _resume(self) -> int:
         if self.checkpointer is None:
             return 0
@@ -157,20 +223,33 @@ class SFTTrainer(TitanTrainer):
             return 0
         self.sampler.restore(resume.data_cursor["sampler"])
         self._last_loss = resume.data_cursor["last_loss"]
+        self.selection.load_state_dict(resume.data_cursor["selection"])
         log.info("SFT resumes after step %d from %s", resume.step, resume.uri)
         return resume.step
 
     def _checkpoint(self) -> None:
-        if self.checkpointer is not None:
-            self.save_checkpoint(self.step, {"sampler": self.sampler.cursor(), "last_loss": self._last_loss})
+        cursor = {
+            "sampler": self.sampler.cursor(),
+            "last_loss": self._last_loss,
+            "selection": self.selection.state_dict(),
+        }
+        pinned = self.selection.pinned_step
+        self.save_checkpoint(self.step, cursor, pins=[] if pinned is None or pinned == self.step else [pinned])
+
+    def save_checkpoint(self, step: int, data_cursor: dict, pins: list[int] | None = None):
+        """Collective: TitanTrainer's checkpoint, pinning `pins` (earlier steps retention must keep)."""
+        if not pins:
+            return super().save_checkpoint(step, data_cursor)
+        return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor, pins=pins)
 
     def fit(self) -> SFTSummary:
-        """Train to `cfg.steps` (resuming first), evaluating and checkpointing on the way."""
+        """Train to `cfg.steps` or an early stop (resuming first), validating and checkpointing on the way, and
+        end holding the selected weights (`self.step` = their step)."""
         start = time.perf_counter()
+        self._check_selection_inputs()
         resumed_from = self._resume()
-        eval_loss = None
         tokens, train_time = 0.0, 0.0
-        while self.step < self.cfg.steps:
+        while self.step < self.cfg.steps and not self.selection.stopped:
             metrics = self.train_step(self.next_micro_batches(), self.loss)
             self._last_loss = metrics["loss"]
             if self.rank == 0:
@@ -178,25 +257,46 @@ class SFTTrainer(TitanTrainer):
             tokens += metrics["tokens"]
             train_time += metrics["step_time_s"]
             is_last = self.step == self.cfg.steps
-            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and not is_last:
-                eval_loss = self.evaluate_held_out()
-                if eval_loss is not None:
-                    metrics["eval_loss"] = eval_loss
-            if self.step % self.log_every == 0 or is_last or self.step == resumed_from + 1:
+            improved = False
+            if self._validation_due(is_last):
+                point = self.validate()
+                improved = self.selection.observe(point)
+                metrics.update({f"val/{k}": v for k, v in point.items() if k != "step" and v is not None})
+            ends = is_last or self.selection.stopped
+            if self.step % self.log_every == 0 or ends or self.step == resumed_from + 1 or "val/loss" in metrics:
                 self.record_metrics(metrics)
-            if self.step % self.cfg.checkpoint_every == 0 or is_last:
+            # The step training ends at needs no checkpoint: the export follows (a crash before it resumes from
+            # the previous one). A new best is checkpointed at once: its weights may be the ones exported.
+            pin_now = improved and self.selection.pinned_step == self.step
+            if not ends and (self.step % self.cfg.checkpoint_every == 0 or pin_now):
                 self._checkpoint()
-        final_eval = self.evaluate_held_out()
-        if final_eval is not None:
-            eval_loss = final_eval
-            self.record_metrics({"eval_loss": final_eval})
+        steps_run = self.step
+        selected_step, reason = self.selection.selected(steps_run)
+        if selected_step != steps_run:
+            self._load_weights_of(selected_step)
+        if reason in ("early_stop", "target"):
+            log.info("SFT stopped after step %d (%s); exports step %d", steps_run, reason, selected_step)
+        chosen = self.selection.point_at(selected_step) or {}
         return SFTSummary(
-            steps=self.step,
+            steps=steps_run,
             resumed_from_step=resumed_from,
             final_loss=self._last_loss,
-            eval_loss=eval_loss,
+            eval_loss=chosen.get(LOSS),
             tokens_per_s=tokens / train_time if train_time > 0 else 0.0,
             wall_time_s=time.perf_counter() - start,
             train_rows=len(self.data.train_rows),
             eval_rows=len(self.data.eval_rows),
+            selected_step=selected_step,
+            selected_by=reason,
+            select_metric=self.selection.metric,
+            val_exact_match=chosen.get(EXACT_MATCH),
+            verifier_reference_pass=self.exact_match.reference_pass_rate if self.exact_match else None,
+            validation=self.selection.curve or None,
         )
+
+    def _load_weights_of(self, step: int) -> None:
+        """Collective: the model's weights from the committed checkpoint of `step` (the selected validation)."""
+        model_only = {"model": ModelState(self.model)}
+        self._require_checkpointer().load_step(step, model_only)
+        log.info("SFT exports the weights of step %d (%s)", step, self.selection.metric)
+        self.step = step

@@ -104,8 +104,8 @@ def test_gsm8k_file_through_the_worker_entry_point(s3_store, tmp_path):
 
     reader = s3_store.reader(output_uri)
     rows = reader.manifest.metrics["rows"]
-    assert rows["sft"] == rows["rl_prompts"] and rows["sft"] + rows["eval"] == 400 and rows["rejects"] == 0
-    assert 0.15 < rows["eval"] / 400 < 0.35
+    assert rows["sft"] + rows["rl_prompts"] + rows["eval"] == 400 and rows["rejects"] == 0
+    assert 0.15 < rows["eval"] / 400 < 0.35 and 0.2 < rows["rl_prompts"] / 400 < 0.4  # data.rl_fraction 0.3
     rl = reader.read_table("rl_prompts.parquet").to_pylist()
     by_question = {r["question"]: r for r in GSM8K}
     for row in rl:
@@ -127,9 +127,9 @@ def test_prompt_completion_parquet_with_ground_truth_column_and_eval_split(file_
     reader = file_store.reader(out)
     rl = reader.read_table("rl_prompts.parquet").to_pylist()
     held_out = reader.read_table("eval.parquet").to_pylist()
-    assert len(rl) + len(held_out) == 600 and len(rl) == manifest.metrics["rows"]["sft"]
+    assert len(rl) + len(held_out) + manifest.metrics["rows"]["sft"] == 600
     assert not {r["prompt"] for r in rl} & {r["prompt"] for r in held_out}
-    assert all(r["ground_truth"] == str(r["source_row"]) for r in rl + held_out)  # ints become text
+    assert all(r["ground_truth"] == str(r["source_row"] - 1) for r in rl + held_out)  # ints as text; rows 1-based
     assert all(r["source"] == uri for r in rl)
 
 
@@ -153,7 +153,9 @@ def test_chat_records_are_masked_on_the_assistant_turn(file_store, tmp_path, tem
         folder = train_text_tokenizer(texts, 300, 64).with_chat_template(CHAT_TEMPLATE).save(str(tmp_path / "tok"))
         tokenizer = {"path": folder}
 
-    _, out, _ = prepare(file_store, source=uri, layout="chat", eval_fraction=0.0, tokenizer=tokenizer)
+    _, out, _ = prepare(
+        file_store, source=uri, layout="chat", eval_fraction=0.0, rl_reuses_sft=True, tokenizer=tokenizer
+    )
 
     reader = file_store.reader(out)
     tok = load_tokenizer(file_store.join(reader.files_uri, "tokenizer"))

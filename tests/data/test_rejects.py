@@ -20,7 +20,9 @@ def rejected(store, uri):
 
 
 def run(store, source_uri, key="k", **data):
-    settings = {"tokenizer": {"vocab_size": 300}, "max_reject_fraction": 0.5, "eval_fraction": 0.0, **data}
+    settings = {
+        "tokenizer": {"vocab_size": 300}, "max_reject_fraction": 0.5, "eval_fraction": 0.0, "rl_reuses_sft": True, **data
+    }
     cfg = data_config(store, source=source_uri, **settings)
     out = store.artifact_uri("data", key)
     return out, prepare_data(cfg, out, store)
@@ -28,7 +30,7 @@ def run(store, source_uri, key="k", **data):
 
 def test_prompt_completion_rejects_each_bad_class_with_its_reason(file_store, caplog):
     bad = [
-        b'{"prompt": "no completion key"}',  # line 20
+        b'{"prompt": "no completion key"}',  # line 21 (rows are 1-based line numbers)
         b'{"prompt": null, "completion": "x"}',
         b'{"prompt": "   ", "completion": "x"}',
         b'{"prompt": ["a list"], "completion": "x"}',
@@ -42,8 +44,8 @@ def test_prompt_completion_rejects_each_bad_class_with_its_reason(file_store, ca
         out, manifest = run(file_store, uri, max_seq_len=64)
 
     assert rejected(file_store, out) == [
-        (20, "missing_field"), (21, "missing_field"), (22, "empty_field"), (23, "wrong_type"),
-        (24, "invalid_utf8"), (25, "invalid_json"), (26, "too_long"),
+        (21, "missing_field"), (22, "missing_field"), (23, "empty_field"), (24, "wrong_type"),
+        (25, "invalid_utf8"), (26, "invalid_json"), (27, "too_long"),
     ]
     assert manifest.metrics["rejects_by_reason"] == {
         "empty_field": 1, "invalid_json": 1, "invalid_utf8": 1, "missing_field": 2, "too_long": 1, "wrong_type": 1
@@ -63,7 +65,7 @@ def test_gsm8k_answers_without_a_final_number_are_unparsable(file_store):
 
     out, manifest = run(file_store, uri, layout="gsm8k")
 
-    assert rejected(file_store, out) == [(10, "unparsable_ground_truth"), (11, "unparsable_ground_truth")]
+    assert rejected(file_store, out) == [(11, "unparsable_ground_truth"), (12, "unparsable_ground_truth")]  # lines
     assert manifest.metrics["rows"]["rl_prompts"] == 10
 
 
@@ -80,8 +82,8 @@ def test_chat_records_that_do_not_end_with_the_assistant_are_invalid(file_store)
     out, _ = run(file_store, uri, layout="chat",
                  tokenizer={"vocab_size": 300, "chat_template": "{% for m in messages %}{{ m.content }}|{% endfor %}"})
 
-    assert rejected(file_store, out) == [(8, "invalid_messages"), (9, "invalid_messages"), (10, "invalid_messages"),
-                                         (11, "invalid_messages")]
+    assert rejected(file_store, out) == [(9, "invalid_messages"), (10, "invalid_messages"), (11, "invalid_messages"),
+                                         (12, "invalid_messages")]
 
 
 def test_csv_malformed_and_invalid_utf8_rows(file_store):
@@ -108,7 +110,7 @@ def test_too_many_rejects_fail_with_counts_examples_and_fix_and_commit_nothing(s
     message = str(err.value)
     assert "3 of 10 rows rejected (30.0%)" in message and "max_reject_fraction=0.2" in message
     assert "empty_field=1, invalid_json=1, missing_field=1" in message
-    assert "mostly_bad.jsonl row 7: empty_field" in message
+    assert "mostly_bad.jsonl row 8: empty_field" in message  # the 1-based line number
     assert not store.is_committed(out)
 
     cfg.data.max_reject_fraction = 0.3  # at the threshold: accepted

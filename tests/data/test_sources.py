@@ -29,7 +29,7 @@ def test_every_format_reads_the_same_rows_in_bounded_batches(store, fmt):
     completions = [c for b in batches for c in b.columns["completion"]]
     assert prompts == [r["prompt"] for r in RECORDS]
     assert completions == [r["completion"] for r in RECORDS]
-    assert [row for b in batches for row in b.rows] == list(range(25))
+    assert [row for b in batches for row in b.rows] == list(range(2 if fmt == "csv" else 1, 27 if fmt == "csv" else 26))
     assert set(batches[0].columns) == set(FIELDS)  # only the requested columns are materialised
 
 
@@ -64,7 +64,7 @@ def test_unknown_extension_asks_for_data_format(file_store):
 
     with pytest.raises(DataSourceError, match="set data.format"):
         read_all(file_store, uri)
-    assert read_all(file_store, put(file_store, "t.txt", jsonl_bytes(RECORDS[:2])), fmt="jsonl")[0].rows == [0, 1]
+    assert read_all(file_store, put(file_store, "t.txt", jsonl_bytes(RECORDS[:2])), fmt="jsonl")[0].rows == [1, 2]
 
 
 def test_folder_of_files_is_read_in_name_order(file_store):
@@ -93,10 +93,10 @@ def test_jsonl_bad_lines_become_rejects_and_good_lines_survive(file_store):
 
     (batch,) = read_all(file_store, uri)
 
-    assert batch.rows == [0, 5]  # line numbers; the blank line is not a record
+    assert batch.rows == [1, 6]  # 1-based line numbers; the blank line is not a record
     assert batch.columns["prompt"] == ["a", 7]  # type problems are the layout's to judge
     assert [(r.source_row, r.reason.value) for r in batch.rejects] == [
-        (1, "invalid_utf8"), (2, "invalid_json"), (3, "invalid_json")
+        (2, "invalid_utf8"), (3, "invalid_json"), (4, "invalid_json")
     ]
 
 
@@ -194,7 +194,7 @@ def test_csv_fields_over_1_mib_become_rejects_with_their_line_number(file_store)
     assert len(too_large.raw) < 4096  # a preview, not the megabyte
     assert [p for b in batches for p in b.columns["prompt"]] == ["p0", "p3", "p4"]
     assert [len(c) for b in batches for c in b.columns["completion"]] == [2, 2, CSV_MAX_FIELD_BYTES]
-    assert [row for b in batches for row in b.rows] == [0, 2, 3]  # data rows, as every format numbers them
+    assert [row for b in batches for row in b.rows] == [2, 6, 7]  # 1-based line numbers, as the rejects
     assert sum(b.rows_read for b in batches) == 5
 
 

@@ -161,7 +161,14 @@ def data_commit_times(store: ObjectStore) -> dict[str, str]:
 def assert_prepare_skipped(prefect: LocalPrefect, flow_run_id, store: ObjectStore, before: dict) -> None:
     """The re-run after the cancelled run: its prepare_data task run completed by skipping the data
     artifact the cancelled run committed, which keeps its commit time."""
-    (prepare,) = _task_runs_by_name(prefect, flow_run_id)["prepare_data"]
+    # The API records task runs from events, a little after the flow run ends: wait for its final state.
+    deadline = time.monotonic() + 180.0
+    while True:
+        runs = _task_runs_by_name(prefect, flow_run_id).get("prepare_data", [])
+        if (runs and runs[0].state.is_final()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    (prepare,) = runs
     assert prepare.state.type.value == "COMPLETED", prepare.state
     assert SKIPPED_LOG in _task_run_logs(prefect, prepare.id)
     assert len(before) == 1 and data_commit_times(store) == before, (before, data_commit_times(store))

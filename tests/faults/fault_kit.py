@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import queue
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Self
 
 import psutil
+from prefect_readers import run_async, task_runs  # noqa: F401 - task_runs: the fault suite reads it from here
 
 TINY_CONFIG = "configs/tiny_test.yaml"
 # What every fault scenario adds to the tiny config: a checkpoint after every step (so resume and the
@@ -88,28 +88,8 @@ def prefect_environment(home: Path) -> None:
 # ---- Prefect readers -------------------------------------------------------------------------------------
 
 
-def _run_async(coro_fn):
-    async def wrapped():
-        from prefect.client.orchestration import get_client
-
-        async with get_client() as client:
-            return await coro_fn(client)
-
-    return asyncio.run(wrapped())
-
-
-def task_runs(flow_run_id) -> dict[str, object]:
-    """Task runs of a flow run by task name (`train_sft`, ...); one run per task in these flows."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    runs = _run_async(
-        lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    )
-    return {run.name.rsplit("-", 1)[0]: run for run in runs}
-
-
 def flow_run(flow_run_id):
-    return _run_async(lambda c: c.read_flow_run(flow_run_id))
+    return run_async(lambda c: c.read_flow_run(flow_run_id))
 
 
 def flush_prefect_logs() -> None:
@@ -128,7 +108,7 @@ def all_logs(flow_run_id=None) -> list[str]:
     messages: list[str] = []
     while True:
         offset = len(messages)
-        page = _run_async(
+        page = run_async(
             lambda c, offset=offset: c.read_logs(
                 log_filter=log_filter, limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC
             )
@@ -143,7 +123,7 @@ def all_artifacts_text() -> str:
     pages: list[dict] = []
     while True:
         offset = len(pages)
-        page = _run_async(lambda c, offset=offset: c.read_artifacts(limit=200, offset=offset))
+        page = run_async(lambda c, offset=offset: c.read_artifacts(limit=200, offset=offset))
         pages += [a.model_dump(mode="json") for a in page]
         if len(page) < 200:
             return json.dumps(pages)

@@ -536,6 +536,7 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             f"storage.retry_backoff_s={OUTAGE_RETRY_BACKOFF_S}",
             f"storage.retry_horizon_s={OUTAGE_HORIZON_S:g}",
             "storage.keep_checkpoints=10",  # every checkpoint stays: the test compares them before and after
+            "sft.steps=5",  # the outage hits the step-4 checkpoint: SFT writes none at its last step
             f"logging.dir={root}/runs",
             *COMMON_OVERRIDES,
             "logging.wandb_mode=offline",  # the wandb key must not leak either

@@ -58,7 +58,7 @@ def test_bad_data_fails_at_once_and_its_message_reaches_the_flow(prefect_api, tm
     message = flow_run(flow_run_id).state.message
     assert "fatal" in message and str(source) in message, message
     assert "4 of 20 rows rejected" in message and "data.max_reject_fraction=0.05" in message, message
-    assert all(f"row {i}: missing_field" in message for i in BAD_ROWS), message
+    assert all(f"row {i + 1}: missing_field" in message for i in BAD_ROWS), message  # 1-based line numbers
     assert "Fix the rows" in message, message
     fault_row.fact(f"run_count=1; the flow's failure says: {_summary(message)}")
 

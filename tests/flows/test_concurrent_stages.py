@@ -4,7 +4,7 @@ the stage is computed once, both get the same committed URI, and the waiting run
 Both runs are tasks of one flow, submitted together, each calling `run_stage` as the stage tasks do. The run
 that takes the output key's lease holds its launch back until the other run has reported waiting for that
 lease (its log line), then launches the real worker; so the two always overlap, however fast the machine.
-The SFT stage checkpoints every step and keeps the newest storage.keep_checkpoints=2 (retention).
+The SFT stage checkpoints every step but the last and keeps the newest storage.keep_checkpoints=2 (retention).
 
 Then a holder that loses its lease while its worker runs (another run took it over) cancels its own launch
 on the next renewal and fails with LeaseLost, which is retryable.
@@ -75,8 +75,9 @@ def test_two_runs_of_one_stage_compute_it_once_and_share_the_output(prefect_api,
         [
             *tiny_overrides,
             "data.demo.num_rl=72",  # a data key (so an SFT key) no other test commits
-            "sft.steps=4",
+            "sft.steps=5",  # checkpoints after steps 1-4: none at the last step, the export follows at once
             "sft.checkpoint_every=1",
+            "sft.select=last",  # no best-validation checkpoint pinned past retention
             "storage.keep_checkpoints=2",
             "storage.lease_renew_s=0.5",  # how often the waiting run looks for the commit
         ],

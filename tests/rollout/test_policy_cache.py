@@ -94,3 +94,13 @@ def test_the_byte_bound_and_a_bad_setting(tmp_path, monkeypatch):
     monkeypatch.setenv(MAX_POLICIES_ENV, "zero")
     with pytest.raises(ValueError, match=rf"{MAX_POLICIES_ENV}='zero': must be a int > 0"):
         CacheBounds.from_environment()
+
+
+def test_the_cache_lives_under_the_run_folder_unless_moved(monkeypatch, tmp_path):
+    """`make clean` removes .forge-runs: the stages pass logging.dir, so their cached policies go with it."""
+    from forge_core.artifacts.policy import CACHE_ENV, policy_cache_root
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    assert policy_cache_root("./.forge-runs") == __import__("pathlib").Path(".forge-runs/policy-cache")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert policy_cache_root("./.forge-runs") == tmp_path / "elsewhere"

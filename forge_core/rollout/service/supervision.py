@@ -28,10 +28,11 @@ import psutil
 
 from forge_core.config.schema import RolloutConfig
 from forge_core.launch import registry
+from forge_core.launch.devices import DeviceLease
 from forge_core.launch.owner import OWNER_ENV, Owner, owner_from_environment
 from forge_core.launch.process_tree import end_processes, is_alive, processes_with_launch_id
 from forge_core.launch.spec import ERROR_FILE_ENV, LAUNCH_ID_ENV, LOG_PREFIX_TEMPLATE_ENV
-from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.engine import EngineOptions, on_cpu
 from forge_core.rollout.generator import model_fingerprint
 from forge_core.rollout.pool import ReplicaLayout, replica_layouts
 from forge_core.rollout.protocol import PolicyVersionMismatch
@@ -140,8 +141,8 @@ class EngineService:
         num_engines before) are stopped: their cores belong to these now.
         """
         names = engine_names(rollout.num_engines)
-        layouts: list[ReplicaLayout | None] = [None]
-        if len(names) > 1:
+        layouts: list[ReplicaLayout | None] = [None] * len(names)
+        if len(names) > 1 and on_cpu():  # on GPU each service takes its own devices as it starts
             layouts = replica_layouts(EngineOptions.from_config(rollout, seed=seed), len(names))
         _stop_services_except(Path(state_dir).expanduser().absolute(), set(names))
 
@@ -241,17 +242,29 @@ def _start_service(
         str(owner),
     ]
     log_offset = paths.log.stat().st_size if paths.log.exists() else 0
+    env = service_environment(launch_id, owner)
+    # A long-lived engine must not share a GPU with the stages launched beside it (the trainer job takes its
+    # devices the same way): the service holds its devices' locks for as long as it lives.
+    devices = None
+    if not on_cpu():
+        devices = DeviceLease.acquire(options.tensor_parallel_size, holder=f"engine service {paths.name}")
+        env["CUDA_VISIBLE_DEVICES"] = devices.visible
     log_fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(log_fd, "ab") as log_file:
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=service_environment(launch_id, owner),
-            # Its own session: signals to the caller's process group (Ctrl-C, a stage's kill) skip it.
-            start_new_session=True,
-        )
+    try:
+        with os.fdopen(log_fd, "ab") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                # Its own session: signals to the caller's process group (Ctrl-C, a stage's kill) skip it.
+                start_new_session=True,
+                pass_fds=devices.fds if devices is not None else (),
+            )
+    finally:
+        if devices is not None:
+            devices.hand_over()
     _children[proc.pid] = proc
     log.info("engine service starting: pid %d, launch %s, log %s", proc.pid, launch_id, paths.log)
     try:

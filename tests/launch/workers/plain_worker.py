@@ -3,7 +3,8 @@
 Modes: `success` prints n numbered lines; `raise-value` raises ValueError under record_errors (imports
 torch); `disk-full` raises the OSError a write to a full disk raises (ENOSPC), under record_errors;
 `pg-timeout` prints the collectives' timeout forge_core would give this launch; `hang` writes its pid to
-$PLAIN_WORKER_PID_FILE and sleeps.
+$PLAIN_WORKER_PID_FILE and sleeps; `devices` prints its CUDA_VISIBLE_DEVICES and placement record, then waits
+until the file $PLAIN_WORKER_GO_FILE exists (so several launches hold their devices at once).
 """
 
 import os
@@ -53,6 +54,15 @@ def run_hang():
         time.sleep(1)
 
 
+def run_devices():
+    import json
+
+    print("devices " + os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"), flush=True)
+    print("placement " + json.dumps(json.loads(os.environ.get("FORGE_PLACEMENT", "null"))), flush=True)
+    while not os.path.exists(os.environ["PLAIN_WORKER_GO_FILE"]):
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "success":
@@ -63,6 +73,8 @@ if __name__ == "__main__":
         run_disk_full()
     elif mode == "pg-timeout":
         run_pg_timeout()
+    elif mode == "devices":
+        run_devices()
     elif mode == "hang":
         run_hang()
     else:

@@ -1,0 +1,82 @@
+"""The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
+and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a dry run of the rewards
+on the data's reference answers (forge_core.rewards.dry_run) and the Prefect pools with their GPU limits.
+Every problem at once, each with its fix (a PreflightError).
+
+    check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
+    check_run(cfg, here=True)   # forgeflow validate --here: this host for every stage, wherever it is placed
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from forge_core.config import RunConfig
+from forge_core.engine.preflight import HostDevices, input_problems, preflight, wandb_key_problems
+from forge_core.rewards.dry_run import reward_problems
+from forge_core.stages import stage_names
+
+
+def _gpu_stages(cfg: RunConfig) -> dict[str, tuple[str, int]]:
+    """{stage: (pool, GPUs one attempt occupies)} for the stages that take GPU capacity from their pool."""
+    wanted = {}
+    for stage in stage_names():
+        resources = cfg.launch.for_stage(stage)
+        if resources.gpus_per_node > 0:
+            wanted[stage] = (resources.pool, resources.gpus_per_node * resources.nnodes)
+    return wanted
+
+
+async def _pool_problems(cfg: RunConfig) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    placed = getattr(cfg.launch, "placement", "local") == "pool"
+    if not placed and not _gpu_stages(cfg):
+        return []  # nothing takes pool capacity: no Prefect API needed (none is started for it)
+    problems = []
+    async with get_client() as client:
+        for stage, (pool, gpus) in _gpu_stages(cfg).items():
+            fix = (
+                f"create it with `forgeflow pools create {pool} --gpus N` (N >= {gpus}), or on a CPU host set "
+                f"launch.{stage}.gpus_per_node=0"
+            )
+            try:
+                limit = await client.read_global_concurrency_limit_by_name(pool)
+            except ObjectNotFound:
+                problems.append(
+                    f"launch.{stage}.pool={pool!r} with launch.{stage}.gpus_per_node="
+                    f"{cfg.launch.for_stage(stage).gpus_per_node}: Prefect has no concurrency limit {pool!r} (the "
+                    f"pool's GPU capacity), so the stage would fail when it starts; {fix}"
+                )
+                continue
+            if limit.limit < gpus:
+                problems.append(
+                    f"launch.{stage}: one attempt takes {gpus} GPUs of pool {pool!r}, whose concurrency limit is "
+                    f"only {limit.limit}, so it would wait forever; raise it with `forgeflow pools create {pool} "
+                    f"--gpus {gpus}` or lower launch.{stage}.gpus_per_node"
+                )
+        if placed:
+            for pool in sorted({cfg.launch.for_stage(stage).pool for stage in stage_names()}):
+                try:
+                    await client.read_work_pool(pool)
+                except ObjectNotFound:
+                    problems.append(
+                        f"work pool {pool!r} (launch.<stage>.pool with launch.placement=pool) does not exist; "
+                        f"create it with `forgeflow pools create {pool}` and start its workers"
+                    )
+    return problems
+
+
+def pool_problems(cfg: RunConfig) -> list[str]:
+    """Every stage's pool has the Prefect concurrency limit (its GPU capacity) that its GPUs take, large enough;
+    with launch.placement=pool the work pools exist too."""
+    return asyncio.run(_pool_problems(cfg))
+
+
+def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
+    """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
+    stage runs on this host (launch.placement=pool without `here`)."""
+    local = here or getattr(cfg.launch, "placement", "local") == "local"
+    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems)
+    return preflight(cfg, stage_names() if local else [], checks=checks)
