@@ -61,7 +61,11 @@ class EpisodeState(ABC):
         """The environment's answer to the model's latest turn."""
 
     def tool_result(self, call: ToolCall, outcome: CallOutcome) -> Observation | End:
-        raise NotImplementedError(f"{type(self).__name__} asked for a tool call but cannot take its result")
+        # Only environments with tools return a ToolRequest; one that does without this is a programming error.
+        raise TypeError(
+            f"{type(self).__name__}.step returned a ToolRequest, but the state has no tool_result to take the "
+            "outcome: implement tool_result, or never return ToolRequest"
+        )
 
     def close(self) -> None:
         """Release what the episode holds (idempotent)."""
@@ -89,4 +93,7 @@ class Environment(ABC):
 
     def run_tools(self, calls: list[ToolCall]) -> list[CallOutcome]:
         """Run a turn's tool calls (every episode's, in one batch); environments without tools never ask."""
-        raise NotImplementedError(f"{type(self).__name__} has no tools")
+        raise TypeError(
+            f"{type(self).__name__} was asked to run tool calls but has no tools: implement run_tools, or never "
+            "return ToolRequest from its episodes"
+        )
