@@ -1,7 +1,7 @@
 """Benchmark: what a GRPO iteration (rollout + training) costs through the real `post-train` flow, with the
 long-lived engine and trainer against the restart-per-iteration path, against TRL, and async against sync.
 
-    python -m bench.grpo_iteration            # (a), (b), (c): ~25 min on 2 cores
+    python -m bench.grpo_iteration            # (a), (b), (c): 10-25 min on 2 cores (idle-loaded)
     python -m bench.grpo_iteration --quick    # fewer iterations (smoke run, ~15 min)
 
 Every measured run is the real flow in this process on a private Prefect API (see bench/_flow_runs.py):
@@ -10,9 +10,10 @@ store that each variant copies, so they are cache hits there and the variants st
 An iteration's wall time is read from the Prefect API: from the end of the previous evaluation (the flow moves
 on) to the end of this iteration's GRPO task, so it holds the rollout task, the GRPO task and the flow's own
 time between them, not the evaluation. Its compute is what the manifests record: `generation_s` (the vLLM
-generate calls) plus `train/fit_s` (the trainer's fit: the optimizer steps with their per-step batch slicing
-and metric logging, which grow with the steps; `train/time_s`, the steps alone, is in details as `step_s`);
-the rest (process, engine and model start-up, weight load and reload, export, commit, orchestration) is the
+generate calls), `train/score_logprobs_s` (the trainer's forward over the whole rollout batch that scores each
+sample under the policy that sampled it, the PPO ratio's denominator: it grows with the batch like the steps
+do) and `train/fit_s` (the trainer's fit: the optimizer steps with their per-step batch slicing and metric
+logging, which grow with the steps; `train/time_s`, the steps alone, is in details as `step_s`); the rest (process, engine and model start-up, weight load and reload, export, commit, orchestration) is the
 fixed overhead.
 
 Three results, one file each:
@@ -73,6 +74,9 @@ MEDIUM_WORKLOAD = [
     "grpo.optimizer.lr=1e-5",
     # Near-random answers score 0 in most groups: train on them anyway (TRL does), so every iteration steps.
     "grpo.advantage.drop_zero_variance_groups=false",
+    # ...and those all-zero groups carry no learning signal, which would stop the run after two iterations
+    # (grpo.max_no_signal_iterations): this workload measures cost, not learning.
+    "grpo.max_no_signal_iterations=0",
     *SMALL_EVAL,
 ]
 # (c) the demo model and batch on one trainer rank; with OMP_NUM_THREADS=1 (set around those runs) the
@@ -88,6 +92,7 @@ class Iteration:
     rollout_task_s: float
     grpo_task_s: float
     generation_s: float  # vLLM generate calls (rollout manifest)
+    score_s: float  # the forward scoring the batch's old logprobs (GRPO manifest train/score_logprobs_s)
     train_s: float  # the trainer's fit (GRPO manifest train/fit_s): optimizer steps + per-step slicing/logging
     step_s: float  # the optimizer steps alone (train/time_s)
     engine_startup_s: float
@@ -96,7 +101,7 @@ class Iteration:
 
     @property
     def compute_s(self) -> float:
-        return self.generation_s + self.train_s
+        return self.generation_s + self.score_s + self.train_s
 
     @property
     def overhead_s(self) -> float:
@@ -204,7 +209,7 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
     rows = []
     for index in range(iterations):
         gen, train = rollout_metrics[index], grpo_metrics[index]
-        if "train/time_s" not in train or "train/fit_s" not in train:
+        if not {"train/time_s", "train/fit_s", "train/score_logprobs_s"} <= set(train):
             raise RuntimeError(f"{label}: GRPO iteration {index + 1} took no optimizer step ({train})")
         rows.append(
             Iteration(
@@ -213,6 +218,7 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
                 rollout_task_s=(rollouts[index].end_time - rollouts[index].start_time).total_seconds(),
                 grpo_task_s=(grpos[index].end_time - grpos[index].start_time).total_seconds(),
                 generation_s=float(gen["generation_s"]),
+                score_s=float(train["train/score_logprobs_s"]),
                 train_s=float(train["train/fit_s"]),
                 step_s=float(train["train/time_s"]),
                 engine_startup_s=float(gen.get("engine_startup_s", 0.0)),
@@ -238,7 +244,7 @@ def measure_overhead(workdir: Path, iterations: int) -> dict:
     long_lived = run_variant("long-lived", base, workdir / "demo-long-lived", [*DEMO_WORKLOAD, *LONG_LIVED], iterations)
     share, restart_share = long_lived.overhead_share(), restart.overhead_share()
     warm = long_lived.warm()
-    steps_only = sum(i.window_s - i.generation_s - i.step_s for i in warm) / sum(i.window_s for i in warm)
+    steps_only = sum(i.window_s - i.generation_s - i.score_s - i.step_s for i in warm) / sum(i.window_s for i in warm)
     target_share = 0.10
     return write_result(
         f"{BENCH}.overhead",
@@ -289,11 +295,12 @@ def _trl_prompts(store: Path, summary: dict, iterations: int) -> tuple[list[str]
 
 
 def _sft_policy_dir(store: Path, summary: dict) -> Path:
-    """Our SFT policy's HF folder (both sides start from it); the bench's stores are local folders."""
+    """Our SFT policy's HF folder (both sides start from it), a verified copy next to the store: a committed
+    artifact's files sit under its `_attempts/<id>/`, so the store's folder is not an HF folder itself."""
+    from forge_core.artifacts.policy import download_policy
     from forge_core.storage import ObjectStore
 
-    policy_uri = ObjectStore.from_config(_storage(store)).read_manifest(summary["sft_uri"]).metrics["policy_uri"]
-    return Path(policy_uri.removeprefix("file://"))
+    return download_policy(ObjectStore.from_config(_storage(store)), summary["sft_uri"], store.parent / "trl-policy")
 
 
 def measure_vs_trl(workdir: Path, iterations: int, base_summary: dict) -> dict:
@@ -408,7 +415,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if set(args.parts) & set("ac"):
             build_base_store(workdir / "demo-base", DEMO_WORKLOAD)
         if "a" in args.parts:
-            results.append(measure_overhead(workdir, 2 if args.quick else 3))
+            # 4 warm iterations: one iteration's share moves by a few points with the machine's hiccups.
+            results.append(measure_overhead(workdir, 2 if args.quick else 5))
         if "c" in args.parts:
             results.append(measure_async(workdir, 3 if args.quick else 5, args.async_epochs))
         if "b" in args.parts:

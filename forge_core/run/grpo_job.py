@@ -30,7 +30,7 @@ from pathlib import Path
 from forge_core.engine import destroy_distributed, init_distributed
 from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import read_spec
-from forge_core.run.trainer_job import order_path
+from forge_core.run.trainer_job import done_path, order_path
 from forge_core.stages import stage_named
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise ValueError(f"order {seq}: {spec.uri} is a {spec.stage} stage, which the trainer job does not run")
             log.info("order %d: GRPO iteration %s -> %s", seq, spec.params.get("iteration"), spec.output_uri)
             run_spec(spec, process_group=dist_ctx, started=started)
+            if dist_ctx.is_rank0:
+                done_path(orders, seq).touch()
             log.info("order %d done in %.2fs", seq, time.perf_counter() - started)
             seq += 1
     finally:

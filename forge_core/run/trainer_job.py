@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 JOB_MODULE_ARG = "grpo-job"
 POLL_S = 0.2
+# How often a waiting stage looks for its order's done marker (a local file: cheap to look at often; the store,
+# which may be S3, is asked every POLL_S and once the marker is there).
+DONE_POLL_S = 0.02
 # The job spans the whole flow run; each stage's own deadline (launch.grpo.deadline_s) is enforced while it
 # waits. This only bounds a job nobody stops (a week).
 JOB_DEADLINE_S = 7 * 24 * 3600.0
@@ -59,6 +62,11 @@ JOB_DEADLINE_S = 7 * 24 * 3600.0
 def order_path(orders: Path, seq: int) -> Path:
     """Order `seq` of a job: `<orders>/<seq:06d>.json` (forge_core.run.grpo_job reads them in order)."""
     return orders / f"{seq:06d}.json"
+
+
+def done_path(orders: Path, seq: int) -> Path:
+    """The marker rank 0 writes once order `seq` has run: the waiting stage sees it without polling the store."""
+    return orders / f"{seq:06d}.done"
 
 
 class _LogRelay:
@@ -162,7 +170,8 @@ class TrainerJobRunner(FlowProcessRunner):
 
     def start(self, plan: StagePlan, log: LogSink) -> Attempt:
         job = ensure_trainer_job(self.flow_resources, plan)
-        attempt = _OrderAttempt(job, ObjectStore.from_config(self.cfg.storage), plan.output_uri, self.flow_resources)
+        store = ObjectStore.from_config(self.cfg.storage)
+        attempt = _OrderAttempt(job, job.next_seq, store, plan.output_uri, self.flow_resources)
         job.relay.target = log
         job.submit({"spec_uri": plan.spec_uri})
         return attempt
@@ -171,31 +180,46 @@ class TrainerJobRunner(FlowProcessRunner):
 class _OrderAttempt:
     """One stage's order to the job: done when its output is committed or the job has ended."""
 
-    def __init__(self, job: TrainerJob, store: ObjectStore, output_uri: str, resources: FlowResources) -> None:
+    def __init__(
+        self, job: TrainerJob, seq: int, store: ObjectStore, output_uri: str, resources: FlowResources
+    ) -> None:
         self.job = job
         self.launch_id = job.handle.launch_id
+        self._done = done_path(job.orders, seq)
         self._store = store
         self._output_uri = output_uri
         self._resources = resources
+        self._next_store_check = 0.0
+
+    def _committed(self) -> bool:
+        """Asks the store once the job marked the order done, else at most every POLL_S."""
+        now = time.monotonic()
+        if not self._done.exists() and now < self._next_store_check:
+            return False
+        self._next_store_check = now + POLL_S
+        return self._store.is_committed(self._output_uri)
 
     def wait(self, timeout: float) -> LaunchResult | None:
         until = time.monotonic() + timeout
         while True:
-            if self._store.is_committed(self._output_uri):
-                self.job.relay.target = None
-                return LaunchResult(
-                    outcome=Outcome.SUCCESS,
-                    returncode=None,
-                    reason=f"committed by trainer job {self.launch_id}",
-                    launch_id=self.launch_id,
-                )
+            if self._committed():
+                return self._success()
             if not self.job.alive():
                 if self._store.is_committed(self._output_uri):  # committed just before it ended
-                    continue
+                    return self._success()
                 return self._job_ended()
             if time.monotonic() >= until:
                 return None
-            time.sleep(min(POLL_S, max(0.0, until - time.monotonic())))
+            time.sleep(min(DONE_POLL_S, max(0.0, until - time.monotonic())))
+
+    def _success(self) -> LaunchResult:
+        self.job.relay.target = None
+        return LaunchResult(
+            outcome=Outcome.SUCCESS,
+            returncode=None,
+            reason=f"committed by trainer job {self.launch_id}",
+            launch_id=self.launch_id,
+        )
 
     def stop(self, reason: str) -> LaunchResult:
         """End the job (a retry's new order must not be served after this one by the same job)."""

@@ -45,6 +45,7 @@ from tests.deploy.conftest import (
 PIPELINE_POOL = "local-cpu"
 POST_TRAIN = "post-train/cluster"  # flows.post_train.post_train
 PREPARE_AND_SFT = "cluster-sft/cluster"  # tests.cluster.pipelines.prepare_and_sft
+TINY_CONFIG = "configs/tiny_test.yaml"
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SERVER_SETTINGS = {
     "PREFECT_SERVER_SERVICES_FOREMAN_LOOP_SECONDS": "1",
@@ -183,9 +184,12 @@ class Cluster:
         ):
             await ensure_module_deployment(client, fn, deployment.split("/")[1], PIPELINE_POOL, entrypoint)
 
-    def run_pipeline(self, deployment: str, overrides: list[str], env: dict[str, str] | None = None) -> str:
-        """Start a run of `deployment` (the tiny test config with `overrides`); returns its flow run id."""
-        params = {"config": str(REPO_ROOT / "configs" / "tiny_test.yaml"), "overrides": overrides}
+    def run_pipeline(
+        self, deployment: str, overrides: list[str], env: dict[str, str] | None = None, config: str = TINY_CONFIG
+    ) -> str:
+        """Start a run of `deployment` (`config`, the tiny test config by default, with `overrides`); returns
+        its flow run id."""
+        params = {"config": str(REPO_ROOT / config), "overrides": overrides}
 
         async def create(client):
             found = await client.read_deployment_by_name(deployment)
