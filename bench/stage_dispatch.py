@@ -33,7 +33,6 @@ Results (two files):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -64,29 +63,27 @@ def placement_overrides(mode: str) -> list[str]:
     ]
 
 
-def run_mode(cluster, mode: str, config: str, extra: list[str], lifetimes: list[str] = STAGE_LIFETIMES) -> dict:
-    """One pipeline run in `mode` on its own store prefix; its wall, stage rows and the bodies' wall_s."""
+def run_mode(cluster, name: str, mode: str, config: str, extra: list[str]) -> dict:
+    """One pipeline run named `name` in placement `mode` on its own store prefix; its wall, stage rows and the
+    bodies' wall_s."""
     from tests.cluster.cluster import POST_TRAIN
 
-    name = f"dispatch-{mode}" + ("" if lifetimes == STAGE_LIFETIMES else "-fast-path")
     overrides = [
         f"storage.root={cluster.store_root(name)}",
         f"storage.endpoint_url={cluster.s3_endpoint}",
         f"name={name}",
-        *lifetimes,
         *placement_overrides(mode),
         *extra,
     ]
-    print(f"[{BENCH_NAME}] {mode}: starting {config} {' '.join(overrides)}", flush=True)
+    print(f"[{BENCH_NAME}] {name}: starting {config} {' '.join(overrides)}", flush=True)
     started = time.monotonic()
     run_id = cluster.run_pipeline(POST_TRAIN, overrides, config=config)
     run = cluster.wait_flow_run(run_id, timeout_s=RUN_TIMEOUT_S)
     wall_s = (run.end_time - run.start_time).total_seconds()
-    print(f"[{BENCH_NAME}] {mode}: {wall_s:.1f} s of flow run ({time.monotonic() - started:.1f} s here)", flush=True)
-    (table,) = cluster.artifacts(run_id)["post-train-stages"]
+    print(f"[{BENCH_NAME}] {name}: {wall_s:.1f} s of flow run ({time.monotonic() - started:.1f} s here)", flush=True)
     store = cluster.store(name)
     stages = {}
-    for row in _rows(table):
+    for row in cluster.table(run_id, "post-train-stages"):
         manifest = store.read_manifest(row["artifact"])
         stages[row["stage"]] = {
             "wall_s": float(row["duration_s"]),
@@ -105,16 +102,12 @@ def run_fast_path(cluster, config: str, extra: list[str]) -> dict:
 
     state = tempfile.mkdtemp(prefix="ffd-", dir="/tmp")
     try:
-        run = run_mode(cluster, "local", config, [f"rollout.engine_state_dir={state}", *extra], lifetimes=[])
+        run = run_mode(cluster, "dispatch-local-fast-path", "local", config, [f"rollout.engine_state_dir={state}", *extra])
         return {"wall_s": run["wall_s"], "flow_run_id": run["flow_run_id"]}
     except ClusterError as exc:
         return {"error": str(exc).splitlines()[0]}
     finally:
         shutil.rmtree(state, ignore_errors=True)
-
-
-def _rows(artifact) -> list[dict]:
-    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
 
 
 def compare(pool: dict, local: dict) -> dict:
@@ -144,20 +137,10 @@ def compare(pool: dict, local: dict) -> dict:
 
 def start_store():
     """A moto S3 server on loopback with fake credentials in this environment (the workers inherit them)."""
-    from tests.conftest import (
-        FAKE_AWS_ACCESS_KEY_ID,
-        FAKE_AWS_SECRET_ACCESS_KEY,
-        RestartableMotoServer,
-        free_port,
-    )
+    from tests.conftest import AWS_ENV_UNSET, FAKE_AWS_ENV, RestartableMotoServer, free_port
 
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=FAKE_AWS_ACCESS_KEY_ID,
-        AWS_SECRET_ACCESS_KEY=FAKE_AWS_SECRET_ACCESS_KEY,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "FORGE_S3_ENDPOINT_URL"):
+    os.environ.update(FAKE_AWS_ENV)
+    for name in AWS_ENV_UNSET:
         os.environ.pop(name, None)
     server = RestartableMotoServer(free_port())
     server.start()
@@ -178,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster(Path(tmp), server.endpoint_url, {"cpu-small": 1, "gpu-a": 1, PIPELINE_POOL: 1})
         try:
             cluster.start()
-            pool = run_mode(cluster, "pool", args.config, args.overrides)
-            local = run_mode(cluster, "local", args.config, args.overrides)
+            pool = run_mode(cluster, "dispatch-pool", "pool", args.config, [*STAGE_LIFETIMES, *args.overrides])
+            local = run_mode(cluster, "dispatch-local", "local", args.config, [*STAGE_LIFETIMES, *args.overrides])
             fast = None if args.no_fast_path else run_fast_path(cluster, args.config, args.overrides)
         finally:
             survivors = cluster.stop()

@@ -21,6 +21,15 @@ import pytest
 # Recognisable fake secrets: tests assert they never show up in manifests, logs or messages.
 FAKE_AWS_ACCESS_KEY_ID = "FORGETESTKEYID0000001"
 FAKE_AWS_SECRET_ACCESS_KEY = "forge-test-secret-value-do-not-leak-7f3a9c"
+# What a process talking to the moto server sets (fake credentials, no metadata lookups) and removes (anything
+# that would point boto elsewhere): the session fixture `fake_aws_env` and bench/stage_dispatch.py.
+FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": FAKE_AWS_ACCESS_KEY_ID,
+    "AWS_SECRET_ACCESS_KEY": FAKE_AWS_SECRET_ACCESS_KEY,
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+AWS_ENV_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "FORGE_S3_ENDPOINT_URL")
 # Small retry settings keep failing-path tests fast; the retry test sets its own.
 TEST_RETRIES = 3
 TEST_RETRY_BACKOFF_S = 0.05
@@ -110,11 +119,9 @@ def fake_aws_credentials() -> dict[str, str]:
 def fake_aws_env():
     """Fake credentials for the session; no profile or instance metadata lookups."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AWS_ACCESS_KEY_ID", FAKE_AWS_ACCESS_KEY_ID)
-        mp.setenv("AWS_SECRET_ACCESS_KEY", FAKE_AWS_SECRET_ACCESS_KEY)
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "FORGE_S3_ENDPOINT_URL"):
+        for name, value in FAKE_AWS_ENV.items():
+            mp.setenv(name, value)
+        for name in AWS_ENV_UNSET:
             mp.delenv(name, raising=False)
         yield
 

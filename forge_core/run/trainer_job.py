@@ -92,13 +92,15 @@ class TrainerJob:
     def alive(self) -> bool:
         return not self.handle.done()
 
-    def submit(self, order: dict) -> None:
-        """Write the next order atomically: a rank never reads half a file."""
-        path = order_path(self.orders, self.next_seq)
+    def submit(self, order: dict) -> int:
+        """Write the next order atomically (a rank never reads half a file); returns its number."""
+        seq = self.next_seq
+        path = order_path(self.orders, seq)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(order))
         os.replace(tmp, path)
         self.next_seq += 1
+        return seq
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
         """Ask the job to exit after its current order, end it if it does not; returns the pids it had."""
@@ -170,11 +172,10 @@ class TrainerJobRunner(FlowProcessRunner):
 
     def start(self, plan: StagePlan, log: LogSink) -> Attempt:
         job = ensure_trainer_job(self.flow_resources, plan)
-        store = ObjectStore.from_config(self.cfg.storage)
-        attempt = _OrderAttempt(job, job.next_seq, store, plan.output_uri, self.flow_resources)
         job.relay.target = log
-        job.submit({"spec_uri": plan.spec_uri})
-        return attempt
+        seq = job.submit({"spec_uri": plan.spec_uri})
+        store = ObjectStore.from_config(self.cfg.storage)
+        return _OrderAttempt(job, seq, store, plan.output_uri, self.flow_resources)
 
 
 class _OrderAttempt:

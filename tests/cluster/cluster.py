@@ -256,6 +256,13 @@ class Cluster:
             by_key.setdefault(artifact.key, []).append(artifact)
         return by_key
 
+    def table(self, run_id: str, key: str) -> list[dict]:
+        """The rows of the run's one table artifact `key` (e.g. post-train-stages)."""
+        found = self.artifacts(run_id).get(key, [])
+        assert len(found) == 1, f"flow run {run_id}: {len(found)} artifacts {key!r}"
+        data = found[0].data
+        return json.loads(data) if isinstance(data, str) else data
+
     def cancel(self, run_id: str) -> None:
         self.prefect.cli("prefect", "flow-run", "cancel", run_id)
 

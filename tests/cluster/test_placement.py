@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from forge_core.config import load_config
-from tests.cluster.cluster import POST_TRAIN, PREPARE_AND_SFT, REPO_ROOT, Cluster, wait_for
+from tests.cluster.cluster import POST_TRAIN, PREPARE_AND_SFT, REPO_ROOT, TINY_CONFIG, Cluster, wait_for
 
 # A vLLM engine takes ~100 s to start on a loaded 2-core machine; the full pipeline starts three. `make test`
 # runs the cluster's start, one 2-node SFT and the config rule (~7 min under load 15 on 2 cores); the other
@@ -26,10 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
 EVENT_WAIT_S = 600.0  # bound on waiting for an event of a pipeline run (a loaded 2-core machine is slow)
 STAGE_KINDS = {"data": "prepare", "sft": "sft", "rollouts": "rollout", "grpo": "grpo", "eval": "evaluate"}
-
-
-def _table(artifact) -> list[dict]:
-    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
 
 
 def _sft_losses(cluster: Cluster, name: str) -> dict[int, float]:
@@ -156,7 +152,7 @@ def test_flow_lifetimes_are_node_local(tmp_path: Path):
     """The flow lifetimes' processes are reached through folders of the flow's machine: pool placement refuses
     them by name (the node-local rule, docs/architecture.md)."""
     base = [f"storage.root=file://{tmp_path}/store", "launch.placement=pool"]
-    config = str(REPO_ROOT / "configs" / "tiny_test.yaml")
+    config = str(REPO_ROOT / TINY_CONFIG)
     for key in ("rollout.engine_lifetime", "grpo.trainer_lifetime"):
         with pytest.raises(ValueError, match=rf"{key}='flow' with launch.placement='pool'.*{key}=stage"):
             load_config(config, [*base, f"{key}=flow"])
@@ -172,8 +168,7 @@ def test_pipeline_runs_on_the_workers_of_its_pools(cluster: Cluster):
     run_id = cluster.run_pipeline(POST_TRAIN, cluster.overrides("full", "name=placed"))
     cluster.wait_flow_run(run_id, timeout_s=EVENT_WAIT_S * 2)
     store = cluster.store("full")
-    (stages,) = cluster.artifacts(run_id)["post-train-stages"]
-    uris = {row["stage"]: row["artifact"] for row in _table(stages)}
+    uris = {row["stage"]: row["artifact"] for row in cluster.table(run_id, "post-train-stages")}
     assert {"prepare", "sft", "rollout-1", "grpo-1", "eval-sft", "eval-grpo-1"} <= set(uris), uris
     for label, uri in uris.items():
         placement = store.read_manifest(uri).placement
@@ -185,8 +180,7 @@ def test_pipeline_runs_on_the_workers_of_its_pools(cluster: Cluster):
             assert placement["pool"] == "gpu-a" and sorted(workers) == ["gpu-a-0", "gpu-a-1"], placement
         else:
             assert placement["pool"] == "gpu-a" and len(workers) == 1 and workers[0].startswith("gpu-a-"), placement
-    (table,) = cluster.artifacts(run_id)["post-train-placement"]
-    rows = _table(table)
+    rows = cluster.table(run_id, "post-train-placement")
     assert sorted(row["worker"] for row in rows if row["stage"] == "sft") == ["gpu-a-0", "gpu-a-1"], rows
     assert {row["stage"] for row in rows} == set(uris), rows
     assert all(run.state.is_final() for run in cluster.child_runs(run_id))
