@@ -4,6 +4,7 @@ forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the 
 forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config, its inputs and pools
 forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
 forgeflow pools create gpu-a --gpus 8 --worker node-0 --worker node-1   # pool, GPU limit, queues, stage deployment
+forgeflow worker start gpu-a --name node-0                             # on node 0: its worker (warm node runs)
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 POOL_TYPE = "process"
 
 
-async def _ensure_work_pool(client, name: str) -> None:
+async def ensure_work_pool(client, name: str) -> None:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
 
@@ -101,9 +102,9 @@ async def _ensure_gpu_limit(client, name: str, gpus: int) -> None:
     print(f"global concurrency limit {name!r} changed from {existing.limit} to {gpus} GPUs")
 
 
-async def _ensure_worker_queue(client, pool: str, worker: str) -> None:
+async def ensure_worker_queue(client, pool: str, worker: str) -> None:
     """The worker's own work queue in `pool`, named after it: placement pins a node run to a worker through it
-    (start the worker with `--name <worker> --work-queue <worker>`; a Prefect worker does not create it)."""
+    (`forgeflow worker start <pool> --name <worker>` creates it too; a Prefect worker does not)."""
     from prefect.exceptions import ObjectAlreadyExists
 
     try:
@@ -119,11 +120,11 @@ async def _create_pool(name: str, gpus: int, workers: list[str]) -> None:
     from flows.stage_deployment import ensure_stage_deployment
 
     async with get_client() as client:
-        await _ensure_work_pool(client, name)
+        await ensure_work_pool(client, name)
         if gpus > 0:
             await _ensure_gpu_limit(client, name, gpus)
         for worker in workers:
-            await _ensure_worker_queue(client, name, worker)
+            await ensure_worker_queue(client, name, worker)
         # Stages placed on this pool (launch.placement=pool) run as runs of its stage deployment.
         await ensure_stage_deployment(client, name)
 
@@ -133,6 +134,12 @@ def _cmd_pools_create(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus={args.gpus}: must be >= 0 (0 = a CPU pool without a GPU limit)")
     asyncio.run(_create_pool(args.name, args.gpus, args.worker or []))
     return 0
+
+
+def _cmd_worker_start(args: argparse.Namespace) -> int:
+    from flows.node_worker import run_node_worker
+
+    return run_node_worker(args.pool, args.name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,9 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME",
         help="a worker (node) of the pool: creates its own work queue NAME, through which placement pins node "
-        "runs to it (launch.placement=pool); start it with --name NAME --work-queue NAME. Repeatable",
+        "runs to it (launch.placement=pool); start it with `forgeflow worker start POOL --name NAME`. Repeatable",
     )
     create.set_defaults(handler=_cmd_pools_create)
+
+    worker = sub.add_parser("worker", help="the worker of a node")
+    worker_sub = worker.add_subparsers(dest="worker_command", required=True)
+    start = worker_sub.add_parser(
+        "start",
+        help="a process worker polling its own queue NAME of POOL (created when missing), whose stage-node runs "
+        "start warm: forked from a zygote that already imported Prefect, the stage flow and torch",
+    )
+    start.add_argument("pool")
+    start.add_argument("--name", required=True, help="the worker's name, also its own work queue's name")
+    start.set_defaults(handler=_cmd_worker_start)
     return parser
 
 

@@ -1,7 +1,7 @@
 """The stage deployment of a pool: `stage-node/<pool>`, whose runs are the node runs of placed stage attempts.
 
     forgeflow pools create gpu-a --gpus 8           # the pool, its GPU limit and this deployment
-    FORGE_NODE_ADDRESS=10.0.0.7 prefect worker start --pool gpu-a --name node-7 --work-queue node-7
+    FORGE_NODE_ADDRESS=10.0.0.7 forgeflow worker start gpu-a --name node-7      # node 7's worker (flows/node_worker.py)
 
 With `launch.placement: pool` a stage task starts one run of its pool's stage deployment per node
 (forge_core.run.placement.PoolRunner through tasks/placement.py); the run executes `stage_node` on the worker

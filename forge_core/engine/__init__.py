@@ -3,55 +3,57 @@ gradient clipping, DCP checkpoints to the object store.
 
     from forge_core.engine import Engine
     engine = Engine.Config.from_run_config(cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps).build()
+
+The names below load on first use: a light submodule (`forge_core.engine.preflight`, which a node run and the
+CLI import) must not pay for torch and torchtitan, seconds of every placed stage's start.
 """
 
-from forge_core.engine.checkpoint import (
-    CHECKPOINT_KIND,
-    CheckpointCorrupted,
-    Checkpointer,
-    CheckpointRef,
-    ModelState,
-    ResumeState,
-    checkpoint_uri,
-    committed_checkpoints,
-    latest_committed_checkpoint,
-    prune_checkpoints,
-    verify_checkpoint,
-)
-from forge_core.engine.distributed import (
-    DistContext,
-    all_reduce_sum,
-    all_reduce_tensors,
-    barrier,
-    broadcast_object,
-    destroy_distributed,
-    init_distributed,
-)
-from forge_core.engine.engine import Engine, resolve_param_dtype
-from forge_core.engine.parallel import ParallelPlan, build_parallel_dims, parallelize_model
+import importlib
 
-__all__ = [
-    "CHECKPOINT_KIND",
-    "CheckpointCorrupted",
-    "CheckpointRef",
-    "Checkpointer",
-    "DistContext",
-    "Engine",
-    "ModelState",
-    "ParallelPlan",
-    "ResumeState",
-    "all_reduce_sum",
-    "all_reduce_tensors",
-    "barrier",
-    "broadcast_object",
-    "build_parallel_dims",
-    "checkpoint_uri",
-    "committed_checkpoints",
-    "destroy_distributed",
-    "init_distributed",
-    "latest_committed_checkpoint",
-    "parallelize_model",
-    "prune_checkpoints",
-    "resolve_param_dtype",
-    "verify_checkpoint",
-]
+_SUBMODULE_OF = {
+    **dict.fromkeys(
+        (
+            "CHECKPOINT_KIND",
+            "CheckpointCorrupted",
+            "Checkpointer",
+            "CheckpointRef",
+            "ModelState",
+            "ResumeState",
+            "checkpoint_uri",
+            "committed_checkpoints",
+            "latest_committed_checkpoint",
+            "prune_checkpoints",
+            "verify_checkpoint",
+        ),
+        "checkpoint",
+    ),
+    **dict.fromkeys(
+        (
+            "DistContext",
+            "all_reduce_sum",
+            "all_reduce_tensors",
+            "barrier",
+            "broadcast_object",
+            "destroy_distributed",
+            "init_distributed",
+        ),
+        "distributed",
+    ),
+    **dict.fromkeys(("Engine", "resolve_param_dtype"), "engine"),
+    **dict.fromkeys(("ParallelPlan", "build_parallel_dims", "parallelize_model"), "parallel"),
+}
+
+__all__ = sorted(_SUBMODULE_OF)
+
+
+def __getattr__(name: str):
+    submodule = _SUBMODULE_OF.get(name)
+    if submodule is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -81,11 +81,14 @@ log = logging.getLogger(__name__)
 PLACEMENT_DIR = "_placement"
 BEAT_S = 2.0  # how often a node run and the attempt's owner rewrite their heartbeat objects
 POLL_S = 1.0  # how often they look at each other (and the runner at the pool through the Prefect API)
+RESULT_POLL_S = 0.2  # how often, in between, the runner reads the nodes' results (a store read, no API call)
 STOP_MARGIN_S = 10.0  # after a stop, beyond the kill grace: how long the runner waits for the nodes' results
 PROGRESS_EVERY_S = 1.0  # a node publishes its newest progress line at most this often (the last one always)
 TAIL_LINES = 200
 # Set on a worker (or its node): the address this node's peers reach it at; default: its host name's address.
 NODE_ADDRESS_ENV = "FORGE_NODE_ADDRESS"
+# Set in a node run forked by its worker's zygote (flows/warm_start.py): recorded as the node's start, warm or cold.
+STARTED_WARM_ENV = "FORGE_STARTED_WARM"
 # Test and chaos hooks forwarded from the flow's environment to its node runs (never a secret).
 FORWARDED_ENV = (FAULT_ENV, FAULT_ONCE_ENV)
 
@@ -303,6 +306,11 @@ def node_address() -> str:
         return socket.getfqdn()
 
 
+def node_start() -> str:
+    """How this node run's process started: "warm" (forked by its worker's zygote) or "cold" (a new interpreter)."""
+    return "warm" if os.environ.get(STARTED_WARM_ENV) else "cold"
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for torchrun's c10d store (node 0's agent binds it right after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -344,7 +352,7 @@ class _Node:
     def run(self) -> LaunchResult:
         order = self.order
         preflight(self.cfg, [self.spec.stage])  # this host can run its part (GPUs, vLLM build, wandb key)
-        facts = {"node_rank": order.node_rank, "worker": self.worker, "host": self.address}
+        facts = {"node_rank": order.node_rank, "worker": self.worker, "host": self.address, "start": node_start()}
         with Heartbeat(self.board, self.board.node_beat(order.round, order.node_rank), facts):
             arranged = self._rendezvous()
             if isinstance(arranged, _StopWhy):
@@ -403,7 +411,9 @@ class _Node:
                 {"node_rank": rank, "worker": worker, "host": hosts.get(rank, "")}
                 for rank, worker in enumerate(order.workers)
             ],
-            "committed_by": {"node_rank": order.node_rank, "worker": self.worker, "host": self.address},
+            "committed_by": {
+                "node_rank": order.node_rank, "worker": self.worker, "host": self.address, "start": node_start()
+            },
             **order.history,
         }
 
@@ -495,6 +505,7 @@ def run_node(order: NodeOrder, log_sink: LogSink, worker: str | None = None) -> 
         "node_rank": order.node_rank,
         "worker": node.worker,
         "host": node.address,
+        "start": node_start(),
         "collateral": node.collateral,
     }
     node.board.write(node.board.node_result(order.round, order.node_rank), record)
@@ -572,8 +583,8 @@ class _PlacedAttempt:
 
     def wait(self, timeout: float) -> LaunchResult | None:
         pause = self._next_step - time.monotonic()
-        if pause > 0:
-            time.sleep(min(timeout, pause))
+        if pause > 0 and not self._all_reported():
+            time.sleep(min(timeout, pause, RESULT_POLL_S))
             return None
         self._next_step = time.monotonic() + POLL_S
         with self._lock:
@@ -624,7 +635,7 @@ class _PlacedAttempt:
                 f"pool {pool!r}: {self.runner.stage} needs {needed} live, free worker(s) (launch.{self.runner.stage}"
                 f".nnodes={self.runner.resources.nnodes}); after waiting {waited:.0f} s (launch.pool_wait_s="
                 f"{self.cfg.launch.pool_wait_s:g}) it has {len(free)}: {described}. Start a worker per node with "
-                f"its own queue (`prefect worker start --pool {pool} --name <node> --work-queue <node>`), let busy "
+                f"its own queue (`forgeflow worker start {pool} --name <node>`), let busy "
                 f"ones finish, or lower launch.{self.runner.stage}.nnodes"
             )
         note = f"{self.runner.stage}: waiting for {needed} live, free worker(s) of pool {pool!r}: {described}"
@@ -716,6 +727,15 @@ class _PlacedAttempt:
         late = [n for n in self.nodes if not n.ended and not n.beat.seen and self._late(n)]
         if late and self.stop_written is None:
             self._redirect(late)
+
+    def _all_reported(self) -> bool:
+        """Every node of the round has written its result (read between the full looks of `_watch`: the stage
+        ends RESULT_POLL_S, not POLL_S, after its last node)."""
+        with self._lock:
+            for node in self.nodes:
+                if node.result is None and not node.lost:
+                    self._read_result(node)
+            return bool(self.nodes) and all(node.ended for node in self.nodes)
 
     def _late(self, node: _NodeRun) -> bool:
         """Not taken by its worker (still Scheduled or Late) launch.node_start_s after it was created."""
@@ -816,7 +836,8 @@ class _PlacedAttempt:
             "rounds": self.round + 1,
             "nodes": [
                 {"node_rank": n.rank, "worker": n.record.get("worker", n.worker), "host": n.record.get("host", ""),
-                 "run_id": n.run_id, "outcome": n.result.outcome.value if n.result else "lost"}
+                 "start": n.record.get("start", ""), "run_id": n.run_id,
+                 "outcome": n.result.outcome.value if n.result else "lost"}
                 for n in self.nodes
             ],
             "redirects": self.redirects,

@@ -133,8 +133,10 @@ class Cluster:
             "PYTHONPATH": str(REPO_ROOT),  # the test pipelines (tests.cluster.pipelines) are not installed
         }
         env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
-        argv = [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool, "--name", name]
-        argv += [] if pool == PIPELINE_POOL else ["--work-queue", name]
+        if pool == PIPELINE_POOL:
+            argv = [str(VENV_BIN / "prefect"), "worker", "start", "--pool", pool, "--name", name]
+        else:  # a node's worker: its own queue, and node runs forked warm (flows/node_worker.py)
+            argv = [str(VENV_BIN / "forgeflow"), "worker", "start", pool, "--name", name]
         started = self.keeper.start(f"worker-{name}", argv, env, folders["work"])
         self.workers[name] = started
         self.worker_pool[name] = pool
@@ -285,11 +287,20 @@ class Cluster:
         return found
 
     def node_run_tree(self, node_run_id: str) -> list[psutil.Process]:
-        """The process of a node run (its PREFECT__FLOW_RUN_ID) and everything below it: one node's tree."""
+        """The process of a node run (its PREFECT__FLOW_RUN_ID) and everything below it: one node's tree. Started
+        warm (flows/warm_start.py), that is the client and the engine its worker's zygote forked for it, with
+        the engine's descendants (a worker runs one node run at a time here: the zygote's child is this run's)."""
         for proc in psutil.process_iter():
             try:
-                if proc.environ().get("PREFECT__FLOW_RUN_ID") == node_run_id and "prefect.engine" in " ".join(proc.cmdline()):
+                cmdline = " ".join(proc.cmdline())
+                if proc.environ().get("PREFECT__FLOW_RUN_ID") != node_run_id:
+                    continue
+                if "prefect.engine" in cmdline:
                     return [proc, *proc.children(recursive=True)]
+                if "flows.warm_start" in cmdline:
+                    zygotes = [p for p in proc.parent().children() if "serve" in p.cmdline()]
+                    engines = [e for z in zygotes for e in z.children() if e.create_time() >= proc.create_time()]
+                    return [proc, *[p for e in engines for p in (e, *e.children(recursive=True))]]
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
         return []

@@ -60,6 +60,8 @@ def test_two_node_sft_runs_on_both_workers_and_says_so(cluster: Cluster, two_nod
     assert sorted(n["worker"] for n in trained.placement["nodes"]) == ["gpu-a-0", "gpu-a-1"], trained.placement
     assert [n["node_rank"] for n in trained.placement["nodes"]] == [0, 1], trained.placement
     assert trained.placement["committed_by"]["worker"] in {"gpu-a-0", "gpu-a-1"}, trained.placement
+    # Node workers started with `forgeflow worker start` fork node runs from their zygote (flows/warm_start.py).
+    assert prepared.placement["committed_by"]["start"] == trained.placement["committed_by"]["start"] == "warm"
     assert trained.placement["attempt_number"] == 1 and not trained.placement["redirects"], trained.placement
     node_runs = cluster.child_runs(two_node_sft)
     assert sorted(r.name.rsplit("-", 1)[-1] for r in node_runs) == ["node0", "node0", "node1"], [r.name for r in node_runs]
