@@ -139,7 +139,7 @@ def _cmd_pools_create(args: argparse.Namespace) -> int:
 def _cmd_worker_start(args: argparse.Namespace) -> int:
     from flows.node_worker import run_node_worker
 
-    return run_node_worker(args.pool, args.name)
+    return run_node_worker(args.pool, args.name, args.poll_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     start.add_argument("pool")
     start.add_argument("--name", required=True, help="the worker's name, also its own work queue's name")
+    start.add_argument(
+        "--poll-s",
+        type=float,
+        default=None,
+        help="seconds between polls for runs (default: PREFECT_WORKER_QUERY_SECONDS if changed from Prefect's 10, "
+        "else 1): a placed stage waits up to this for its node run to start",
+    )
     start.set_defaults(handler=_cmd_worker_start)
     return parser
 

@@ -26,10 +26,15 @@ from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 from flows.warm_start import SOCKET_ENV
 from tasks.placement import STAGE_FLOW_NAME
 
+NODE_QUERY_S = 1.0
+PREFECT_DEFAULT_QUERY_S = 10.0
 _SOCKET_PATH_MAX = 100  # AF_UNIX paths stop at 107 bytes; a deep TMPDIR falls back to /tmp
 
 
 class NodeJobConfiguration(ProcessJobConfiguration):
+    """The process job configuration, with the warm-start client as the command of stage-node runs when this
+    worker has a zygote and the deployment did not set a command of its own."""
+
     def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, work_pool=None, worker_name=None, worker_id=None):
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         default = command_to_string([sys.executable, "-m", "prefect.engine"])
@@ -74,6 +79,20 @@ def zygote_beside():
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
+def query_seconds(poll_s: float | None) -> float:
+    """How often the worker asks for runs: `poll_s` when given, else PREFECT_WORKER_QUERY_SECONDS when set away
+    from Prefect's default, else NODE_QUERY_S (every placed stage waits up to this for its node run to start;
+    Prefect's default 10 s would add 5 s to each on average)."""
+    from prefect.settings import PREFECT_WORKER_QUERY_SECONDS
+
+    if poll_s is not None:
+        if poll_s <= 0:
+            raise ValueError(f"--poll-s={poll_s}: must be > 0 (seconds between the worker's polls, e.g. 1)")
+        return poll_s
+    configured = PREFECT_WORKER_QUERY_SECONDS.value()
+    return NODE_QUERY_S if configured == PREFECT_DEFAULT_QUERY_S else configured
+
+
 async def _serve(pool: str, name: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_WORKER_HEARTBEAT_SECONDS, PREFECT_WORKER_PREFETCH_SECONDS
@@ -93,13 +112,15 @@ async def _serve(pool: str, name: str) -> None:
     await worker.start()
 
 
-def run_node_worker(pool: str, name: str) -> int:
+def run_node_worker(pool: str, name: str, poll_s: float | None = None) -> int:
     """Run the node's worker (module docstring) until it is stopped: SIGINT or SIGTERM stops polling and lets
     the running flow runs finish, as with `prefect worker start`; a second one kills."""
+    from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
     from prefect.utilities.processutils import setup_signal_handlers_worker
 
+    seconds = query_seconds(poll_s)
     setup_signal_handlers_worker(os.getpid(), f"the node worker {name!r}", print)
-    with zygote_beside():
+    with zygote_beside(), temporary_settings(updates={PREFECT_WORKER_QUERY_SECONDS: seconds}):
         try:
             asyncio.run(_serve(pool, name))
         except (KeyboardInterrupt, asyncio.CancelledError):

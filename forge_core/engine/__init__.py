@@ -43,7 +43,7 @@ _SUBMODULE_OF = {
     **dict.fromkeys(("ParallelPlan", "build_parallel_dims", "parallelize_model"), "parallel"),
 }
 
-__all__ = sorted(_SUBMODULE_OF)
+__all__ = list(_SUBMODULE_OF)
 
 
 def __getattr__(name: str):

@@ -165,3 +165,17 @@ def test_the_zygote_ends_with_its_worker_and_removes_its_socket(warm):
     warm["parent"].popen.wait(timeout=BOUND_S)
     wait_for(lambda: not warm["zygote"].is_running() or warm["zygote"].status() == psutil.STATUS_ZOMBIE, "the zygote ends")
     assert not os.path.exists(warm["socket"])
+
+
+def test_a_node_worker_polls_every_second_unless_told_otherwise():
+    from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
+
+    from flows.node_worker import NODE_QUERY_S, query_seconds
+
+    with temporary_settings(updates={PREFECT_WORKER_QUERY_SECONDS: 10}):  # Prefect's default: 5 s a stage
+        assert query_seconds(None) == NODE_QUERY_S == 1.0
+        assert query_seconds(2.5) == 2.5
+    with temporary_settings(updates={PREFECT_WORKER_QUERY_SECONDS: 3}):  # set on purpose: kept
+        assert query_seconds(None) == 3
+    with pytest.raises(ValueError, match="--poll-s=0"):
+        query_seconds(0)
