@@ -97,7 +97,7 @@ async def _serve(pool: str, name: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_WORKER_HEARTBEAT_SECONDS, PREFECT_WORKER_PREFETCH_SECONDS
 
-    from flows.cli import ensure_work_pool, ensure_worker_queue
+    from flows.pools import ensure_work_pool, ensure_worker_queue
 
     async with get_client() as client:
         await ensure_work_pool(client, pool)  # as a Prefect worker would; `forgeflow pools create` does the rest

@@ -216,7 +216,8 @@ class _Zygote:
             os.close(fd)
         self.children[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, pid)
-        conn.sendall(f"pid {pid}\n".encode())
+        with contextlib.suppress(OSError):  # a client already gone: its EOF, read next tick, ends the child
+            conn.sendall(f"pid {pid}\n".encode())
 
     def _client_spoke(self, conn: socket.socket) -> None:
         pid = self.selector.get_key(conn).data
