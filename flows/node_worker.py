@@ -23,7 +23,7 @@ import tempfile
 from prefect.utilities.processutils import command_to_string
 from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
-from flows.warm_start import SOCKET_ENV
+from flows.warm_start import ENGINE_ARGV, SOCKET_ENV
 from tasks.placement import STAGE_FLOW_NAME
 
 NODE_QUERY_S = 1.0
@@ -37,7 +37,7 @@ class NodeJobConfiguration(ProcessJobConfiguration):
 
     def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, work_pool=None, worker_name=None, worker_id=None):
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
-        default = command_to_string([sys.executable, "-m", "prefect.engine"])
+        default = command_to_string([sys.executable, *ENGINE_ARGV])  # what ProcessJobConfiguration set
         if flow is not None and flow.name == STAGE_FLOW_NAME and self.command == default and self.env.get(SOCKET_ENV):
             self.command = command_to_string([sys.executable, "-m", "flows.warm_start"])
 

@@ -249,7 +249,7 @@ class _Zygote:
                 conn.sendall(f"exit {code}\n".encode())
             except OSError:
                 pass
-            if conn.fileno() >= 0 and self.selector.get_map().get(conn.fileno()) is not None:
+            with contextlib.suppress(KeyError):  # not registered any more when its client left first
                 self.selector.unregister(conn)
             conn.close()
 
