@@ -1,7 +1,7 @@
 """Benchmark: what placing stages on the workers of their pools (launch.placement=pool) costs against running
 them on the flow's machine (launch.placement=local), on the demo pipeline, in one run.
 
-    python -m bench.stage_dispatch                  # the demo config: ~15 min on 2 cores
+    python -m bench.stage_dispatch                  # the demo config: ~30 min on 2 cores
     python -m bench.stage_dispatch --config configs/tiny_test.yaml sft.steps=4     # a smoke run
 
 One cluster of real processes on this machine (tests/cluster/cluster.py): a Prefect server on loopback, the
@@ -13,12 +13,12 @@ pool's worker, each on a fresh store prefix so that every stage really runs:
 - pool: prepare on cpu-small, every other stage on gpu-a (one node each, as the config says);
 - local: every stage on the flow's machine (the pipeline worker), the engines and the trainer per stage too.
 
-Both runs use the stage lifetimes (a rollout engine and a GRPO launch per stage): the flow lifetimes' long-lived
-processes are node-local and refused with pool placement (docs/architecture.md, "Placement on pools"), so the
-comparison holds every other setting equal. The pool run goes first, so that whatever a first run pays (cold
-file caches) counts against placement. A third run, local with the config's own lifetimes (the demo's fast
-path: one engine and one trainer job for the whole run), shows in the details what the node-local rule costs a
-placed pipeline (`--no-fast-path` skips it).
+Both runs use the stage lifetimes (a rollout engine and a GRPO launch per stage), the per-stage dispatch this
+benchmark is about. The pool run goes first, so that whatever a first run pays (cold file caches) counts against
+placement. Two more runs use the config's own lifetimes (the demo's: one engine and one trainer job for the whole
+run), placed (the engines' and the trainer's residents on their pools' workers, forge_core.run.resident; GRPO on
+cpu-small there, whose one worker is free after prepare, since each resident holds a worker) and then local:
+the details give their walls, ratio and per-stage medians (`--no-flow-lifetimes` skips them).
 
 Results (two files):
 - `stage_dispatch`: value = the median over the pipeline's stages of (the stage's wall in the pool run minus
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,8 @@ DEFAULT_CONFIG = "configs/demo_cpu.yaml"
 RUN_TIMEOUT_S = 3600.0
 STAGE_LIFETIMES = ["rollout.engine_lifetime=stage", "grpo.trainer_lifetime=stage"]
 TRAINING_STAGES = ("sft", "rollout", "grpo", "evaluate")
+# With the flow lifetimes placed, each resident holds a worker: the trainer's goes to cpu-small (free after prepare).
+FLOW_LIFETIMES_PLACED = ["launch.grpo.pool=cpu-small"]
 
 
 def placement_overrides(mode: str) -> list[str]:
@@ -93,21 +94,25 @@ def run_mode(cluster, name: str, mode: str, config: str, extra: list[str]) -> di
     return {"flow_run_id": run_id, "wall_s": round(wall_s, 1), "stages": stages}
 
 
-def run_fast_path(cluster, config: str, extra: list[str]) -> dict:
-    """The local run with the config's own lifetimes: its wall, or the error that ended it (details only).
-
-    The engines' Unix socket lives under rollout.engine_state_dir, by default in the worker's TMPDIR, which this
-    cluster nests too deep for a socket path (107 bytes): a short private folder of /tmp instead."""
+def run_flow_lifetimes(cluster, config: str, extra: list[str]) -> dict:
+    """The config's own lifetimes, placed then local: walls, ratio, per-stage medians, or the error (details)."""
     from tests.cluster.cluster import ClusterError
 
-    state = tempfile.mkdtemp(prefix="ffd-", dir="/tmp")
     try:
-        run = run_mode(cluster, "dispatch-local-fast-path", "local", config, [f"rollout.engine_state_dir={state}", *extra])
-        return {"wall_s": run["wall_s"], "flow_run_id": run["flow_run_id"]}
+        pool = run_mode(cluster, "dispatch-pool-flow", "pool", config, [*FLOW_LIFETIMES_PLACED, *extra])
+        local = run_mode(cluster, "dispatch-local-flow", "local", config, extra)
     except ClusterError as exc:
         return {"error": str(exc).splitlines()[0]}
-    finally:
-        shutil.rmtree(state, ignore_errors=True)
+    compared = compare(pool, local)
+    return {
+        "pool_wall_s": pool["wall_s"],
+        "local_wall_s": local["wall_s"],
+        "pool_over_local": round(pool["wall_s"] / local["wall_s"], 3),
+        "median_dispatch_s": compared["median_dispatch_s"],
+        "median_non_body_dispatch_s": compared["median_non_body_dispatch_s"],
+        "flow_runs": {"pool": pool["flow_run_id"], "local": local["flow_run_id"]},
+        "stages": compared["stages"],
+    }
 
 
 def compare(pool: dict, local: dict) -> dict:
@@ -150,7 +155,7 @@ def start_store():
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="pipeline config, relative to the repository")
-    parser.add_argument("--no-fast-path", action="store_true", help="skip the local run with the flow lifetimes")
+    parser.add_argument("--no-flow-lifetimes", action="store_true", help="skip the two runs with the flow lifetimes")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args(argv)
 
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster.start()
             pool = run_mode(cluster, "dispatch-pool", "pool", args.config, [*STAGE_LIFETIMES, *args.overrides])
             local = run_mode(cluster, "dispatch-local", "local", args.config, [*STAGE_LIFETIMES, *args.overrides])
-            fast = None if args.no_fast_path else run_fast_path(cluster, args.config, args.overrides)
+            flow = None if args.no_flow_lifetimes else run_flow_lifetimes(cluster, args.config, args.overrides)
         finally:
             survivors = cluster.stop()
             server.close()
@@ -187,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "encoding": "value = the pipeline's wall with launch.placement=pool, baseline = with local",
             "pool_flow_run": pool["flow_run_id"],
             "local_flow_run": local["flow_run_id"],
-            "local_with_config_lifetimes": fast,
-            "pool_over_local_with_config_lifetimes": (
-                round(pool["wall_s"] / fast["wall_s"], 3) if fast and "wall_s" in fast else None
-            ),
+            "with_config_lifetimes": flow,
         },
     )
     write_result(

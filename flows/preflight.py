@@ -1,6 +1,7 @@
 """The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
 and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a dry run of the rewards
-on the data's reference answers (forge_core.rewards.dry_run) and the Prefect pools with their GPU limits.
+on the data's reference answers (forge_core.rewards.dry_run), the Prefect pools with their GPU limits, and the
+cluster key that flow lifetimes on pools need (forge_core.run.resident).
 Every problem at once, each with its fix (a PreflightError).
 
     check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
@@ -14,6 +15,7 @@ import asyncio
 from forge_core.config import RunConfig
 from forge_core.engine.preflight import HostDevices, input_problems, preflight, wandb_key_problems
 from forge_core.rewards.dry_run import reward_problems
+from forge_core.run.resident import cluster_key_problems
 from forge_core.stages import stage_names
 
 
@@ -78,5 +80,5 @@ def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
     """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
     stage runs on this host (launch.placement=pool without `here`)."""
     local = here or getattr(cfg.launch, "placement", "local") == "local"
-    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems)
+    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems, cluster_key_problems)
     return preflight(cfg, stage_names() if local else [], checks=checks)

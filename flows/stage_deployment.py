@@ -7,7 +7,8 @@ With `launch.placement: pool` a stage task starts one run of its pool's stage de
 (forge_core.run.placement.PoolRunner through tasks/placement.py); the run executes `stage_node` on the worker
 that took it: the node's part of the attempt, exactly the stage worker a local launch would run (torchrun for a
 distributed stage), joined to its peers by the rendezvous the attempt arranges in the store
-(forge_core.run.placement.run_node). Its only parameter is the node order (URIs, names, numbers: nothing
+(forge_core.run.placement.run_node); or, for a flow lifetime, the run's resident that holds its engines or its
+trainer job on this worker until the flow ends (forge_core.run.resident.run_resident). Its only parameter is the node order (URIs, names, numbers: nothing
 secret); credentials come from the worker's environment. The result goes to the store; the run itself ends
 Failed when the node's part failed, so the UI shows it under the stage task.
 
@@ -25,6 +26,7 @@ from prefect import flow, get_run_logger
 
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
 from forge_core.run.placement import NodeOrder, run_node
+from forge_core.run.resident import run_resident
 from tasks.placement import STAGE_FLOW_NAME
 
 ENTRYPOINT = "flows.stage_deployment.stage_node"
@@ -49,7 +51,8 @@ def stage_node(order: dict) -> dict:
     if ended:
         logger.warning("ended %d processes an earlier node run on this machine left running: %s", len(ended), ended)
     node_order = NodeOrder.from_params(order)
-    result = run_node(node_order, logger.info, worker=os.environ.get(WORKER_NAME_ENV))
+    run = run_resident if node_order.resident else run_node
+    result = run(node_order, logger.info, worker=os.environ.get(WORKER_NAME_ENV))
     if not result.ok:
         raise NodeFailed(f"node {node_order.node_rank} of {node_order.stage}: {result.outcome.value}: {result.reason}")
     return {"outcome": result.outcome.value, "node_rank": node_order.node_rank}

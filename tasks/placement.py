@@ -21,6 +21,8 @@ cancelling.
 
 from __future__ import annotations
 
+import contextvars
+
 import httpx
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -61,8 +63,22 @@ def _api_call(what: str, fn, *args, **kwargs):
         raise PrefectApiUnavailable(f"Prefect API unavailable while {what}: {exc}") from exc
 
 
+def _node_run_name(order: NodeOrder) -> str:
+    """`<stage>-<attempt>-r<round>-node<rank>`; a resident's: `resident-<what it hosts>-<attempt>-r<round>`."""
+    if order.resident:
+        return f"resident-{order.resident}-{order.attempt[-12:]}-r{order.round}"
+    return f"{order.stage}-{order.attempt[-12:]}-r{order.round}-node{order.node_rank}"
+
+
 class PrefectDispatcher:
-    """forge_core.run.placement.NodeDispatcher on the Prefect API (module docstring)."""
+    """forge_core.run.placement.NodeDispatcher on the Prefect API (module docstring).
+
+    Made in a stage task (prefect_dispatcher), it keeps that task's Prefect run context: a node run it starts
+    from another thread (a resident's watcher, forge_core.run.resident) is a subflow of the same task too, so the
+    UI nests it there and the flow's cancel hook (cancel_node_runs) finds it."""
+
+    def __init__(self) -> None:
+        self._context = contextvars.copy_context()
 
     def workers(self, pool: str) -> list[WorkerSlot]:
         with get_client(sync_client=True) as client:
@@ -101,7 +117,8 @@ class PrefectDispatcher:
     def start_node(self, pool: str, worker: str, order: NodeOrder, env: dict[str, str]) -> str:
         name = stage_deployment_name(pool)
         try:
-            run = _api_call(
+            run = self._context.copy().run(  # a copy per call: threads cannot share one entered context
+                _api_call,
                 f"starting a node run of {name}",
                 run_deployment,
                 name,
@@ -110,7 +127,7 @@ class PrefectDispatcher:
                 as_subflow=True,
                 work_queue_name=worker,
                 job_variables={"env": env} if env else None,
-                flow_run_name=f"{order.stage}-{order.attempt[-12:]}-r{order.round}-node{order.node_rank}",
+                flow_run_name=_node_run_name(order),
                 tags=["forgeflow-node"],
             )
         except ObjectNotFound:

@@ -1031,8 +1031,8 @@ class LaunchConfig:
     # Where stage attempts run. "local": on the machine that runs the flow (its own worker launch, or the
     # flow's long-lived processes). "pool": each attempt is a run of the stage deployment of the work pool
     # `launch.<stage>.pool` (`forgeflow pools create`), on nnodes distinct live, free workers of it
-    # (forge_core.run.placement); needs the stage lifetimes (rollout.engine_lifetime and
-    # grpo.trainer_lifetime: stage). Not part of any key.
+    # (forge_core.run.placement); with a flow lifetime the run's engines or trainer job run on a worker of
+    # their pool, reached with a secret from FORGE_CLUSTER_KEY (forge_core.run.resident). Not part of any key.
     placement: Literal["local", "pool"] = "local"
     # placement=pool: how long an attempt waits for enough live, free workers of its pool (and for a node run
     # to start elsewhere after a worker did not take it) before it fails with the pool's state named.
@@ -1121,11 +1121,10 @@ class RunConfig:
                 f"rollout.sampling.group_size={self.rollout.sampling.group_size}: GRPO needs >= 2 samples per "
                 "prompt to compute a group baseline"
             )
-        errors += self._placement_errors()
         if self.grpo.trainer_lifetime == "flow" and self.launch.grpo.nnodes != 1:
             errors.append(
                 f"grpo.trainer_lifetime='flow' with launch.grpo.nnodes={self.launch.grpo.nnodes}: the long-lived "
-                "trainer job takes its orders from a local folder and runs on one node; set "
+                "trainer job runs on one node (a worker of its pool with launch.placement=pool); set "
                 "grpo.trainer_lifetime=stage for multi-node GRPO"
             )
         env = self.rollout.env
@@ -1146,28 +1145,3 @@ class RunConfig:
                 f"(rollout.prompts_per_iteration * group_size = {samples})"
             )
         return errors
-
-    def _placement_errors(self) -> list[str]:
-        """With launch.placement=pool every stage attempt runs on workers of its pool, and nothing is shared
-        between machines but the store and the Prefect API. The flow lifetimes' long-lived processes are
-        reached through a local folder (the engines' Unix sockets, the trainer job's order folder) of the
-        machine that started them: they stay node-local, so pool placement needs the stage lifetimes."""
-        if self.launch.placement != "pool":
-            return []
-        local_folders = {
-            "rollout.engine_lifetime": (
-                self.rollout.engine_lifetime,
-                "the engine services answer on Unix sockets in a state folder of the flow's machine",
-            ),
-            "grpo.trainer_lifetime": (
-                self.grpo.trainer_lifetime,
-                "the trainer job takes its orders from a folder of the flow's machine",
-            ),
-        }
-        return [
-            f"{key}='flow' with launch.placement='pool': {why}, which the workers of a pool cannot reach; set "
-            f"{key}=stage (each attempt runs on a worker of its pool with its own process) or "
-            "launch.placement=local"
-            for key, (lifetime, why) in local_folders.items()
-            if lifetime == "flow"
-        ]

@@ -43,6 +43,9 @@ How the attempt behaves (Prefect 3.7's dispatch behaviour is docs/architecture.m
 - Results: `run_deployment` never raises and persisted Prefect results land on the worker's own disk, so every
   node writes its LaunchResult to the store; the runner combines them into the attempt's one result.
 
+A resident (forge_core.run.resident) is a one-node attempt of this kind that hosts the run's long-lived engines or
+trainer job on its worker until the flow ends, its objects under `<storage.root>/_residents/`.
+
 Nothing secret is a node run's parameter: the order holds URIs, names and numbers; credentials come from each
 node's own environment (AWS keys, FORGE_SECRET_URLS), like every worker's. This module never imports Prefect:
 the dispatcher it is given (tasks/placement.py) speaks to the Prefect API.
@@ -156,6 +159,9 @@ class NodeOrder:
     endpoint_url: str | None = None  # a custom S3 endpoint, to read the spec before the config is known
     stage_modules: str = ""  # FORGE_STAGE_MODULES for a stage registered outside forge_core
     history: dict = field(default_factory=dict)  # earlier attempts and redirects, for the manifests
+    # "" for a stage's node; else the flow runner (Stage.flow_runner) this run hosts for the whole flow run:
+    # a resident (forge_core.run.resident), whose spec only names the run's config
+    resident: str = ""
 
     @property
     def nnodes(self) -> int:
@@ -335,7 +341,7 @@ class _Node:
         self.cfg = cfg
         self.worker = worker
         self.log = log_sink
-        self.board = Board(store, spec.output_uri, order.attempt)
+        self.board = Board(store, self.board_uri(store), order.attempt)
         self.address = node_address()
         timeout_s = cfg.launch.node_timeout_s
         self.owner = Liveness(self.board, self.board.owner, timeout_s, appear_within_s=timeout_s)
@@ -348,6 +354,10 @@ class _Node:
         self._progress_pending: str | None = None
         # Whether this node ended because of another's failure or loss (or a stop): the cause is elsewhere.
         self.collateral = False
+
+    def board_uri(self, store: ObjectStore) -> str:
+        """Where the attempt's objects are (Board): under the stage's output."""
+        return self.spec.output_uri
 
     def run(self) -> LaunchResult:
         order = self.order
@@ -483,10 +493,13 @@ class _Node:
             log.warning("progress not published: %s", exc)
 
 
-def run_node(order: NodeOrder, log_sink: LogSink, worker: str | None = None) -> LaunchResult:
+def run_node(
+    order: NodeOrder, log_sink: LogSink, worker: str | None = None, node_type: type[_Node] = _Node
+) -> LaunchResult:
     """One node's part of a placed attempt, on the worker that took the node run (flows/stage_deployment.py):
     rendezvous, this node's launch (torchrun for a distributed stage), watched against the flow, the stop object
-    and the peers; its result written to the store for the runner. `worker`: this worker's name (Prefect's)."""
+    and the peers; its result written to the store for the runner. `worker`: this worker's name (Prefect's);
+    `node_type`: what the node does (a resident's is forge_core.run.resident.ResidentNode)."""
     if order.stage_modules:
         os.environ.setdefault(STAGE_MODULES_ENV, order.stage_modules)
     started = time.monotonic()
@@ -494,7 +507,7 @@ def run_node(order: NodeOrder, log_sink: LogSink, worker: str | None = None) -> 
     spec = read_spec(order.spec_uri, storage_cfg)
     cfg = spec.run_config()
     store = ObjectStore.from_config(cfg.storage)
-    node = _Node(order, spec, cfg, store, worker or order.workers[order.node_rank], log_sink)
+    node = node_type(order, spec, cfg, store, worker or order.workers[order.node_rank], log_sink)
     try:
         result = node.run()
     except Exception as exc:  # noqa: BLE001 - classified like a worker's error, and reported through the store
@@ -557,13 +570,16 @@ class _NodeRun:
 class _PlacedAttempt:
     """One attempt on the pool: placement rounds, then the nodes watched until each reported or was lost."""
 
-    def __init__(self, runner: PoolRunner, plan: StagePlan, log_sink: LogSink) -> None:
+    def __init__(
+        self, runner: PoolRunner, plan: StagePlan, log_sink: LogSink, board: Board | None = None, resident: str = ""
+    ) -> None:
         self.runner = runner
         self.plan = plan
         self.log = log_sink
         self.cfg = runner.cfg
+        self.resident = resident  # NodeOrder.resident: "" for a stage's attempt
         self.launch_id = f"placed-{uuid.uuid4().hex[:12]}"
-        self.board = Board(ObjectStore.from_config(self.cfg.storage), plan.output_uri, plan.spec.attempt)
+        self.board = board or Board(ObjectStore.from_config(self.cfg.storage), plan.output_uri, plan.spec.attempt)
         self.earlier = self.board.earlier_attempts()
         self.round = -1
         self.nodes: list[_NodeRun] = []
@@ -597,14 +613,17 @@ class _PlacedAttempt:
             self._watch()
             return self._finish_if_ended()
 
-    def stop(self, reason: str, wait: bool = True) -> LaunchResult | None:
-        """Write the stop object; with `wait`, give the nodes their kill grace + STOP_MARGIN_S to end their
-        launches and report; then cancel the node runs still unfinished."""
+    def stop(
+        self, reason: str, wait: bool = True, outcome: Outcome = Outcome.CANCELLED, bound_s: float | None = None
+    ) -> LaunchResult | None:
+        """Write the stop object (`outcome`: what the nodes end with; a resident's normal end is a SUCCESS);
+        with `wait`, give the nodes `bound_s` (default: their kill grace + STOP_MARGIN_S) to end their launches
+        and report; then cancel the node runs still unfinished."""
         with self._lock:
             if self.result is not None:
                 return self.result
-            self._write_stop(Outcome.CANCELLED, reason)
-            bound = self.runner.resources.kill_grace_s + STOP_MARGIN_S
+            self._write_stop(outcome, reason)
+            bound = self.runner.resources.kill_grace_s + STOP_MARGIN_S if bound_s is None else bound_s
             self.stop_deadline = time.monotonic() + bound
             while wait and self.nodes and not all(node.ended for node in self.nodes):
                 self._watch()
@@ -671,7 +690,7 @@ class _PlacedAttempt:
             order = NodeOrder(
                 stage=self.plan.stage,
                 spec_uri=self.plan.spec_uri,
-                attempt=self.plan.spec.attempt,
+                attempt=self.board.attempt,
                 launch_id=self.launch_id,
                 round=self.round,
                 node_rank=rank,
@@ -679,12 +698,13 @@ class _PlacedAttempt:
                 endpoint_url=self.cfg.storage.endpoint_url,
                 stage_modules="" if is_builtin(record) else record.module,
                 history=history,
+                resident=self.resident,
             )
             run_id = self.runner.dispatcher.start_node(self.runner.pool, worker, order, env)
             beat = Liveness(self.board, self.board.node_beat(self.round, rank), timeout_s)
             self.nodes.append(_NodeRun(rank, worker, run_id, beat))
         placed = ", ".join(f"node {n.rank} -> {n.worker} (run {n.run_id})" for n in self.nodes)
-        self.log(f"{self.plan.stage}: attempt {self.plan.spec.attempt} round {self.round} on pool {self.runner.pool!r}: {placed}")
+        self.log(f"{self.plan.stage}: attempt {self.board.attempt} round {self.round} on pool {self.runner.pool!r}: {placed}")
 
     def _redirect(self, late: list[_NodeRun]) -> None:
         """Nodes whose worker did not start them in time: abandon the round, avoid those workers, place again."""
@@ -836,7 +856,7 @@ class _PlacedAttempt:
             if node.result is None:
                 self._cancel(node, why or "the attempt ended")
         record = {
-            "attempt": self.plan.spec.attempt,
+            "attempt": self.board.attempt,
             "launch_id": self.launch_id,
             "stage": self.plan.stage,
             "pool": self.runner.pool,

@@ -61,6 +61,8 @@ class FlowResources:
         self.log_line = log_line or log.info
         self.lock = threading.Lock()  # guards the trainer job slot (forge_core.run.trainer_job)
         self.trainer_job: Any = None  # a forge_core.run.trainer_job.TrainerJob while one runs
+        # With launch.placement=pool: {(flow runner, pool): forge_core.run.resident.Resident}, guarded by `lock`
+        self.residents: dict[tuple[str, str], Any] = {}
 
     @classmethod
     def of(cls, cfg: RunConfig, log_line: Callable[[str], None] | None = None) -> FlowResources:
@@ -105,7 +107,18 @@ class FlowResources:
             if _active.get(self.key) is self:
                 del _active[self.key]
 
+    def stop_residents(self, failing: bool) -> list[str]:
+        """End the run's residents on the pools' workers (forge_core.run.resident); returns their names."""
+        with self.lock:
+            residents, self.residents = list(self.residents.values()), {}
+        for resident in residents:
+            resident.close(failing)
+        return [resident.name for resident in residents]
+
     def _stop(self, failing: bool) -> None:
+        residents = self.stop_residents(failing)
+        if residents:
+            self.log_line(f"stopped the run's residents: {', '.join(residents)}")
         trainers = self.stop_trainer(0.0 if failing else STOP_TIMEOUT_S)
         engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else STOP_GRACE_S)
         if trainers:

@@ -13,7 +13,10 @@ deployment on a pool's worker: the next runner, issue #18) as well as here. Impl
   (torchrun for distributed stages) through forge_core.launch;
 - `TaskProcessRunner` (forge_core.run.in_process): a thread of the task's process, for the thin engine-client
   stages with the flow's long-lived engines;
-- `TrainerJobRunner` (forge_core.run.trainer_job): an order to the flow's long-lived trainer job.
+- `TrainerJobRunner` (forge_core.run.trainer_job): an order to the flow's long-lived trainer job;
+- `PoolRunner` (forge_core.run.placement): node runs on the workers of the stage's pool (launch.placement=pool);
+- `ResidentRunner` (forge_core.run.resident): with launch.placement=pool and a flow lifetime, an order over the
+  network to the run's resident on the stage's pool, which runs it with one of the two runners above.
 
 Each starts an `Attempt`; `Runner.run` supervises it the same way for all of them:
 

@@ -2,9 +2,9 @@
 
 `prefect server start` on loopback; `forgeflow pools create` for the pools (each gets its stage deployment);
 process workers, each started as on its own node: its own HOME, TMPDIR, PREFECT_HOME and working folder
-(FORGE_NODE_DIR), its own work queue named after it, FORGE_NODE_ADDRESS=127.0.0.1, so nothing can pass between
-two workers (or the flow) through a local path: the object store (moto S3) and the Prefect API are all they
-share. Pipelines run as deployment runs on a worker of the `local-cpu` pool, like a production flow run.
+(FORGE_NODE_DIR), its own work queue named after it, FORGE_NODE_ADDRESS=127.0.0.1 and the cluster's one
+FORGE_CLUSTER_KEY (forge_core.run.resident), so nothing can pass between two workers (or the flow) through a
+local path: the object store (moto S3) and the Prefect API are all they share. Pipelines run as deployment runs on a worker of the `local-cpu` pool, like a production flow run.
 
     cluster = Cluster(root, s3_endpoint, workers={"cpu-small": 1, "gpu-a": 2, "local-cpu": 1}).start()
     run_id = cluster.run_pipeline(PIPELINE, overrides, env={"FORGE_FAULT": ...})
@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
+import shutil
 import signal
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +48,7 @@ from tests.deploy.conftest import (
 PIPELINE_POOL = "local-cpu"
 POST_TRAIN = "post-train/cluster"  # flows.post_train.post_train
 PREPARE_AND_SFT = "cluster-sft/cluster"  # tests.cluster.pipelines.prepare_and_sft
+ONE_ITERATION_HELD = "cluster-held/cluster"  # tests.cluster.pipelines.one_iteration_held
 TINY_CONFIG = "configs/tiny_test.yaml"
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SERVER_SETTINGS = {
@@ -71,6 +75,9 @@ class Cluster:
         self.workers: dict[str, Started] = {}
         self.worker_pool: dict[str, str] = {}
         self.bucket = f"forge-cluster-{uuid.uuid4().hex[:10]}"
+        # FORGE_CLUSTER_KEY of every worker: the flow lifetimes' residents derive each run's secret from it.
+        self.cluster_key = secrets.token_hex(32)
+        self.short_dirs: list[Path] = []
 
     # ---- lifecycle
 
@@ -102,6 +109,8 @@ class Cluster:
         self.keeper.stop_all()
         survivors = self.keeper.survivors()
         self.keeper.kill_survivors()
+        for folder in self.short_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
         return survivors
 
     # ---- workers
@@ -119,7 +128,10 @@ class Cluster:
         """A process worker as on a node of its own. On a stage pool it polls its own queue `name` (placement
         pins node runs through it); on the pipeline pool every queue (pipelines go to the default one)."""
         node = self.worker_dir(name)
-        folders = {key: node / key for key in ("home", "tmp", "prefect", "work")}
+        folders = {key: node / key for key in ("home", "prefect", "work")}
+        # A short private TMPDIR: the engine services' Unix sockets live under it (107 bytes at most).
+        folders["tmp"] = Path(tempfile.mkdtemp(prefix=f"fc-{name}-", dir="/tmp"))
+        self.short_dirs.append(folders["tmp"])
         for folder in folders.values():
             folder.mkdir(parents=True, exist_ok=True)
         env = {
@@ -130,6 +142,7 @@ class Cluster:
             "PREFECT_HOME": str(folders["prefect"]),
             "FORGE_NODE_DIR": str(folders["work"]),
             "FORGE_NODE_ADDRESS": "127.0.0.1",
+            "FORGE_CLUSTER_KEY": self.cluster_key,
             "PYTHONPATH": str(REPO_ROOT),  # the test pipelines (tests.cluster.pipelines) are not installed
         }
         env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
@@ -178,20 +191,26 @@ class Cluster:
     async def _create_pipeline_deployments(self, client) -> None:
         from flows.post_train import post_train
         from flows.stage_deployment import ensure_module_deployment
-        from tests.cluster.pipelines import prepare_and_sft
+        from tests.cluster.pipelines import one_iteration_held, prepare_and_sft
 
         for deployment, entrypoint, fn in (
             (POST_TRAIN, "flows.post_train.post_train", post_train),
             (PREPARE_AND_SFT, "tests.cluster.pipelines.prepare_and_sft", prepare_and_sft),
+            (ONE_ITERATION_HELD, "tests.cluster.pipelines.one_iteration_held", one_iteration_held),
         ):
             await ensure_module_deployment(client, fn, deployment.split("/")[1], PIPELINE_POOL, entrypoint)
 
     def run_pipeline(
-        self, deployment: str, overrides: list[str], env: dict[str, str] | None = None, config: str = TINY_CONFIG
+        self,
+        deployment: str,
+        overrides: list[str],
+        env: dict[str, str] | None = None,
+        config: str = TINY_CONFIG,
+        **more_params,
     ) -> str:
-        """Start a run of `deployment` (`config`, the tiny test config by default, with `overrides`); returns
-        its flow run id."""
-        params = {"config": str(REPO_ROOT / config), "overrides": overrides}
+        """Start a run of `deployment` (`config`, the tiny test config by default, with `overrides` and any
+        further parameters of its flow); returns its flow run id."""
+        params = {"config": str(REPO_ROOT / config), "overrides": overrides, **more_params}
 
         async def create(client):
             found = await client.read_deployment_by_name(deployment)
@@ -228,11 +247,20 @@ class Cluster:
         from prefect.client.schemas.sorting import LogSort
 
         ids = [run_id, *(str(r.id) for r in self.child_runs(run_id))]
-        newest = self.prefect.api(
-            lambda client: client.read_logs(
-                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), sort=LogSort.TIMESTAMP_DESC, limit=limit
+        newest: list = []
+        while len(newest) < limit:  # the API returns at most 200 records a call
+            page_size, offset = min(200, limit - len(newest)), len(newest)
+            page = self.prefect.api(
+                lambda client, size=page_size, skip=offset: client.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)),
+                    sort=LogSort.TIMESTAMP_DESC,
+                    limit=size,
+                    offset=skip,
+                )
             )
-        )
+            newest += page
+            if len(page) < 200:
+                break
         return "\n".join(log.message for log in reversed(newest))
 
     def child_runs(self, run_id: str) -> list:
@@ -276,7 +304,7 @@ class Cluster:
         found = []
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = " ".join(proc.info["cmdline"] or [])
-            if fragment not in cmdline or "pytest" in cmdline:
+            if fragment not in cmdline or proc.pid == os.getpid():
                 continue
             try:
                 ours = proc.environ().get("FORGE_NODE_DIR", "").startswith(str(self.root))

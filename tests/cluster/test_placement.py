@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from forge_core.config import load_config
-from tests.cluster.cluster import POST_TRAIN, PREPARE_AND_SFT, REPO_ROOT, TINY_CONFIG, Cluster, wait_for
+from tests.cluster.cluster import (
+    ONE_ITERATION_HELD,
+    POST_TRAIN,
+    PREPARE_AND_SFT,
+    REPO_ROOT,
+    TINY_CONFIG,
+    Cluster,
+    wait_for,
+)
 
 # A vLLM engine takes ~100 s to start on a loaded 2-core machine; the full pipeline starts three. `make test`
 # runs the cluster's start, one 2-node SFT and the config rule (~7 min under load 15 on 2 cores); the other
@@ -150,15 +158,88 @@ def test_cancelling_the_pipeline_ends_every_rank_on_every_node(cluster: Cluster,
     wait_for("no stage process left on any worker", lambda: not cluster.stage_processes(), 180)
 
 
-def test_flow_lifetimes_are_node_local(tmp_path: Path):
-    """The flow lifetimes' processes are reached through folders of the flow's machine: pool placement refuses
-    them by name (the node-local rule, docs/architecture.md)."""
-    base = [f"storage.root=file://{tmp_path}/store", "launch.placement=pool"]
-    config = str(REPO_ROOT / TINY_CONFIG)
-    for key in ("rollout.engine_lifetime", "grpo.trainer_lifetime"):
-        with pytest.raises(ValueError, match=rf"{key}='flow' with launch.placement='pool'.*{key}=stage"):
-            load_config(config, [*base, f"{key}=flow"])
-    assert load_config(config, base).launch.placement == "pool"
+def _committed(cluster: Cluster, store_name: str, kind: str) -> bool:
+    """Whether an artifact of `kind` is committed in the cluster store `store_name`."""
+    store = cluster.store(store_name)
+    return any(uri.endswith("/_MANIFEST.json") and f"/{kind}/" in uri for uri in store.list_files(store.root))
+
+
+def _residents(cluster: Cluster, store_name: str, run_id: str) -> dict[str, dict]:
+    """{"engines-gpu-a": its service record, ...}: the residents of flow run `run_id` that published an address."""
+    store = cluster.store(store_name)
+    found = {}
+    for uri in store.list_files(store.join(store.root, "_residents", run_id)):
+        if uri.endswith("/service.json"):
+            name = uri.split("/_residents/", 1)[1].split("/")[1]
+            found[name] = json.loads(store.get_bytes(uri))
+    return found
+
+
+def _process_on_worker(cluster: Cluster, fragment: str) -> str | None:
+    """The worker whose folder (FORGE_NODE_DIR) a live process with `fragment` in its command line runs in."""
+    for proc in cluster.stage_processes(fragment):
+        node_dir = Path(proc.environ()["FORGE_NODE_DIR"])
+        for name in cluster.workers:
+            if node_dir == cluster.worker_dir(name) / "work":
+                return name
+    return None
+
+
+def test_flow_lifetimes_run_on_their_pools_workers(cluster: Cluster, monkeypatch):
+    """One GRPO iteration with the flow lifetimes placed: the run's vLLM engine and its trainer job run on gpu-a's
+    workers (a resident each, holding its worker), the stages reach them over TCP with the run's secret, and a
+    client without that secret is refused; the manifests name the worker; everything ends with the flow. The
+    flow holds its residents until the test has looked (tests/cluster/pipelines.py: one_iteration_held)."""
+    from multiprocessing.connection import AuthenticationError
+
+    from forge_core.run import resident
+
+    cluster.wait_workers(["gpu-a-0", "gpu-a-1"], live=True)
+    name = "residents"
+    overrides = cluster.overrides(
+        name, f"name={name}", "rollout.engine_lifetime=flow", "grpo.trainer_lifetime=flow", "launch.sft.nnodes=1"
+    )
+    store = cluster.store(name)
+    release = store.join(store.root, "release-the-residents")
+    run_id = cluster.run_pipeline(ONE_ITERATION_HELD, overrides, release_uri=release)
+    try:
+        # Both residents serve from their first stage on, and stay until the release.
+        wait_for("the iteration's evaluation committed", lambda: _committed(cluster, name, "eval"), EVENT_WAIT_S)
+        services = _residents(cluster, name, run_id)
+        assert sorted(services) == ["engines-gpu-a", "trainer-gpu-a"], services
+        hosts = {key: service["worker"] for key, service in services.items()}
+        assert sorted(hosts.values()) == ["gpu-a-0", "gpu-a-1"], hosts  # each holds a worker of its own
+        # The processes run in their resident's worker's folder, not on the flow's machine.
+        assert _process_on_worker(cluster, "forge_core.rollout.service") == hosts["engines-gpu-a"]
+        assert _process_on_worker(cluster, "grpo-job") == hosts["trainer-gpu-a"]
+        # The channel: the run's secret (the cluster key's HMAC with this flow run id) gets in, nothing else.
+        monkeypatch.setenv(resident.CLUSTER_KEY_ENV, cluster.cluster_key)
+        this_run = load_config(str(REPO_ROOT / TINY_CONFIG), [*overrides, f"launch.run_id={run_id}"])
+        other_run = load_config(str(REPO_ROOT / TINY_CONFIG), [*overrides, "launch.run_id=another-run"])
+        for key in ("engines-gpu-a", "trainer-gpu-a"):
+            address = (services[key]["host"], int(services[key]["port"]))
+            for wrong in (resident.run_secret(other_run), b"0" * 32):
+                with pytest.raises(AuthenticationError):
+                    resident.connect(address, wrong)
+            resident.connect(address, resident.run_secret(this_run)).close()
+    finally:
+        store.put_bytes(release, b"")
+    cluster.wait_flow_run(run_id, timeout_s=EVENT_WAIT_S)
+
+    for kind, key in (("rollouts", "engines-gpu-a"), ("eval", "engines-gpu-a"), ("grpo", "trainer-gpu-a")):
+        placement = store_manifest(cluster, name, kind).placement
+        workers = [node["worker"] for node in placement["nodes"]]
+        assert (placement["pool"], placement["resident"], workers) == ("gpu-a", key.split("-")[0], [hosts[key]])
+    residents = {run.name: run for run in cluster.child_runs(run_id) if run.name.startswith("resident-")}
+    assert sorted(n.split("-")[1] for n in residents) == ["task_process", "trainer_job"], residents
+    assert {run.state.type.value for run in residents.values()} == {"COMPLETED"}, residents
+    for run in residents.values():
+        assert cluster.logs(str(run.id)).count("without this run's secret") == 2, cluster.logs(str(run.id))
+    logs = cluster.logs(run_id, limit=100_000)  # all of them
+    assert cluster.cluster_key not in logs and resident.run_secret(this_run).hex() not in logs
+    assert all(run.state.is_final() for run in cluster.child_runs(run_id))
+    wait_for("no engine or trainer process left", lambda: not cluster.stage_processes(), 180)
+    assert not cluster.stage_processes("forge_core.rollout.service")
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 from forge_core.config import load_config
 from forge_core.launch import LaunchResult, Outcome, RankError
 from forge_core.launch.spec import LaunchSpec, NodeRendezvous, build_command
-from forge_core.run import placement
+from forge_core.run import placement, resident
 from forge_core.run.placement import Board, Liveness, NodeOrder, PoolRunner
 from forge_core.run.runners import runner_for
 from tests.cluster.cluster import REPO_ROOT
@@ -85,3 +85,84 @@ def test_config_rules_of_pool_placement(tmp_path):
     with pytest.raises(ValueError, match=r"node_timeout_s=0.*> 0 seconds"):
         load_config(TINY, [*base, "launch.placement=pool", "launch.node_timeout_s=0"])
     assert load_config(TINY, [*base, "launch.placement=pool", "launch.sft.nnodes=2"]).launch.sft.nnodes == 2
+
+
+# ---- flow lifetimes on pools: the runner choice, the secret, the resident's channel (forge_core.run.resident)
+
+KEY = "k" * 64
+
+
+def _flow_lifetimes_on_pools(tmp_path, run_id: str = "run-a"):
+    overrides = [
+        f"storage.root=file://{tmp_path}/store",
+        "launch.placement=pool",
+        "rollout.engine_lifetime=flow",
+        "grpo.trainer_lifetime=flow",
+        f"launch.run_id={run_id}",
+    ]
+    return load_config(TINY, overrides)
+
+
+def test_flow_lifetimes_on_pools_are_orders_to_residents(tmp_path):
+    cfg = _flow_lifetimes_on_pools(tmp_path)
+    dispatcher = SimpleNamespace()
+    for stage in ("rollout", "evaluate", "grpo"):
+        runner = runner_for(cfg, stage, dispatcher)
+        assert isinstance(runner, resident.ResidentRunner), (stage, runner)
+        assert runner.where.endswith(f"on pool {cfg.launch.for_stage(stage).pool!r}"), runner.where
+    assert isinstance(runner_for(cfg, "sft", dispatcher), PoolRunner)
+
+
+def test_the_run_secret_needs_the_cluster_key_and_differs_per_run(tmp_path, monkeypatch):
+    cfg_a, cfg_b = _flow_lifetimes_on_pools(tmp_path, "run-a"), _flow_lifetimes_on_pools(tmp_path, "run-b")
+    monkeypatch.delenv(resident.CLUSTER_KEY_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"FORGE_CLUSTER_KEY, which is not set here; set the same random key"):
+        resident.run_secret(cfg_a)
+    monkeypatch.setenv(resident.CLUSTER_KEY_ENV, "short")
+    assert "has 5 characters (at least 32 needed)" in resident.cluster_key_problems(cfg_a)[0]
+    monkeypatch.setenv(resident.CLUSTER_KEY_ENV, KEY)
+    assert resident.cluster_key_problems(cfg_a) == []
+    assert resident.run_secret(cfg_a) != resident.run_secret(cfg_b)
+    local = load_config(TINY, [f"storage.root=file://{tmp_path}/store", "rollout.engine_lifetime=flow"])
+    monkeypatch.delenv(resident.CLUSTER_KEY_ENV)
+    assert resident.cluster_key_problems(local) == []  # only pool placement reaches over the network
+
+
+def test_a_resident_refuses_a_client_without_the_runs_secret(tmp_path, monkeypatch):
+    """The resident's channel on loopback: a wrong key, another run's secret and a raw socket are refused
+    before anything they sent is read; the run's secret gets an order through to a result."""
+    import socket
+    from multiprocessing.connection import AuthenticationError
+
+    from forge_core.run.resources import FlowResources
+
+    monkeypatch.setenv(resident.CLUSTER_KEY_ENV, KEY)
+    cfg, other = _flow_lifetimes_on_pools(tmp_path, "run-a"), _flow_lifetimes_on_pools(tmp_path, "run-b")
+    lines: list[str] = []
+    server = resident.OrderServer(
+        "127.0.0.1", resident.run_secret(cfg), cfg, FlowResources.of(cfg), "task_process", lines.append
+    )
+    address = ("127.0.0.1", server.port)
+    try:
+        for wrong in (b"x" * 32, resident.run_secret(other)):
+            with pytest.raises(AuthenticationError):
+                resident.connect(address, wrong)
+        with socket.create_connection(address, timeout=30) as raw:
+            raw.settimeout(30)
+            assert b"#CHALLENGE#" in raw.recv(1024)
+            raw.sendall(b"\x00\x00\x00\x05hello")  # a framed message that is not the challenge's answer
+            reply = b""
+            while chunk := raw.recv(1024):  # until the resident closes the connection
+                reply += chunk
+            assert b"#FAILURE#" in reply, reply
+        refused = [line for line in lines if "without this run's secret" in line]
+        assert len(refused) == 3, lines
+        with resident.connect(address, resident.run_secret(cfg)) as conn:
+            missing = f"file://{tmp_path}/store/no-such-spec.json"
+            conn.send(("run", missing))
+            assert conn.poll(60), "no answer to the order"
+            kind, payload = conn.recv()
+        result = LaunchResult.from_dict(payload)
+        assert kind == "result" and not result.ok and "no-such-spec.json" in result.reason, payload
+    finally:
+        server.close()
