@@ -477,9 +477,12 @@ class _Node:
     # -- output: the node run's log, and progress for the flow's progress artifact
 
     def _sink(self, line: str) -> None:
-        self.log(line)
+        # A progress line becomes the stage's progress artifact through the flow (as a local launch's does), not
+        # a log line: an SFT's thousand of them would cost the Prefect API a log record each.
         if parse_progress_line(line) is not None:
             self._progress_pending = line
+        else:
+            self.log(line)
 
     def _publish_progress(self, force: bool = False) -> None:
         line = self._progress_pending

@@ -13,8 +13,9 @@ its owner, the stop object), whose objects are under `<storage.root>/_residents/
 _placement/`. On its worker the resident does what the flow process does with local placement: it holds a
 FlowResources of its own and runs each order through the same local runner, so the engines and the trainer job
 run on the pool's worker and are started, reused, restarted and stopped by exactly the local code. It holds its
-worker for the flow run (the worker's queue holds its run, so placement counts the worker busy; a GPU pool's
-limit counts it like a node run) and ends with the flow: a SUCCESS stop at the flow's normal end, a cancel on
+worker for the flow run (the worker's queue holds its run, so placement counts the worker busy and places
+nothing else there; the pool's GPU limit counts each order's GPUs while it runs, as with local flow lifetimes)
+and ends with the flow: a SUCCESS stop at the flow's normal end, a cancel on
 failure, and by itself within launch.node_timeout_s once the flow's heartbeat stops.
 
 The channel: the resident listens on a TCP port of its node's address (FORGE_NODE_ADDRESS, else its host name's
@@ -158,7 +159,8 @@ def connect(address: tuple[str, int], secret: bytes, timeout_s: float = CONNECT_
     if isinstance(error, AuthenticationError):
         raise error
     if "conn" not in outcome:
-        raise ResidentGone(f"resident at {address[0]}:{address[1]} did not answer within {timeout_s:g} s: {error!r}")
+        how = f"could not be reached ({error!r})" if error else f"did not answer within {timeout_s:g} s"
+        raise ResidentGone(f"the resident at {address[0]}:{address[1]} {how}")
     return outcome["conn"]
 
 
@@ -231,6 +233,13 @@ class Resident:
         published = self.board.read(self.board.in_round(round_, SERVICE_OBJECT)) if round_ >= 0 else None
         return (published["host"], int(published["port"])) if published else None
 
+    def abandon(self, why: str) -> None:
+        """Give it up after its channel failed (its node may be gone before its watcher noticed): it is stopped,
+        and the stage's retry starts a new resident."""
+        if self.error is None:
+            self.error = ResidentGone(f"the run's {self.name} was given up: {why}")
+        self.attempt.stop(f"given up: {why}", wait=False)
+
     def close(self, failing: bool) -> None:
         """End it with the flow: a SUCCESS stop at a normal end, a cancel on failure (waits for its report)."""
         if failing:
@@ -296,6 +305,9 @@ class _RemoteOrder:
             return False
         try:
             self._conn = connect(address, self._secret)
+        except ResidentGone as exc:
+            self.resident.abandon(str(exc))
+            raise
         except AuthenticationError:
             raise ValueError(
                 f"the run's {self.resident.name} at {address[0]}:{address[1]} refused this flow's secret: "
@@ -335,6 +347,7 @@ class _RemoteOrder:
         return result
 
     def _gone(self, why: str) -> LaunchResult:
+        self.resident.abandon(why)
         reason = f"{self.plan.stage}: the run's {self.resident.name} went away during the order: {why}"
         return self._done(LaunchResult(Outcome.RETRYABLE, None, reason, launch_id=self.launch_id))
 

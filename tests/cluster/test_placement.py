@@ -129,6 +129,55 @@ def _sft_uri(cluster: Cluster, run_id: str) -> str:
     return next(word.strip("`") for word in sft[0].data.split() if "://" in word)
 
 
+@pytest.mark.slow  # two vLLM start-ups: `make test-all` / -m slow
+def test_a_lost_resident_is_replaced_and_a_cancel_ends_every_resident(cluster: Cluster):
+    """The engines' resident SIGKILLed (its whole process tree) between the GRPO and the evaluate stage: the
+    flow sees it lost (its run Crashed; or, should the order come first, the order finds it gone and the attempt
+    is retried) and the evaluate stage gets a new resident on a live, free gpu-a worker. Then, with both
+    residents live and the flow holding, the pipeline run is cancelled: every resident run ends and no engine or
+    trainer process is left on any worker."""
+    cluster.wait_workers(["gpu-a-0", "gpu-a-1"], live=True)
+    name = "resident-lost"
+    overrides = cluster.overrides(
+        name, f"name={name}", "rollout.engine_lifetime=flow", "grpo.trainer_lifetime=flow", "launch.sft.nnodes=1",
+        "launch.evaluate.retries=1",
+    )
+    store = cluster.store(name)
+    resume, release = store.join(store.root, "resume"), store.join(store.root, "release")
+
+    def engine_residents() -> list:
+        runs = [run for run in cluster.child_runs(run_id) if run.name.startswith("resident-task_process")]
+        return sorted(runs, key=lambda run: run.created)
+
+    run_id = cluster.run_pipeline(ONE_ITERATION_HELD, overrides, resume_uri=resume, release_uri=release)
+    try:
+        wait_for("the GRPO stage committed", lambda: _committed(cluster, name, "grpo"), EVENT_WAIT_S)
+        first = engine_residents()
+        assert len(first) == 1, [run.name for run in cluster.child_runs(run_id)]
+        tree = wait_for("the resident's processes", lambda: cluster.node_run_tree(str(first[0].id)), 60)
+        assert cluster.kill_tree(tree)
+        wait_for("the killed resident's run final", lambda: cluster.flow_run(str(first[0].id)).state.is_final(), 180)
+        store.put_bytes(resume, b"")
+        wait_for("the evaluation committed", lambda: _committed(cluster, name, "eval"), EVENT_WAIT_S)
+        runs = engine_residents()
+        assert [run.state.type.value for run in runs] == ["CRASHED", "RUNNING"], [(r.name, r.state) for r in runs]
+        placement = store_manifest(cluster, name, "eval").placement
+        assert placement["resident"] == "engines" and placement["pool"] == "gpu-a", placement
+        assert cluster.stage_processes("forge_core.rollout.service") and cluster.stage_processes("grpo-job")
+        cluster.cancel(run_id)
+        cluster.wait_flow_run(run_id, expected="CANCELLED", timeout_s=EVENT_WAIT_S)
+    finally:
+        store.put_bytes(resume, b"")
+        store.put_bytes(release, b"")
+    wait_for(
+        "every resident run final",
+        lambda: all(run.state.is_final() for run in cluster.child_runs(run_id)),
+        180,
+    )
+    wait_for("no engine or trainer process left on any worker", lambda: not cluster.stage_processes(), 180)
+    assert not cluster.stage_processes("forge_core.rollout.service")
+
+
 def store_manifest(cluster: Cluster, store_name: str, kind: str):
     """The one committed manifest of `kind` in the cluster store `store_name`."""
     store = cluster.store(store_name)

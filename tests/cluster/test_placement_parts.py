@@ -1,5 +1,6 @@
 """The parts of stage placement that need no cluster: the node order, the rendezvous a node's torchrun gets,
-results through the store, the runner choice, heartbeats judged on the watcher's clock, the config rules."""
+results through the store, the runner choice, heartbeats judged on the watcher's clock, the config rules, and the
+residents' channel (the run's secret, refusals, an order whose resident is gone)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,75 @@ def test_a_resident_refuses_a_client_without_the_runs_secret(tmp_path, monkeypat
         assert kind == "result" and not result.ok and "no-such-spec.json" in result.reason, payload
     finally:
         server.close()
+
+
+class _ResidentStandIn:
+    """What an order needs of its resident (forge_core.run.resident.Resident): an address, its end, `abandon`."""
+
+    name = "engines on pool 'gpu-a'"
+
+    def __init__(self, address):
+        self._address = address
+        self.abandoned: list[str] = []
+        self.relay = SimpleNamespace(target=None)
+        self.attempt = SimpleNamespace(launch_id="placed-standin")
+
+    def address(self):
+        return self._address
+
+    def ended(self):
+        return None
+
+    def abandon(self, why: str) -> None:
+        self.abandoned.append(why)
+
+
+def _order(stand_in, lines):
+    plan = SimpleNamespace(stage="evaluate", spec_uri="file:///nowhere/spec.json")
+    return resident._RemoteOrder(stand_in, plan, lines.append, b"s" * 32, stop_bound_s=5.0)
+
+
+def test_an_order_to_an_unreachable_resident_gives_it_up_retryably():
+    """Nothing listens at the resident's address (its node died before its watcher noticed): the order raises
+    ResidentGone (retryable) and the resident is given up, so the retry starts a new one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = sock.getsockname()  # bound, never listening: connections are refused
+        stand_in = _ResidentStandIn(address)
+        with pytest.raises(resident.ResidentGone, match="could not be reached"):
+            _order(stand_in, []).wait(1.0)
+    assert stand_in.abandoned and "could not be reached" in stand_in.abandoned[0]
+    assert issubclass(resident.ResidentGone, placement.RetryableStageError)
+
+
+def test_an_order_whose_connection_breaks_is_retryable_and_gives_the_resident_up():
+    """The resident takes the order, then its connection breaks (the resident killed): the attempt's result is
+    RETRYABLE, names what happened, and the resident is given up."""
+    import threading
+    from multiprocessing.connection import Listener
+
+    listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=b"s" * 32)
+    received = []
+
+    def take_the_order_then_die():
+        with listener.accept() as conn:
+            received.append(conn.recv())
+
+    thread = threading.Thread(target=take_the_order_then_die, daemon=True)
+    thread.start()
+    stand_in, lines = _ResidentStandIn(listener.address), []
+    order = _order(stand_in, lines)
+    try:
+        result = None
+        for _ in range(600):  # until the broken connection is seen (each wait is at most 0.1 s)
+            result = order.wait(0.1)
+            if result is not None:
+                break
+    finally:
+        listener.close()
+    assert received == [("run", "file:///nowhere/spec.json")]
+    assert result is not None and result.outcome is Outcome.RETRYABLE, result
+    assert "went away during the order" in result.reason and result.launch_id == "placed-standin", result
+    assert stand_in.abandoned, stand_in.abandoned
