@@ -28,8 +28,8 @@ from tests.cluster.cluster import (
 )
 
 # A vLLM engine takes ~100 s to start on a loaded 2-core machine; the full pipeline starts three. `make test`
-# runs the cluster's start, one 2-node SFT and the config rule (~7 min under load 15 on 2 cores); the other
-# checks are marked slow (the module took 23 min under that load).
+# runs the cluster's start, one 2-node SFT and one GRPO iteration with the flow lifetimes placed (one engine):
+# 2.5 min idle, 7 min on one core beside a busy loop; the other checks are marked slow.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
 EVENT_WAIT_S = 600.0  # bound on waiting for an event of a pipeline run (a loaded 2-core machine is slow)
