@@ -330,7 +330,7 @@ class _StopWhy:
     reason: str
 
 
-class _Node:
+class NodePart:
     """One node's part of a placed attempt (run_node)."""
 
     def __init__(
@@ -497,7 +497,7 @@ class _Node:
 
 
 def run_node(
-    order: NodeOrder, log_sink: LogSink, worker: str | None = None, node_type: type[_Node] = _Node
+    order: NodeOrder, log_sink: LogSink, worker: str | None = None, node_type: type[NodePart] = NodePart
 ) -> LaunchResult:
     """One node's part of a placed attempt, on the worker that took the node run (flows/stage_deployment.py):
     rendezvous, this node's launch (torchrun for a distributed stage), watched against the flow, the stop object
@@ -545,7 +545,7 @@ class PoolRunner(Runner):
         return self.resources.nnodes if stage_named(self.stage).distributed else 1
 
     def start(self, plan: StagePlan, log_sink: LogSink) -> Attempt:
-        return _PlacedAttempt(self, plan, log_sink)
+        return PlacedAttempt(self, plan, log_sink)
 
 
 @dataclass
@@ -570,7 +570,7 @@ class _NodeRun:
         return f"node {self.rank} ({self.worker})"
 
 
-class _PlacedAttempt:
+class PlacedAttempt:
     """One attempt on the pool: placement rounds, then the nodes watched until each reported or was lost."""
 
     def __init__(

@@ -65,9 +65,9 @@ from forge_core.run.placement import (
     Heartbeat,
     NodeDispatcher,
     NodeOrder,
+    NodePart,
+    PlacedAttempt,
     PoolRunner,
-    _Node,
-    _PlacedAttempt,
     run_node,
 )
 from forge_core.run.plan import StagePlan
@@ -201,7 +201,7 @@ class Resident:
         self.name = f"{RESIDENT_NAMES[kind]} on pool {self.pool!r}"
         self.relay = _LogRelay()
         self.board = Board(store, resident_uri(store, cfg, kind, self.pool), new_attempt_id())
-        self.attempt = _PlacedAttempt(runner, plan, self.relay, board=self.board, resident=kind)
+        self.attempt = PlacedAttempt(runner, plan, self.relay, board=self.board, resident=kind)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._pump, name=f"forge-resident-{kind}", daemon=True)
         self._thread.start()
@@ -362,7 +362,7 @@ class _RemoteOrder:
 # ---- the worker side -------------------------------------------------------------------------------------------
 
 
-class ResidentNode(_Node):
+class ResidentNode(NodePart):
     """A resident's node run (module docstring): serves orders until the stop object or its owner's loss."""
 
     def board_uri(self, store: ObjectStore) -> str:
