@@ -72,7 +72,7 @@ from forge_core.run.placement import (
 )
 from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
-from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink, Runner
+from forge_core.run.runner import Attempt, FlowProcessRunner, LogRelay, LogSink, Runner
 from forge_core.run.spec import read_spec
 from forge_core.run.trainer_job import TrainerJobRunner
 from forge_core.stages import stage_named
@@ -103,16 +103,16 @@ class ResidentGone(RetryableStageError):
 # ---- the secret ----------------------------------------------------------------------------------------------
 
 
-def cluster_key_problems(cfg: RunConfig, environ: dict[str, str] | None = None) -> list[str]:
+def cluster_key_problems(cfg: RunConfig) -> list[str]:
     """With launch.placement=pool and a flow lifetime, this environment needs the cluster key (a preflight check,
     run by the flow's start and by every resident)."""
     if cfg.launch.placement != "pool":
         return []
-    lifetimes = {"rollout.engine_lifetime": cfg.rollout.engine_lifetime, "grpo.trainer_lifetime": cfg.grpo.trainer_lifetime}
-    flow = [key for key, value in lifetimes.items() if value == "flow"]
+    settings = {"rollout.engine_lifetime": cfg.rollout.engine_lifetime, "grpo.trainer_lifetime": cfg.grpo.trainer_lifetime}
+    flow = [name for name, value in settings.items() if value == "flow"]
     if not flow:
         return []
-    key = (os.environ if environ is None else environ).get(CLUSTER_KEY_ENV, "")
+    key = os.environ.get(CLUSTER_KEY_ENV, "")
     if len(key) >= MIN_CLUSTER_KEY_CHARS:
         return []
     found = "is not set" if not key else f"has {len(key)} characters (at least {MIN_CLUSTER_KEY_CHARS} needed)"
@@ -180,26 +180,15 @@ def flow_lifetime_runner(
     return ResidentRunner(cfg, stage, resources, dispatcher)
 
 
-class _LogRelay:
-    """The resident's placement lines go to the stage that waits on it, else to this module's logger."""
-
-    def __init__(self) -> None:
-        self.target: LogSink | None = None
-
-    def __call__(self, line: str) -> None:
-        (self.target or log.info)(line)
-
-
 class Resident:
     """The flow's handle on one resident: its one-node placed attempt, pumped on a daemon thread until it ends."""
 
     def __init__(self, cfg: RunConfig, kind: str, plan: StagePlan, dispatcher: NodeDispatcher) -> None:
         runner = PoolRunner(cfg, plan.stage, dispatcher)
         store = ObjectStore.from_config(cfg.storage)
-        self.kind = kind
         self.pool = runner.pool
         self.name = f"{RESIDENT_NAMES[kind]} on pool {self.pool!r}"
-        self.relay = _LogRelay()
+        self.relay = LogRelay(log.info)  # its placement lines: to the stage waiting on it, else this module's log
         self.board = Board(store, resident_uri(store, cfg, kind, self.pool), new_attempt_id())
         self.attempt = PlacedAttempt(runner, plan, self.relay, board=self.board, resident=kind)
         self.error: BaseException | None = None

@@ -51,6 +51,18 @@ LogSink = Callable[[str], None]
 POLL_S = 0.2  # how often a runner looks at its cancel request while the attempt runs
 
 
+class LogRelay:
+    """A log sink whose target changes: the stage currently waiting on a long-lived process gets its lines,
+    `fallback` (a module's logger) gets them in between."""
+
+    def __init__(self, fallback: LogSink) -> None:
+        self.fallback = fallback
+        self.target: LogSink | None = None
+
+    def __call__(self, line: str) -> None:
+        (self.target or self.fallback)(line)
+
+
 class Cancel:
     """A request, from another thread, to end a running attempt (a lost lease, the flow being cancelled)."""
 

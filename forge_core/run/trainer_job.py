@@ -37,14 +37,13 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from forge_core.config import RunConfig
 from forge_core.launch import LaunchHandle, LaunchResult, LaunchSpec, Outcome, start
 from forge_core.run.plan import StagePlan, launch_spec_for
 from forge_core.run.resources import STOP_TIMEOUT_S, FlowResources, trainer_state_dir
-from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
+from forge_core.run.runner import Attempt, FlowProcessRunner, LogRelay, LogSink
 from forge_core.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -69,16 +68,6 @@ def done_path(orders: Path, seq: int) -> Path:
     return orders / f"{seq:06d}.done"
 
 
-class _LogRelay:
-    """The job's output goes to the stage waiting on it, else to this module's logger."""
-
-    def __init__(self) -> None:
-        self.target: Callable[[str], None] | None = None
-
-    def __call__(self, line: str) -> None:
-        (self.target or log.info)(line)
-
-
 @dataclasses.dataclass
 class TrainerJob:
     """One running trainer job: its launch, its order folder and the next order's number."""
@@ -86,7 +75,7 @@ class TrainerJob:
     handle: LaunchHandle
     orders: Path
     identity: LaunchSpec  # the launch settings it was started with (its order folder aside)
-    relay: _LogRelay
+    relay: LogRelay  # the job's output: to the stage waiting on it, else to this module's logger
     next_seq: int = 0
 
     def alive(self) -> bool:
@@ -135,7 +124,7 @@ def _private_state_dir(cfg: RunConfig) -> Path:
 def _start_job(state: Path, identity: LaunchSpec) -> TrainerJob:
     orders = state / f"orders-{uuid.uuid4().hex[:12]}"
     orders.mkdir(mode=0o700)
-    relay = _LogRelay()
+    relay = LogRelay(log.info)
     spec = dataclasses.replace(identity, args=[*identity.args, "--orders", str(orders)])
     handle = start(spec, log=relay)
     log.info("trainer job started: launch %s, pid %d, orders %s", handle.launch_id, handle.pid, orders)
