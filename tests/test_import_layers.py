@@ -7,7 +7,8 @@ lowest first, written once here; a package missing from it fails the test until 
 
 Why this order (what the code needs): the stage registry (forge_core.stages) is a leaf every layer may read;
 config validates model flavors from data it owns (config/catalog.py); faults (test fault injection) is called by
-storage, trainers and the generator; launch classifies storage errors; the policy artifact (forge_core.artifacts)
+storage, trainers and the generator; launch classifies storage errors; compute (the only unit that imports
+Ray) runs launches on the cluster's nodes; the policy artifact (forge_core.artifacts)
 is read by trainers and rollout alike; data/metrics/models read config and storage; the distributed engine
 builds models;
 the batch types are pure torch, below the losses that consume them; rewards run in workers watched through
@@ -32,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("forge_core.faults",),
     ("forge_core.storage",),
     ("forge_core.launch",),
+    ("forge_core.compute",),
     ("forge_core.artifacts",),
     ("forge_core.data", "forge_core.metrics", "forge_core.models"),
     ("forge_core.engine",),
@@ -48,6 +50,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Modules that are no unit of their own: the root package's __init__ (its docstring and version only).
 UNPLACED = frozenset({"forge_core"})
 FORBIDDEN_IN_FORGE_CORE = ("prefect",)
+# The one unit that speaks to Ray: every other module reaches the cluster through it.
+RAY_UNIT = "forge_core.compute"
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ def layer_violations(root: Path, packages=PACKAGES, layers=LAYERS, unplaced=UNPL
             if imp.imported not in modules:
                 if name.startswith("forge_core") and imp.imported in FORBIDDEN_IN_FORGE_CORE:
                     problems.append(f"{name} (line {imp.line}) imports {imp.imported}: forge_core never does")
+                if imp.imported == "ray" and unit_of(name, layers) != RAY_UNIT:
+                    problems.append(f"{name} (line {imp.line}) imports ray: only {RAY_UNIT} does")
                 continue
             edges[name].add(imp.imported)
             problems += _layer_problem(imp, layers, unplaced)
@@ -198,14 +204,14 @@ def test_forge_core_imports_point_down_and_never_in_a_circle():
     assert not problems, "\n" + "\n".join(problems)
 
 
-def test_the_check_finds_a_circle_an_upward_import_and_an_unplaced_package(tmp_path):
+def test_the_check_finds_a_circle_an_upward_import_an_unplaced_package_and_ray_outside_compute(tmp_path):
     """The checker itself, on a tree made to break each rule once (so the test above can fail)."""
     files = {
         "forge_core/__init__.py": "",
         "forge_core/config/__init__.py": "",
         "forge_core/config/schema.py": "def f():\n    from forge_core.models.catalog import X\n",
         "forge_core/models/__init__.py": "",
-        "forge_core/models/catalog.py": "X = 1\n",
+        "forge_core/models/catalog.py": "import ray\nX = 1\n",
         "forge_core/rewards/__init__.py": "",
         "forge_core/rewards/registry.py": "from forge_core.rewards import builtin\n",
         "forge_core/rewards/builtin.py": "from .registry import register\n",
@@ -223,5 +229,6 @@ def test_the_check_finds_a_circle_an_upward_import_and_an_unplaced_package(tmp_p
         ),
         "forge_core.extra (line 1) imports prefect: forge_core never does",
         "forge_core.extra: in no layer; place its package in LAYERS (tests/test_import_layers.py)",
+        "forge_core.models.catalog (line 1) imports ray: only forge_core.compute does",
         "import circle: forge_core.rewards.builtin <-> forge_core.rewards.registry",
     ]

@@ -1,0 +1,250 @@
+"""The Ray cluster a flow run computes on: an embedded one started here, or an existing one joined by address.
+
+    cluster = connect(None)                      # embedded: loopback only, token auth, no dashboard
+    cluster = connect("auto")                    # join the cluster this host belongs to (`ray start` ran here)
+    cluster = connect("ray://head:10001")        # join through Ray Client
+    cluster.pool_nodes("gpu-a")                  # live nodes labelled forgeflow.pool=gpu-a
+    cluster.close()                              # shuts the embedded Ray down; a joined one only disconnects
+
+A pool is a set of Ray nodes carrying the label `forgeflow.pool=<pool>` (`ray start --labels
+forgeflow.pool=gpu-a`, or `labels` of a `ray.cluster_utils.Cluster` node in tests).
+
+Security settings of the embedded cluster, each because Ray's defaults are not enough on a shared host:
+- Loopback only. Ray resolves a given `_node_ip_address=127.0.0.1` to the host's interface address and its gRPC
+  servers (GCS, raylet, object manager, workers) listen on every interface. With
+  `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` Ray runs as a single-host instance: its node address is 127.0.0.1 and
+  every listener binds 127.0.0.1 (`listeners_beyond_loopback` checks this from the sockets themselves).
+- Token authentication (`RAY_AUTH_MODE=token`). Ray's own default token file (~/.ray/auth_token) is created with
+  the umask's mode; the embedded cluster instead gets a fresh random token in a private file (0600, in a 0700
+  folder) named by `RAY_AUTH_TOKEN_PATH`, which every Ray process started here inherits. A client without it
+  is refused by every Ray server.
+- No dashboard unless asked (`dashboard=True`).
+
+Joining a cluster uses the caller's environment as Ray documents it (`RAY_AUTH_MODE`, `RAY_AUTH_TOKEN` or
+`RAY_AUTH_TOKEN_PATH`); token mode is switched on when the caller did not choose a mode.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+POOL_LABEL = "forgeflow.pool"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One live Ray node as a stage sees it."""
+
+    node_id: str
+    address: str
+    pool: str | None
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gpus(self) -> float:
+        return self.resources.get("GPU", 0.0)
+
+    @property
+    def cpus(self) -> float:
+        return self.resources.get("CPU", 0.0)
+
+
+@dataclass
+class ComputeCluster:
+    """A connection to a Ray cluster (module docstring). `start_s` is how long starting or joining it took."""
+
+    address: str
+    embedded: bool
+    start_s: float
+    token_path: Path | None = None
+
+    def nodes(self) -> list[NodeInfo]:
+        """The cluster's live nodes."""
+        import ray
+
+        return [_node_info(node) for node in ray.nodes() if node.get("Alive")]
+
+    def pool_nodes(self, pool: str) -> list[NodeInfo]:
+        """The live nodes of `pool` (label `forgeflow.pool=<pool>`)."""
+        return [node for node in self.nodes() if node.pool == pool]
+
+    def describe_pool(self, pool: str) -> str:
+        """What the cluster has for `pool`, for messages: its nodes with their CPUs and GPUs, or every pool."""
+        nodes = self.pool_nodes(pool)
+        if not nodes:
+            pools = sorted({n.pool for n in self.nodes() if n.pool})
+            return f"no live node is labelled {POOL_LABEL}={pool} (pools with live nodes: {pools or 'none'})"
+        parts = [f"{n.node_id[:8]} at {n.address} ({n.cpus:g} CPU, {n.gpus:g} GPU)" for n in nodes]
+        return f"{len(nodes)} live node(s) in pool {pool!r}: " + ", ".join(parts)
+
+    def close(self) -> None:
+        """Disconnect; the embedded cluster is shut down with it (its processes end)."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _node_info(node: dict) -> NodeInfo:
+    labels = dict(node.get("Labels") or {})
+    return NodeInfo(
+        node_id=node["NodeID"],
+        address=node.get("NodeManagerAddress", ""),
+        pool=labels.get(POOL_LABEL),
+        resources=dict(node.get("Resources") or {}),
+        labels=labels,
+    )
+
+
+def private_token_file(folder: Path | None = None) -> Path:
+    """A fresh random Ray token in a private file (0600 in a 0700 folder); `folder` defaults to a new temp one.
+
+    Raises:
+        ValueError: `folder` exists but is not a folder of this user with mode 0700.
+    """
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="forgeflow-ray-"))
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ValueError(
+            f"the Ray token folder {folder} must belong to this user with mode 0700 (it has owner uid "
+            f"{info.st_uid}, mode {oct(info.st_mode & 0o777)}); remove it or choose another folder"
+        )
+    path = folder / "ray-auth-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32))
+    return path
+
+
+def embedded_environment(token_path: Path) -> dict[str, str]:
+    """The variables that make a Ray started from this process loopback-only and token-authenticated."""
+    return {LOCAL_ONLY_ENV: "0", AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path)}
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Set Ray's variables for this process and the Ray processes it starts.
+
+    Ray reads both variables once, when it is imported: RAY_AUTH_MODE into a cached C++ config, the local-only
+    switch into `ray_constants.ENABLE_RAY_CLUSTER`. In a process that imported Ray earlier both are read again
+    here (the C++ config as Ray's own ray.init does when it switches token mode on), so that the change holds
+    for this process as well as for the ones it starts.
+    """
+    os.environ.update(env)
+    import sys
+
+    if "ray" in sys.modules:
+        from ray._private import ray_constants
+        from ray._raylet import Config
+
+        Config.initialize("")
+        ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(LOCAL_ONLY_ENV, "1").lower() not in ("0", "false")
+
+
+def connect(
+    address: str | None,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    dashboard: bool = False,
+    labels: dict[str, str] | None = None,
+) -> ComputeCluster:
+    """Start the embedded Ray (`address` None) or join the cluster at `address` (`auto`, `host:port`,
+    `ray://host:port`); see the module docstring for the settings.
+
+    Args:
+        address: None for the embedded cluster, else what `ray.init(address=...)` takes.
+        num_cpus, num_gpus, labels: the embedded node's resources and labels (Ray's own detection when None).
+        dashboard: start Ray's dashboard with the embedded cluster (on 127.0.0.1).
+
+    Raises:
+        RuntimeError: Ray is already connected in this process to another cluster.
+    """
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("this process is already connected to a Ray cluster; close that connection first")
+    started = time.monotonic()
+    if address is None:
+        token_path = private_token_file()
+        apply_environment(embedded_environment(token_path))
+        context = ray.init(
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            labels=labels,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        embedded = True
+    else:
+        apply_environment({AUTH_MODE_ENV: os.environ.get(AUTH_MODE_ENV, "token")})
+        token_path = None
+        context = ray.init(address=address, log_to_driver=False, configure_logging=False)
+        embedded = False
+    cluster = ComputeCluster(
+        address=context.address_info.get("gcs_address") or address or "",
+        embedded=embedded,
+        start_s=time.monotonic() - started,
+        token_path=token_path,
+    )
+    log.info(
+        "%s Ray cluster at %s in %.1f s",
+        "started an embedded" if embedded else "joined the",
+        cluster.address,
+        cluster.start_s,
+    )
+    return cluster
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket of some process."""
+
+    address: str
+    port: int
+    pid: int
+    process: str
+
+    @property
+    def loopback(self) -> bool:
+        address = self.address.removeprefix("::ffff:")  # an IPv4-mapped IPv6 address
+        return ipaddress.ip_address(address).is_loopback
+
+
+def listeners(pids: Iterable[int] | None = None) -> list[Listener]:
+    """The listening TCP sockets of `pids` (every process this user can see when None)."""
+    import psutil
+
+    wanted = set(pids) if pids is not None else None
+    found = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status != psutil.CONN_LISTEN or not conn.pid or (wanted is not None and conn.pid not in wanted):
+            continue
+        try:
+            name = psutil.Process(conn.pid).name()
+        except psutil.Error:
+            name = "?"
+        found.append(Listener(conn.laddr.ip, conn.laddr.port, conn.pid, name))
+    return found
+
+
+def listeners_beyond_loopback(pids: Iterable[int] | None = None) -> list[Listener]:
+    """The listening sockets of `pids` bound to anything but a loopback address (every interface included)."""
+    return [listener for listener in listeners(pids) if not listener.loopback]
