@@ -83,14 +83,16 @@ class ComputeCluster:
         """The live nodes of `pool` (label `forgeflow.pool=<pool>`)."""
         return [node for node in self.nodes() if node.pool == pool]
 
-    def describe_pool(self, pool: str) -> str:
-        """What the cluster has for `pool`, for messages: its nodes with their CPUs and GPUs, or every pool."""
-        nodes = self.pool_nodes(pool)
+    def describe_pool(self, pool: str | None) -> str:
+        """What the cluster has for `pool` (every node when None), for messages: its nodes with their CPUs and
+        GPUs, or the pools there are."""
+        nodes = self.pool_nodes(pool) if pool else self.nodes()
         if not nodes:
             pools = sorted({n.pool for n in self.nodes() if n.pool})
             return f"no live node is labelled {POOL_LABEL}={pool} (pools with live nodes: {pools or 'none'})"
         parts = [f"{n.node_id[:8]} at {n.address} ({n.cpus:g} CPU, {n.gpus:g} GPU)" for n in nodes]
-        return f"{len(nodes)} live node(s) in pool {pool!r}: " + ", ".join(parts)
+        where = f"in pool {pool!r}" if pool else "in the cluster"
+        return f"{len(nodes)} live node(s) {where}: " + ", ".join(parts)
 
     def close(self) -> None:
         """Disconnect; the embedded cluster is shut down with it (its processes end)."""

@@ -56,9 +56,10 @@ class PlacementUnavailable(RetryableStageError):
 
 @dataclass(frozen=True)
 class GangRequest:
-    """What one attempt asks of the cluster: `nnodes` nodes of `pool`, each with these resources."""
+    """What one attempt asks of the cluster: `nnodes` nodes of `pool` (any node when None), each with these
+    resources."""
 
-    pool: str
+    pool: str | None
     nnodes: int = 1
     gpus_per_node: int = 0
     cpus_per_node: float = 1.0
@@ -70,10 +71,14 @@ class GangRequest:
         return [dict(bundle) for _ in range(self.nnodes)]
 
     def describe(self) -> str:
+        where = f"pool {self.pool!r}" if self.pool else "the cluster"
         return (
-            f"{self.nnodes} node(s) of pool {self.pool!r} with {self.gpus_per_node} GPU(s) and "
+            f"{self.nnodes} node(s) of {where} with {self.gpus_per_node} GPU(s) and "
             f"{self.cpus_per_node:g} CPU(s) each, one per node"
         )
+
+    def label_selectors(self) -> list[dict[str, str]] | None:
+        return [{POOL_LABEL: self.pool}] * self.nnodes if self.pool else None
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ class Gang:
         self._pg = placement_group(
             request.bundles(),
             strategy="STRICT_SPREAD",
-            bundle_label_selector=[{POOL_LABEL: request.pool}] * request.nnodes,
+            bundle_label_selector=request.label_selectors(),
             name=f"forgeflow-{self.name}",
         )
         ready, _ = ray.wait([self._pg.ready()], timeout=self.wait_s)
@@ -196,7 +201,7 @@ class Gang:
             raise PlacementUnavailable(
                 f"{self.name}: the cluster could not give {request.describe()} within {self.wait_s:g} s; "
                 f"{self.cluster.describe_pool(request.pool)}. Fix: add nodes to the pool (ray start --labels "
-                f"{POOL_LABEL}={request.pool}), free the busy ones, or lower nnodes/gpus_per_node"
+                f"{POOL_LABEL}=<pool>), free the busy ones, or lower nnodes/gpus_per_node"
             )
         agents = [
             NodeAgent.options(
@@ -320,7 +325,7 @@ class Gang:
     def _combined(self) -> LaunchResult:
         lost = [n for n in self.nodes if n.lost]
         failed = [n for n in self.nodes if n.result is not None and not n.result.ok]
-        where = f"{self.name} on pool {self.request.pool!r}"
+        where = f"{self.name} on " + (f"pool {self.request.pool!r}" if self.request.pool else "the cluster")
         rank_errors = {r: e for n in self.nodes if n.result for r, e in n.result.rank_errors.items()}
         if lost:
             outcome = Outcome.RETRYABLE
