@@ -3,8 +3,7 @@
 forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
 forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config, its inputs and pools
 forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
-forgeflow pools create gpu-a --gpus 8 --worker node-0 --worker node-1   # pool, GPU limit, queues, stage deployment
-forgeflow worker start gpu-a --name node-0                             # on node 0: its worker (warm node runs)
+forgeflow pools create gpu-a --gpus 8                                   # a process work pool and its GPU limit
 """
 
 from __future__ import annotations
@@ -69,14 +68,8 @@ def _cmd_pools_create(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus={args.gpus}: must be >= 0 (0 = a CPU pool without a GPU limit)")
     from flows.pools import create_pool
 
-    asyncio.run(create_pool(args.name, args.gpus, args.worker or []))
+    asyncio.run(create_pool(args.name, args.gpus))
     return 0
-
-
-def _cmd_worker_start(args: argparse.Namespace) -> int:
-    from flows.node_worker import run_node_worker
-
-    return run_node_worker(args.pool, args.name, args.poll_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,36 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     pools = sub.add_parser("pools", help="work pools and their GPU concurrency limits")
     pools_sub = pools.add_subparsers(dest="pools_command", required=True)
     create = pools_sub.add_parser(
-        "create", help="create a process work pool, its GPU limit and its stage deployment (stage-node/<pool>)"
+        "create",
+        help="create a process work pool (for the flow's deployment) and its GPU limit (the GPUs of stages run "
+        "on the flow's machine, launch.placement=local); on the Ray cluster a pool is a node label instead",
     )
     create.add_argument("name")
     create.add_argument("--gpus", type=int, default=0, help="GPUs in the pool (concurrency limit)")
-    create.add_argument(
-        "--worker",
-        action="append",
-        metavar="NAME",
-        help="a worker (node) of the pool: creates its own work queue NAME, through which placement pins node "
-        "runs to it (launch.placement=pool); start it with `forgeflow worker start POOL --name NAME`. Repeatable",
-    )
     create.set_defaults(handler=_cmd_pools_create)
-
-    worker = sub.add_parser("worker", help="the worker of a node")
-    worker_sub = worker.add_subparsers(dest="worker_command", required=True)
-    start = worker_sub.add_parser(
-        "start",
-        help="a process worker polling its own queue NAME of POOL (created when missing), whose stage-node runs "
-        "start warm: forked from a zygote that already imported Prefect, the stage flow and torch",
-    )
-    start.add_argument("pool")
-    start.add_argument("--name", required=True, help="the worker's name, also its own work queue's name")
-    start.add_argument(
-        "--poll-s",
-        type=float,
-        default=None,
-        help="seconds between polls for runs (default: PREFECT_WORKER_QUERY_SECONDS if changed from Prefect's 10, "
-        "else 1): a placed stage waits up to this for its node run to start",
-    )
-    start.set_defaults(handler=_cmd_worker_start)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""Work pools as forgeflow uses them: a process pool, its GPU limit, one work queue per worker and the pool's stage
-deployment (`forgeflow pools create`), and what a node's worker ensures at its start (`forgeflow worker start`).
+"""Work pools as forgeflow uses them (`forgeflow pools create`): a process pool for the flow's deployment and its
+GPU limit, the capacity of the GPUs the stages take on the flow's machine (launch.placement=local). On the Ray
+cluster (placement=pool) a pool is the label forgeflow.pool=<pool> of its nodes and Ray accounts their GPUs.
 """
 
 from __future__ import annotations
@@ -42,28 +43,10 @@ async def ensure_gpu_limit(client, name: str, gpus: int) -> None:
     print(f"global concurrency limit {name!r} changed from {existing.limit} to {gpus} GPUs")
 
 
-async def ensure_worker_queue(client, pool: str, worker: str) -> None:
-    """The worker's own work queue in `pool`, named after it: placement pins a node run to a worker through it
-    (`forgeflow worker start <pool> --name <worker>` creates it too; a Prefect worker does not)."""
-    from prefect.exceptions import ObjectAlreadyExists
-
-    try:
-        await client.create_work_queue(name=worker, work_pool_name=pool)
-        print(f"work queue {worker!r} created in pool {pool!r}")
-    except ObjectAlreadyExists:
-        print(f"work queue {worker!r} exists in pool {pool!r}")
-
-
-async def create_pool(name: str, gpus: int, workers: list[str]) -> None:
+async def create_pool(name: str, gpus: int) -> None:
     from prefect.client.orchestration import get_client
-
-    from flows.stage_deployment import ensure_stage_deployment
 
     async with get_client() as client:
         await ensure_work_pool(client, name)
         if gpus > 0:
             await ensure_gpu_limit(client, name, gpus)
-        for worker in workers:
-            await ensure_worker_queue(client, name, worker)
-        # Stages placed on this pool (launch.placement=pool) run as runs of its stage deployment.
-        await ensure_stage_deployment(client, name)

@@ -47,7 +47,6 @@ from forge_core.run.resources import FlowResources
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
-from tasks.placement import cancel_node_runs
 
 
 @dataclass
@@ -112,7 +111,7 @@ def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
     process on this machine left running."""
     cfg = flow_config(config, overrides, flow_run.get_id())
     # Paths, checkpoint, pools, wandb, rewards on the data; this host for local placement (with placement=pool
-    # each node run checks its own host instead).
+    # each resident checks its own node instead).
     check_run(cfg)
     install_sigterm_handler()
     end_orphaned_launches()
@@ -130,11 +129,8 @@ def kill_launches(flow, flow_run, state) -> None:
     except ValueError:
         return  # the flow failed on its config before it could start anything
     reason = f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}"
+    # The launches here, the gangs on the Ray cluster (forge_core.launch.add_remote_stop), the residents.
     FlowResources.of(cfg).abort(reason)
-    if cfg.launch.placement == "pool":
-        # Prefect does not cancel a parent's subflow runs: the node runs on the pools' workers are cancelled
-        # here (they also end on the attempt's stop object, and once this flow's heartbeat stops).
-        cancel_node_runs(flow_run.id, reason)
 
 
 def flow_resources(cfg: RunConfig) -> FlowResources:

@@ -1,7 +1,6 @@
 """The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
 and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a dry run of the rewards
-on the data's reference answers (forge_core.rewards.dry_run), the Prefect pools with their GPU limits, and the
-cluster key that flow lifetimes on pools need (forge_core.run.resident).
+on the data's reference answers (forge_core.rewards.dry_run) and the Prefect pools with their GPU limits.
 Every problem at once, each with its fix (a PreflightError).
 
     check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
@@ -15,7 +14,6 @@ import asyncio
 from forge_core.config import RunConfig
 from forge_core.engine.preflight import HostDevices, input_problems, preflight, wandb_key_problems
 from forge_core.rewards.dry_run import reward_problems
-from forge_core.run.resident import cluster_key_problems
 from forge_core.stages import stage_names
 
 
@@ -33,9 +31,6 @@ async def _pool_problems(cfg: RunConfig) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    placed = getattr(cfg.launch, "placement", "local") == "pool"
-    if not placed and not _gpu_stages(cfg):
-        return []  # nothing takes pool capacity: no Prefect API needed (none is started for it)
     problems = []
     async with get_client() as client:
         for stage, (pool, gpus) in _gpu_stages(cfg).items():
@@ -58,21 +53,14 @@ async def _pool_problems(cfg: RunConfig) -> list[str]:
                     f"only {limit.limit}, so it would wait forever; raise it with `forgeflow pools create {pool} "
                     f"--gpus {gpus}` or lower launch.{stage}.gpus_per_node"
                 )
-        if placed:
-            for pool in sorted({cfg.launch.for_stage(stage).pool for stage in stage_names()}):
-                try:
-                    await client.read_work_pool(pool)
-                except ObjectNotFound:
-                    problems.append(
-                        f"work pool {pool!r} (launch.<stage>.pool with launch.placement=pool) does not exist; "
-                        f"create it with `forgeflow pools create {pool}` and start its workers"
-                    )
     return problems
 
 
 def pool_problems(cfg: RunConfig) -> list[str]:
-    """Every stage's pool has the Prefect concurrency limit (its GPU capacity) that its GPUs take, large enough;
-    with launch.placement=pool the work pools exist too."""
+    """With launch.placement=local, every stage's pool has the Prefect concurrency limit (its GPU capacity) that
+    its GPUs take, large enough. On the Ray cluster (pool) Ray accounts the GPUs: nothing to check here."""
+    if cfg.launch.placement == "pool" or not _gpu_stages(cfg):
+        return []  # nothing takes Prefect pool capacity: no Prefect API needed (none is started for it)
     return asyncio.run(_pool_problems(cfg))
 
 
@@ -80,5 +68,5 @@ def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
     """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
     stage runs on this host (launch.placement=pool without `here`)."""
     local = here or getattr(cfg.launch, "placement", "local") == "local"
-    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems, cluster_key_problems)
+    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems)
     return preflight(cfg, stage_names() if local else [], checks=checks)

@@ -4,7 +4,7 @@ The numbers come from the committed manifests, so a report can be rebuilt from t
 
     rows = stage_table(records, store)          # stage, duration, key metric, where it ran, attempts, artifact URI
     print(format_table(rows))
-    placement = placement_table(records, store) # per node of every stage: pool, worker, host, node rank
+    placement = placement_table(records, store) # per node of every stage: pool, node rank, Ray node, host
     print(format_learning(summary))             # accuracy after SFT and after every GRPO iteration
 """
 
@@ -110,7 +110,7 @@ def _fmt(value) -> str:
 
 def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
     """One row per stage run: stage, duration (s), key metric, warning (a GRPO iteration without learning signal),
-    where it ran, its attempts, artifact URI."""
+    where it ran, artifact URI."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
@@ -121,7 +121,6 @@ def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
                 "key metric": key_metric(manifest),
                 "warning": _warning(manifest),
                 "where": where_it_ran(manifest),
-                "attempts": attempts_of(manifest),
                 "artifact": record.uri,
             }
         )
@@ -135,60 +134,49 @@ def _warning(manifest: Manifest) -> str:
 
 
 def _placed(manifest: Manifest) -> dict | None:
-    """The placement record of a stage placed on a pool; None for one that ran on the flow's machine (whose
+    """The placement record of a stage run on the Ray cluster; None for one that ran on the flow's machine (whose
     record, if any, holds only the GPUs its launch was given: forge_core.launch.devices)."""
     placement = manifest.placement
     return placement if placement and "pool" in placement else None
 
 
+def _node_name(placement: dict, node: dict) -> str:
+    resident = f" ({placement['resident']} resident)" if placement.get("resident") else ""
+    return f"{str(node.get('node_id', ''))[:8]}{resident}"
+
+
 def where_it_ran(manifest: Manifest) -> str:
-    """`local (<host>)` (with its GPUs, if it was given any), or for a stage placed on a pool
-    `<pool>: <worker>[, <worker>...]` in node-rank order."""
+    """`local (<host>)` (with its GPUs, if it was given any), or for a stage run on the Ray cluster
+    `<pool>: <Ray node>[, <Ray node>...]` in node-rank order."""
     placement = _placed(manifest)
     if not placement:
         devices = (manifest.placement or {}).get("devices")
         return f"local ({manifest.host}{', GPUs ' + ','.join(devices) if devices else ''})"
-    workers = ", ".join(str(node.get("worker")) for node in placement.get("nodes", []))
-    return f"{placement.get('pool')}: {workers}"
-
-
-def attempts_of(manifest: Manifest) -> str:
-    """How many placed attempts the stage took, with the redirects of the committing one ("" when local)."""
-    placement = _placed(manifest)
-    if not placement:
-        return ""
-    redirects = placement.get("redirects") or []
-    moved = f" ({len(redirects)} redirect{'s' if len(redirects) != 1 else ''})" if redirects else ""
-    return f"{placement.get('attempt_number', 1)}{moved}"
+    nodes = ", ".join(_node_name(placement, node) for node in placement.get("nodes", []))
+    return f"{placement.get('pool') or 'ray'}: {nodes}"
 
 
 def placement_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
-    """Where every placed stage ran, one row per node: stage, pool, node rank, worker, host, attempt number,
-    the earlier attempts' outcomes and the redirects (workers that did not start a node run in time). Stages
-    that ran on the flow's machine get one row with pool "local"."""
+    """Where every stage ran, one row per node: stage, pool, node rank, Ray node id (with the resident that ran
+    it, if one did), host, GPUs. Stages that ran on the flow's machine get one row with pool "local"."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
         placement = _placed(manifest)
         if not placement:
-            rows.append({"stage": record.label, "pool": "local", "node": 0, "worker": "", "host": manifest.host,
-                         "attempt": "", "earlier attempts": "", "redirects": ""})
+            devices = (manifest.placement or {}).get("devices") or []
+            rows.append({"stage": record.label, "pool": "local", "node": 0, "ray node": "", "host": manifest.host,
+                         "gpus": ",".join(devices)})
             continue
-        earlier = "; ".join(
-            f"{a.get('outcome')}: {str(a.get('reason', ''))[:120]}" for a in placement.get("earlier_attempts") or []
-        )
-        redirects = "; ".join(f"{r.get('worker')} ({r.get('why')})" for r in placement.get("redirects") or [])
         for node in placement.get("nodes", []):
             rows.append(
                 {
                     "stage": record.label,
-                    "pool": placement.get("pool"),
+                    "pool": placement.get("pool") or "ray",
                     "node": node.get("node_rank"),
-                    "worker": node.get("worker"),
+                    "ray node": _node_name(placement, node),
                     "host": node.get("host"),
-                    "attempt": placement.get("attempt_number", 1),
-                    "earlier attempts": earlier,
-                    "redirects": redirects,
+                    "gpus": ",".join(node.get("gpus") or []),
                 }
             )
     return rows

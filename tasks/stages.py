@@ -44,7 +44,6 @@ from forge_core.run.runner import Cancel, Runner
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
 from forge_core.storage import ObjectStore, new_attempt_id
-from tasks.placement import prefect_dispatcher
 
 STAGE_RETRIES = 2
 
@@ -181,7 +180,7 @@ def run_stage(
             lease.release()
         logger.info("%s: output already committed at %s by another run; skipping", stage, plan.output_uri)
         return plan.output_uri
-    runner = runner or runner_for(cfg, stage, prefect_dispatcher(cfg))
+    runner = runner or runner_for(cfg, stage)
     cancel = Cancel()
     with lease.kept_alive(on_lost=lambda lost: cancel.request(str(lost))):
         result = _run_planned(plan, cfg, store, runner, logger, cancel)
@@ -217,9 +216,10 @@ def _run_planned(
     logger.info("%s: running in %s -> %s (attempt %s)", plan.stage, runner.where, plan.output_uri, attempt)
     reporter = _ProgressReporter(plan, logger)
     try:
-        if gpus > 0:
-            # The pool's capacity is a global concurrency limit (`forgeflow pools create`); strict so a
-            # missing limit is an error instead of an unbounded oversubscription of the GPUs.
+        if gpus > 0 and cfg.launch.placement == "local":
+            # The pool's capacity here is a global concurrency limit (`forgeflow pools create`); strict so a
+            # missing limit is an error instead of an unbounded oversubscription of the GPUs. On the Ray
+            # cluster (placement=pool) Ray accounts the GPUs of each placement group.
             with concurrency(resources.pool, occupy=gpus, strict=True):
                 return runner.run(plan, reporter, cancel)
         return runner.run(plan, reporter, cancel)

@@ -4,6 +4,8 @@
   credentials in the environment for the whole session; yields its endpoint URL.
 - `s3_store`: an ObjectStore on a fresh bucket of that server, one bucket per test.
 - `file_store`: an ObjectStore on a fresh local folder.
+- `ray_cluster` (session): a real Ray cluster of several raylets on 127.0.0.1 (tests/ray_cluster.py), started
+  after the fake AWS credentials are in the environment, so that every Ray worker has them.
 
 Areas add their own fixtures in tests/<area>/conftest.py.
 """
@@ -177,3 +179,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         rel = str(item.path)[len(root) + 1 :] if str(item.path).startswith(root) else str(item.path)
         if rel.startswith(UNVERIFIED_SUITES):
             item.add_marker(pytest.mark.unverified)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory, fake_aws_env):
+    from tests.ray_cluster import start_ray_cluster
+
+    yield from start_ray_cluster(tmp_path_factory)

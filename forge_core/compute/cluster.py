@@ -72,6 +72,8 @@ class ComputeCluster:
     embedded: bool
     start_s: float
     token_path: Path | None = None
+    # Whether close() ends the connection: False for one this process already had when connect() was called.
+    owned: bool = True
 
     def nodes(self) -> list[NodeInfo]:
         """The cluster's live nodes."""
@@ -95,10 +97,10 @@ class ComputeCluster:
         return f"{len(nodes)} live node(s) {where}: " + ", ".join(parts)
 
     def close(self) -> None:
-        """Disconnect; the embedded cluster is shut down with it (its processes end)."""
+        """Disconnect (when this object made the connection); the embedded cluster is shut down with it."""
         import ray
 
-        if ray.is_initialized():
+        if self.owned and ray.is_initialized():
             ray.shutdown()
 
 
@@ -174,13 +176,14 @@ def connect(
         num_cpus, num_gpus, labels: the embedded node's resources and labels (Ray's own detection when None).
         dashboard: start Ray's dashboard with the embedded cluster (on 127.0.0.1).
 
-    Raises:
-        RuntimeError: Ray is already connected in this process to another cluster.
+    A process already connected to a cluster keeps that connection: the result then only describes it
+    (`owned` False: its close() leaves it open).
     """
     import ray
 
     if ray.is_initialized():
-        raise RuntimeError("this process is already connected to a Ray cluster; close that connection first")
+        current = ray.get_runtime_context().gcs_address
+        return ComputeCluster(address=current, embedded=False, start_s=0.0, owned=False)
     started = time.monotonic()
     if address is None:
         token_path = private_token_file()

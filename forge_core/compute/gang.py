@@ -11,8 +11,8 @@
   is removed and the attempt fails with `PlacementUnavailable` (retryable: capacity may free up), naming what
   the stage asked and what the pool has.
 - Launch: the agent of bundle k (a Ray actor holding that bundle's GPUs; Ray sets their CUDA_VISIBLE_DEVICES)
-  runs `forge_core.launch.start` with the attempt's LaunchSpec and node k's part of one c10d rendezvous: node 0's
-  agent hosts it on a free port of its node. The agent process is the launch's owner, so its ranks end by
+  runs `forge_core.launch.start` with the attempt's LaunchSpec, node k's part of one c10d rendezvous (node 0's
+  agent hosts it on a free port of its node) and what `node_env(placement, k)` adds to its environment. The agent process is the launch's owner, so its ranks end by
   themselves when it dies (forge_core.launch.owner).
 - Results, log lines and failures come back through Ray: each agent's `run` is a streaming generator of log
   batches ending with its LaunchResult; nothing is pickled over a socket of ours.
@@ -165,8 +165,10 @@ class Gang:
         log_sink: LogSink,
         wait_s: float,
         name: str = "",
+        node_env: Callable[[list[NodePlace], int], dict[str, str]] | None = None,
     ) -> None:
         self.cluster = cluster
+        self.node_env = node_env
         self.request = request
         self.spec = spec
         self.log = log_sink
@@ -174,6 +176,7 @@ class Gang:
         self.name = name or spec.module
         self.nodes: list[_Node] = []
         self.result: LaunchResult | None = None
+        self.launch_id = ""  # an attempt's launches are its nodes' (forge_core.run.runner.Attempt)
         self._pg = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -239,11 +242,13 @@ class Gang:
             specs.append(self._with_gpus(dataclasses.replace(self.spec, **part.launch_fields()), node))
         return specs
 
-    @staticmethod
-    def _with_gpus(spec: LaunchSpec, node: _Node) -> LaunchSpec:
-        if not node.place.gpu_ids:
-            return spec
-        env = {**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(node.place.gpu_ids)}
+    def _with_gpus(self, spec: LaunchSpec, node: _Node) -> LaunchSpec:
+        """Node `node`'s launch: the GPUs Ray gave its agent, and what `node_env` adds for it."""
+        env = dict(spec.env)
+        if self.node_env is not None:
+            env.update(self.node_env(self.placement, node.rank))
+        if node.place.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(node.place.gpu_ids)
         return dataclasses.replace(spec, env=env, gpus=0)
 
     def _relay(self, node: _Node, spec: LaunchSpec) -> None:

@@ -999,7 +999,7 @@ class ResourceConfig:
     gpus_per_node: int = 0
     # Rendezvous endpoint (host:port) for a multi-node stage whose other nodes you start yourself
     # (launch.placement=local); None = standalone single node, or with launch.placement=pool the pipeline
-    # arranges the rendezvous at run time (node 0's run publishes a free port of its host in the store).
+    # arranges the rendezvous at run time (on a free port of node 0's Ray node).
     rdzv_endpoint: str | None = None
     deadline_s: float = 3600.0
     retries: int = 2
@@ -1029,20 +1029,18 @@ class LaunchConfig:
     # trainer job (forge_core.rollout.lifetime); null = a fresh id per process. Not part of any key.
     run_id: str | None = None
     # Where stage attempts run. "local": on the machine that runs the flow (its own worker launch, or the
-    # flow's long-lived processes). "pool": each attempt is a run of the stage deployment of the work pool
-    # `launch.<stage>.pool` (`forgeflow pools create`), on nnodes distinct live, free workers of it
-    # (forge_core.run.placement); with a flow lifetime the run's engines or trainer job run on a worker of
-    # their pool, reached with a secret from FORGE_CLUSTER_KEY (forge_core.run.resident). Not part of any key.
+    # flow's long-lived processes). "pool": on the Ray cluster (launch.ray_address; forge_core.compute): each
+    # attempt is a placement group of nnodes nodes labelled forgeflow.pool=<launch.<stage>.pool>, one torchrun
+    # node per Ray node (forge_core.run.cluster_runner); with a flow lifetime the run's engines or trainer job
+    # run in a Ray actor on a node of their pool (forge_core.run.resident). Not part of any key.
     placement: Literal["local", "pool"] = "local"
-    # placement=pool: how long an attempt waits for enough live, free workers of its pool (and for a node run
-    # to start elsewhere after a worker did not take it) before it fails with the pool's state named.
+    # placement=pool: the Ray cluster to join (`auto`: the one this host belongs to, `host:port`, or
+    # `ray://host:port`); null = an embedded Ray started by the flow on this machine (loopback only, token
+    # authentication), whose one node serves every pool. Not part of any key.
+    ray_address: str | None = None
+    # placement=pool: how long an attempt waits for its placement group (enough free nodes of its pool with
+    # the GPUs it asks) before it fails, retryably, with what the stage asked and what the pool has.
     pool_wait_s: float = 300.0
-    # placement=pool: a node run not running on its worker this long after it was created counts that worker
-    # as unavailable; the attempt places the node on another live, free worker (a redirect).
-    node_start_s: float = 60.0
-    # placement=pool: a node run (or the flow run that owns it) whose heartbeat object in the store has not
-    # changed for this long counts as lost: the attempt ends on every node, retryably.
-    node_timeout_s: float = 30.0
 
     def for_stage(self, stage: str) -> ResourceConfig:
         """The resources of `stage`: its `launch.<stage>` section, or the defaults for a stage that has none
@@ -1058,15 +1056,14 @@ class LaunchConfig:
         errors = []
         if self.placement not in ("local", "pool"):
             errors.append(f"placement={self.placement!r}: must be 'local' or 'pool'")
-        for name in ("pool_wait_s", "node_start_s", "node_timeout_s"):
-            if getattr(self, name) <= 0:
-                errors.append(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.pool_wait_s <= 0:
+            errors.append(f"pool_wait_s={self.pool_wait_s}: must be > 0 seconds")
         for stage, resources in self.stage_resources().items():
             if resources.nnodes > 1 and self.placement == "local" and not resources.rdzv_endpoint:
                 errors.append(
                     f"{stage}.nnodes={resources.nnodes}: multi-node needs rdzv_endpoint=host:port (and nodes "
-                    "1..N-1 started by you), or launch.placement=pool (the pipeline starts one node run per "
-                    "worker of the stage's pool and arranges the rendezvous)"
+                    "1..N-1 started by you), or launch.placement=pool (the pipeline places one torchrun node per "
+                    "Ray node of the stage's pool and arranges the rendezvous)"
                 )
             if self.placement == "pool" and resources.rdzv_endpoint:
                 errors.append(

@@ -296,7 +296,7 @@ def _killed(error: RankError) -> bool:
 
 _live: dict[str, LaunchHandle] = {}
 _live_lock = threading.Lock()
-# Attempts that run elsewhere on this process's behalf (forge_core.run.placement: node runs on a pool's workers),
+# Attempts that run elsewhere on this process's behalf (forge_core.run.cluster_runner: gangs on the Ray cluster),
 # each as the `stop(reason)` that ends it (bounded by itself): terminate_all_live ends them with the launches.
 _remote_stops: dict[int, Callable[[str], object]] = {}
 _hooks_installed = False

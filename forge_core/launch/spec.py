@@ -28,7 +28,7 @@ _RESERVED_ENV = (
 @dataclass(frozen=True)
 class NodeRendezvous:
     """One node's part in a multi-node launch whose c10d rendezvous was arranged at run time
-    (forge_core.run.placement): `nnodes` nodes, this one `node_rank`, node 0's store at `endpoint`
+    (forge_core.compute.gang): `nnodes` nodes, this one `node_rank`, node 0's store at `endpoint`
     (host:port), `run_id` shared by every node of the launch, `local_addr` how the peers reach this node."""
 
     nnodes: int

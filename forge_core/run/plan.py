@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from forge_core.config import RunConfig, config_to_dict, section_to_dict, select_sections
 from forge_core.credentials import secret_urls_env
 from forge_core.launch import LaunchSpec
-from forge_core.launch.spec import NodeRendezvous
 from forge_core.run.external import KEYED_BY_CONTENT_ONLY, external_fingerprints
 from forge_core.run.spec import StageSpec
 from forge_core.stages import OPERATIONAL_KEYS, STAGE_MODULES_ENV, Stage, is_builtin, stage_named
@@ -136,16 +135,17 @@ def _check_input_names(record: Stage, inputs: dict[str, str]) -> None:
         )
 
 
-def launch_spec_for(
-    plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None, node: NodeRendezvous | None = None
-) -> LaunchSpec:
+def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None) -> LaunchSpec:
     """The worker command for a planned stage: torchrun for distributed stages, one process otherwise.
-    `node`: this machine's part of a multi-node launch arranged at run time (forge_core.run.placement)."""
+
+    With launch.placement=local it is the whole launch (multi-node through `launch.<stage>.rdzv_endpoint`, the
+    GPUs assigned by the launcher); with pool it is one node's launch, to which the Ray gang adds each node's
+    part of the rendezvous and the GPUs Ray gave that node (forge_core.run.cluster_runner)."""
     record = stage_named(plan.stage)
     resources = cfg.launch.for_stage(plan.stage)
     distributed = record.distributed
-    assert node is None or distributed, f"{plan.stage} is not distributed: it runs on one node"
-    nodes = {"nnodes": resources.nnodes, "rdzv_endpoint": resources.rdzv_endpoint} if distributed else {}
+    local = cfg.launch.placement == "local"
+    nodes = {"nnodes": resources.nnodes, "rdzv_endpoint": resources.rdzv_endpoint} if distributed and local else {}
     env = dict(extra_env or {})
     if cfg.storage.endpoint_url:
         # The worker reads its spec before it has a config: tell it where a custom S3 endpoint is.
@@ -158,11 +158,11 @@ def launch_spec_for(
         module="forge_core.run",
         args=[plan.stage, "--spec", plan.spec_uri],
         nproc_per_node=resources.nproc_per_node if distributed else 1,
-        **(node.launch_fields() if node is not None else nodes),
+        **nodes,
         env=env,
         deadline_s=resources.deadline_s + resources.kill_grace_s + LAUNCHER_BACKSTOP_S,
         rank0_only_logs=cfg.logging.rank0_only,
         torchrun=distributed,
         kill_grace_s=resources.kill_grace_s,
-        gpus=resources.gpus_per_node,  # which of the node's GPUs: the launcher assigns them (launch.devices)
+        gpus=resources.gpus_per_node if local else 0,  # launch.devices assigns them here, Ray on the cluster
     )

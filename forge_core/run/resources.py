@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
+from forge_core.compute.cluster import ComputeCluster, connect
 from forge_core.config import RunConfig, section_to_dict
 from forge_core.launch import terminate_all_live
 from forge_core.rollout.lifetime import STOP_GRACE_S, engine_state_dir, stop_flow_engines
@@ -43,6 +44,8 @@ from forge_core.stages import Stage
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0  # the trainer job's time to finish its current order at a flow's normal end
+# A resident's time to close its own engines and trainer job: {failing: seconds}.
+RESIDENT_STOP_S = {False: STOP_TIMEOUT_S + 30.0, True: 20.0}
 ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
 
 
@@ -61,8 +64,11 @@ class FlowResources:
         self.log_line = log_line or log.info
         self.lock = threading.Lock()  # guards the trainer job slot (forge_core.run.trainer_job)
         self.trainer_job: Any = None  # a forge_core.run.trainer_job.TrainerJob while one runs
-        # With launch.placement=pool: {(flow runner, pool): forge_core.run.resident.Resident}, guarded by `lock`
+        # With launch.placement=pool: {(flow runner, pool): its resident (forge_core.compute.actors.Hosted)},
+        # guarded by `lock`, on the run's Ray cluster (`cluster()`).
         self.residents: dict[tuple[str, str], Any] = {}
+        self._cluster: ComputeCluster | None = None
+        self._cluster_lock = threading.Lock()
 
     @classmethod
     def of(cls, cfg: RunConfig, log_line: Callable[[str], None] | None = None) -> FlowResources:
@@ -75,6 +81,18 @@ class FlowResources:
             elif log_line is not None:
                 resources.log_line = log_line
             return resources
+
+    def cluster(self) -> ComputeCluster:
+        """The Ray cluster of launch.placement=pool: joined at `launch.ray_address`, or the embedded one started
+        now (forge_core.compute.cluster); the connection this process already has, when it has one."""
+        with self._cluster_lock:
+            if self._cluster is None:
+                self._cluster = connect(self.cfg.launch.ray_address)
+                if self._cluster.owned:
+                    self.log_line(
+                        f"started the run's embedded Ray cluster ({self._cluster.address}) in {self._cluster.start_s:.1f} s"
+                    )
+            return self._cluster
 
     def lifetime(self, stage: Stage) -> str:
         """"stage" or "flow": the stage's lifetime setting in this run's config ("stage" when it has none)."""
@@ -108,15 +126,20 @@ class FlowResources:
                 del _active[self.key]
 
     def stop_residents(self, failing: bool) -> list[str]:
-        """End the run's residents on the pools' workers (forge_core.run.resident); returns their names."""
+        """End the run's residents on the pools' nodes (forge_core.run.resident): each closes its engines and
+        trainer job first (bounded), then its actor ends; returns their names."""
         with self.lock:
             residents, self.residents = list(self.residents.values()), {}
         for resident in residents:
-            resident.close(failing)
+            resident.close(RESIDENT_STOP_S[failing], failing)
         return [resident.name for resident in residents]
 
     def _stop(self, failing: bool) -> None:
         residents = self.stop_residents(failing)
+        with self._cluster_lock:
+            cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            cluster.close()
         if residents:
             self.log_line(f"stopped the run's residents: {', '.join(residents)}")
         trainers = self.stop_trainer(0.0 if failing else STOP_TIMEOUT_S)

@@ -6,17 +6,18 @@
 A `Runner` is bound to one stage and the run's config (resources and deadline: `cfg.launch.for_stage(stage)`).
 `run(plan, log, cancel)` takes the attempt's plan with its spec already written to the store, and needs
 nothing else: everything a runner hands to what runs the stage is the spec's URI (the spec names the config,
-inputs, params and output) plus the store, so a runner may run the stage on another machine (a Prefect
-deployment on a pool's worker: the next runner, issue #18) as well as here. Implementations:
+inputs, params and output) plus the store, so a runner may run the stage on another machine (a node of the
+Ray cluster) as well as here. Implementations:
 
 - `LaunchRunner` (this module): the stage's own worker launch, `python -m forge_core.run <stage> --spec <uri>`
   (torchrun for distributed stages) through forge_core.launch;
 - `TaskProcessRunner` (forge_core.run.in_process): a thread of the task's process, for the thin engine-client
   stages with the flow's long-lived engines;
 - `TrainerJobRunner` (forge_core.run.trainer_job): an order to the flow's long-lived trainer job;
-- `PoolRunner` (forge_core.run.placement): node runs on the workers of the stage's pool (launch.placement=pool);
-- `ResidentRunner` (forge_core.run.resident): with launch.placement=pool and a flow lifetime, an order over the
-  network to the run's resident on the stage's pool, which runs it with one of the two runners above.
+- `ClusterRunner` (forge_core.run.cluster_runner): with launch.placement=pool, the same launch as a gang on
+  the Ray cluster, one torchrun node per Ray node of the stage's pool;
+- `ResidentRunner` (forge_core.run.resident): with launch.placement=pool and a flow lifetime, an order (a Ray
+  call) to the run's resident on a node of the stage's pool, which runs it with one of the two runners above.
 
 Each starts an `Attempt`; `Runner.run` supervises it the same way for all of them:
 

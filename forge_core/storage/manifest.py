@@ -2,8 +2,9 @@
 
 Fields: format_version, kind, stage, key, attempt, files {rel: {size, sha256}}, schema {table_rel: arrow
 schema string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at,
-metrics, placement (where a stage placed on a pool's workers ran: forge_core.run.placement puts its record into
-the workers' environment as FORGE_PLACEMENT; null when the stage ran on the flow's machine; optional when read).
+metrics, placement (where a stage run on the Ray cluster ran: forge_core.run.cluster_runner and
+forge_core.run.resident put its record into the workers' environment as FORGE_PLACEMENT; null, or only the
+GPUs of its launch, when the stage ran on the flow's machine; optional when read).
 
 Layout (format 2): every writer (attempt) writes its files under its own prefix `<uri>/_attempts/<attempt>/`,
 and the manifest names the attempt whose files it lists, so two writers of one key never touch each other's
@@ -30,8 +31,9 @@ _ATTEMPT_STAMP = "%Y%m%dT%H%M%SZ"
 _ATTEMPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
 TEMP_MARKER = ".forge-tmp-"
-# A JSON object: where the process writing artifacts runs when a stage was placed on a pool's workers
-# (pool, nodes with their workers and hosts, attempts, redirects); recorded in every manifest it writes.
+# A JSON object: where the process writing artifacts runs when a stage runs on the Ray cluster (pool, nodes with
+# their Ray node ids, hosts and GPUs; forge_core.run.cluster_runner, forge_core.run.resident), or the GPUs of a
+# local launch (forge_core.launch.devices); recorded in every manifest it writes.
 PLACEMENT_ENV = "FORGE_PLACEMENT"
 
 
@@ -43,7 +45,7 @@ def placement_from_env() -> dict | None:
     try:
         record = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{PLACEMENT_ENV}: not JSON ({exc}); forge_core.run.placement writes it") from exc
+        raise ValueError(f"{PLACEMENT_ENV}: not JSON ({exc}); forge_core.run.cluster_runner writes it") from exc
     if not isinstance(record, dict):
         raise ValueError(f"{PLACEMENT_ENV}={raw[:80]!r}: expected a JSON object")  # noqa: TRY004
     return record

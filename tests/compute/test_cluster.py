@@ -16,7 +16,7 @@ from forge_core.compute.cluster import (
     Listener,
     listeners_beyond_loopback,
 )
-from tests.compute.conftest import POOL, POOL_NODES
+from tests.ray_cluster import POOL, POOL_NODES
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import ray
 
 from forge_core.compute.gang import Gang, GangRequest, PlacementUnavailable
 from forge_core.launch import LaunchSpec, Outcome
-from tests.compute.conftest import POOL, POOL_NODES
+from tests.ray_cluster import POOL, POOL_NODES
 
 pytestmark = pytest.mark.integration
 BOUND_S = 300.0  # an upper safety bound for anything to happen; never a measure of speed

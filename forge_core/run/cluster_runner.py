@@ -1,0 +1,101 @@
+"""A stage attempt on the Ray cluster (launch.placement=pool): one torchrun node per Ray node of its pool.
+
+    runner = runner_for(cfg, "sft")                 # a ClusterRunner for a stage-lifetime stage with placement=pool
+    result = runner.run(plan, log, cancel)          # the runner interface: deadline, cancel, classification
+
+The attempt is a `forge_core.compute.gang.Gang`: a placement group of `launch.<stage>.nnodes` bundles
+(`gpus_per_node` GPUs each, STRICT_SPREAD) on the nodes labelled `forgeflow.pool=<launch.<stage>.pool>` (any
+node of the embedded cluster), waiting up to `launch.pool_wait_s`; each node's agent runs the same worker launch
+a local attempt makes (`python -m forge_core.run <stage> --spec <uri>` under torchrun) with its part of the
+rendezvous. A lost node ends the attempt on every node, retryably; the stage's retry resumes from its newest
+committed checkpoint on whichever nodes the cluster places it then. A Ray node's processes have that node's
+environment (its credentials, as every worker's), plus what the launch spec carries. Every rank's environment
+carries the
+attempt's placement (`FORGE_PLACEMENT`), which the manifest the attempt commits records: the pool, and per
+node its rank, Ray node id, address and GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from forge_core.compute.gang import Gang, GangRequest, NodePlace
+from forge_core.config import RunConfig
+from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from forge_core.launch import LaunchResult, add_remote_stop
+from forge_core.run.plan import StagePlan, launch_spec_for
+from forge_core.run.resources import FlowResources
+from forge_core.run.runner import Attempt, LogSink, Runner
+from forge_core.storage.manifest import PLACEMENT_ENV
+
+
+def placement_record(pool: str | None, attempt: str, places: list[NodePlace], node_rank: int) -> dict:
+    """What a manifest committed by node `node_rank` of an attempt records under `placement`."""
+    nodes = [
+        {"node_rank": p.node_rank, "node_id": p.node_id, "host": p.address, "gpus": list(p.gpu_ids)} for p in places
+    ]
+    return {
+        "placement": "ray",
+        "pool": pool or "",
+        "attempt": attempt,
+        "nodes": nodes,
+        "committed_by": nodes[node_rank],
+    }
+
+
+class ClusterRunner(Runner):
+    """A stage-lifetime stage as a gang on the Ray cluster (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, stage: str) -> None:
+        super().__init__(cfg, stage)
+        self.cluster = FlowResources.of(cfg).cluster()
+        self.pool = self.resources.pool if not self.cluster.embedded else None
+        self.where = f"pool {self.resources.pool!r} of the Ray cluster"
+
+    def start(self, plan: StagePlan, log: LogSink) -> Attempt:
+        resources = self.resources
+        request = GangRequest(self.pool, nnodes=resources.nnodes, gpus_per_node=resources.gpus_per_node)
+        log(f"{plan.stage}: waiting for {request.describe()} (up to launch.pool_wait_s={self.cfg.launch.pool_wait_s:g} s)")
+
+        def node_env(places: list[NodePlace], node_rank: int) -> dict[str, str]:
+            record = placement_record(self.pool, plan.spec.attempt, places, node_rank)
+            return {PLACEMENT_ENV: json.dumps(record, sort_keys=True)}
+
+        # A Ray node's processes have that node's environment, not this one's: what a launch must see from
+        # here travels in its spec (the launch spec's own settings, and the test faults a flow was given).
+        faults = {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
+        gang = Gang(
+            self.cluster,
+            request,
+            launch_spec_for(plan, self.cfg, extra_env=faults),
+            log,
+            wait_s=self.cfg.launch.pool_wait_s,
+            name=plan.stage,
+            node_env=node_env,
+        )
+        gang.start()
+        placed = ", ".join(f"node {p.node_rank} on {p.node_id[:8]} ({p.address})" for p in gang.placement)
+        log(f"{plan.stage}: placed {placed}")
+        return _GangAttempt(gang)
+
+
+class _GangAttempt:
+    """A running gang that the flow's cancel or crash (forge_core.launch.terminate_all_live) also stops."""
+
+    launch_id = ""
+
+    def __init__(self, gang: Gang) -> None:
+        self.gang = gang
+        self._unregister = add_remote_stop(gang.stop)
+
+    def wait(self, timeout: float) -> LaunchResult | None:
+        return self._ended(self.gang.wait(timeout))
+
+    def stop(self, reason: str) -> LaunchResult | None:
+        return self._ended(self.gang.stop(reason))
+
+    def _ended(self, result: LaunchResult | None) -> LaunchResult | None:
+        if result is not None:
+            self._unregister()
+        return result

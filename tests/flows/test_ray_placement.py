@@ -1,0 +1,180 @@
+"""Stages on the Ray cluster (launch.placement=pool): the session's cluster_utils cluster (tests/ray_cluster.py,
+several raylets on 127.0.0.1, pool gpu-a), the flow in this process joined to it, real torchrun and vLLM.
+
+Every wait waits for an event under a generous bound; none depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from flows.post_train import flow_resources, post_train, stage_tasks, start_flow
+from forge_core.config import load_config
+from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from forge_core.launch import terminate_all_live
+from forge_core.storage import ObjectStore
+from tests.ray_cluster import POOL
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
+
+CONFIG = "configs/tiny_test.yaml"
+BOUND_S = 600.0  # an upper safety bound on any event of a pipeline run (a loaded 2-core machine is slow)
+ON_POOL = [
+    "launch.placement=pool",
+    "launch.pool_wait_s=600",
+    *(f"launch.{stage}.pool={POOL}" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
+]
+TWO_NODE_SFT = ["launch.sft.nnodes=2", "launch.sft.nproc_per_node=1"]
+FLOW_LIFETIMES = ["rollout.engine_lifetime=flow", "grpo.trainer_lifetime=flow"]
+
+
+def store_of(overrides: list[str]) -> ObjectStore:
+    return ObjectStore.from_config(load_config(CONFIG, overrides).storage)
+
+
+def manifest_of(store: ObjectStore, uri: str):
+    return store.read_manifest(uri)
+
+
+@pytest.fixture(scope="module")
+def pool_run(prefect_api, ray_cluster, tmp_path_factory) -> tuple[dict, list[str]]:
+    root = tmp_path_factory.mktemp("ray-pool")
+    overrides = [f"storage.root=file://{root}/store", f"logging.dir={root}/runs",
+                 *ON_POOL, *TWO_NODE_SFT, *FLOW_LIFETIMES]
+    return post_train(CONFIG, overrides), overrides
+
+
+def test_the_pipeline_runs_on_the_pool_and_its_manifests_name_the_ray_nodes(pool_run, ray_cluster):
+    summary, overrides = pool_run
+    store = store_of(overrides)
+    pool_ids = {node.node_id for node in ray_cluster.compute.pool_nodes(POOL)}
+    by_kind = {}
+    for row in summary["stages"]:
+        by_kind.setdefault(store.read_manifest(row["artifact"]).kind, []).append(store.read_manifest(row["artifact"]))
+    (sft,) = by_kind["sft"]
+    placement = sft.placement
+    assert placement["placement"] == "ray" and placement["pool"] == POOL, placement
+    assert [n["node_rank"] for n in placement["nodes"]] == [0, 1], placement
+    assert len({n["node_id"] for n in placement["nodes"]}) == 2, "both SFT nodes on one Ray node"
+    assert {n["node_id"] for n in placement["nodes"]} <= pool_ids
+    assert placement["committed_by"]["node_rank"] == 0
+    (data,) = by_kind["data"]
+    assert data.placement["pool"] == POOL and len(data.placement["nodes"]) == 1
+    for kind, resident in (("rollouts", "engines"), ("grpo", "trainer"), ("eval", "engines")):
+        for manifest in by_kind[kind]:
+            assert manifest.placement["resident"] == resident, (kind, manifest.placement)
+            assert manifest.placement["nodes"][0]["node_id"] in pool_ids
+    engines = {m.placement["nodes"][0]["node_id"] for m in by_kind["rollouts"] + by_kind["eval"]}
+    assert len(engines) == 1, "rollout and evaluate were not served by one engines resident"
+    rows = summary["placement"]
+    assert {row["pool"] for row in rows} == {POOL} and any("engines resident" in row["ray node"] for row in rows)
+
+
+def test_after_the_flow_nothing_of_it_is_left_on_the_cluster(pool_run, ray_cluster):
+    import ray
+
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []
+    deadline = time.monotonic() + BOUND_S
+    while ray_cluster.stage_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_cluster.stage_processes() == []
+
+
+@flow(name="ray-prepare-and-sft")
+def prepare_and_sft(config: str, overrides: list[str]) -> str:
+    cfg = start_flow(config, overrides)
+    with flow_resources(cfg):
+        tasks = stage_tasks(cfg)
+        return tasks.sft(cfg, tasks.prepare(cfg))
+
+
+def sft_overrides(root: Path, *extra: str) -> list[str]:
+    return [f"storage.root=file://{root}/store", f"logging.dir={root}/runs", *ON_POOL, *TWO_NODE_SFT, *extra]
+
+
+def wait_for(what: str, condition, bound_s: float = BOUND_S):
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"never saw {what} within {bound_s:g} s")
+
+
+def sft_group_nodes() -> list[str] | None:
+    """The Ray node of each bundle of the SFT attempt's placement group while it is placed."""
+    import ray
+
+    for table in ray.util.placement_group_table().values():
+        if table["name"] == "forgeflow-sft" and table["state"] == "CREATED":
+            return [table["bundles_to_node_id"][k] for k in sorted(table["bundles_to_node_id"])]
+    return None
+
+
+def test_a_node_lost_mid_sft_is_retried_on_a_spare_and_resumes_to_the_same_result(
+    pool_run, ray_cluster, tmp_path, monkeypatch
+):
+    """Rank 1 (node 1) hangs after step 3; its Ray node is then removed outright. The attempt ends on every
+    node (no rank left anywhere), the task's retry places SFT on the nodes that are left and resumes from the
+    step-2 checkpoint, and the committed SFT equals the uninterrupted run's."""
+    marker = tmp_path / "fault-once"
+    monkeypatch.setenv(FAULT_ENV, "hang_rank:1:3@sft")
+    monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
+    removed: list[str] = []
+
+    def remove_node_1() -> None:
+        wait_for("the hang at SFT step 3", marker.exists)
+        node_1 = wait_for("the SFT attempt's placement group", sft_group_nodes)[1]
+        ray_cluster.raylets.remove_node(ray_cluster.node_with_id(node_1), allow_graceful=False)
+        removed.append(node_1)
+
+    remover = threading.Thread(target=remove_node_1, daemon=True)
+    remover.start()
+    overrides = sft_overrides(tmp_path, "launch.sft.retries=1")
+    sft_uri = prepare_and_sft(CONFIG, overrides)
+    remover.join(BOUND_S)
+    ray_cluster.add_pool_node()  # the pool's size for the tests after this one
+    assert removed, "the node was never removed"
+
+    manifest = store_of(overrides).read_manifest(sft_uri)
+    assert manifest.metrics["resumed_from_step"] == 2, manifest.metrics
+    assert removed[0] not in {n["node_id"] for n in manifest.placement["nodes"]}
+    summary, pool_overrides = pool_run
+    uninterrupted = store_of(pool_overrides)
+    (clean,) = [uninterrupted.read_manifest(r["artifact"]) for r in summary["stages"]
+                if uninterrupted.read_manifest(r["artifact"]).kind == "sft"]
+    assert abs(manifest.metrics["final_loss"] - clean.metrics["final_loss"]) <= 1e-6
+    assert wait_for("no stage process left", lambda: not ray_cluster.stage_processes())
+
+
+def test_cancelling_the_flow_ends_every_rank_actor_and_group(ray_cluster, prefect_api, tmp_path, monkeypatch):
+    """What the flow's cancel or crash hook and a SIGTERM do first (forge_core.launch.terminate_all_live) while
+    SFT runs on two nodes: the gang is stopped, its ranks end, its actors and placement group are gone, and the
+    stage fails as cancelled, without a retry."""
+    import ray
+
+    marker = tmp_path / "fault-once"
+    monkeypatch.setenv(FAULT_ENV, "hang_rank:1:1@sft")
+    monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
+    overrides = sft_overrides(tmp_path, "launch.sft.retries=1", "name=aborted")
+
+    def abort_when_hung() -> None:
+        wait_for("the hang at SFT step 1", marker.exists)
+        terminate_all_live(reason="cancelled by the test")
+
+    aborter = threading.Thread(target=abort_when_hung, daemon=True)
+    aborter.start()
+    with pytest.raises(Exception, match="cancelled"):
+        prepare_and_sft(CONFIG, overrides)
+    aborter.join(BOUND_S)
+    assert wait_for("no stage process left", lambda: not ray_cluster.stage_processes())
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []
+
