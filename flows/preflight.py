@@ -1,6 +1,7 @@
 """The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
 and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a dry run of the rewards
-on the data's reference answers (forge_core.rewards.dry_run) and the Prefect pools with their GPU limits.
+on the data's reference answers (forge_core.rewards.dry_run), the Prefect pools with their GPU limits, and a
+Prefect API that is not open to the network without credentials.
 Every problem at once, each with its fix (a PreflightError).
 
     check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
@@ -10,6 +11,8 @@ Every problem at once, each with its fix (a PreflightError).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+from urllib.parse import urlparse
 
 from forge_core.config import RunConfig
 from forge_core.engine.preflight import HostDevices, input_problems, preflight, wandb_key_problems
@@ -64,9 +67,40 @@ def pool_problems(cfg: RunConfig) -> list[str]:
     return asyncio.run(_pool_problems(cfg))
 
 
+def open_api_problem(api_url: str | None, auth_string: str | None, api_key: str | None) -> str | None:
+    """The problem of a Prefect API reached beyond this machine without credentials, None when there is none.
+
+    Whoever reaches an unauthenticated API can start flow runs with their own parameters on the workers, which
+    hold every credential; a client configured with no auth string or key talks to such a server (or to none).
+    """
+    host = urlparse(api_url).hostname if api_url else None
+    if host is None or auth_string or api_key:
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host == "localhost":
+            return None
+    return (
+        f"PREFECT_API_URL={api_url}: a Prefect API reached over the network without authentication (no "
+        "PREFECT_API_AUTH_STRING, no PREFECT_API_KEY): anyone who reaches it can start flow runs on your workers; "
+        "start the server with PREFECT_SERVER_API_AUTH_STRING='<user>:<password>' and set PREFECT_API_AUTH_STRING "
+        "to the same on every client and worker (or use Prefect Cloud with PREFECT_API_KEY)"
+    )
+
+
+def prefect_api_problems(cfg: RunConfig) -> list[str]:
+    """This process's Prefect API is on loopback or authenticated (`open_api_problem`)."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
+
+    problem = open_api_problem(PREFECT_API_URL.value(), PREFECT_API_AUTH_STRING.value(), PREFECT_API_KEY.value())
+    return [problem] if problem else []
+
+
 def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
     """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
     stage runs on this host (launch.placement=pool without `here`)."""
     local = here or getattr(cfg.launch, "placement", "local") == "local"
-    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems)
+    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems, prefect_api_problems)
     return preflight(cfg, stage_names() if local else [], checks=checks)

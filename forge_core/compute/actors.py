@@ -28,7 +28,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from forge_core.compute.cluster import POOL_LABEL, ComputeCluster
-from forge_core.compute.gang import NodePlace, PlacementUnavailable
+from forge_core.compute.gang import NodePlace, PlacementUnavailable, release_ray_thread_cap
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class HostRequest:
 @ray.remote(max_concurrency=8)
 class _Host:
     def __init__(self, factory: type, args: tuple) -> None:
+        release_ray_thread_cap()
         self._object = factory(*args)
 
     def place(self) -> NodePlace:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import socket
 import threading
@@ -91,11 +92,19 @@ class NodePlace:
     gpu_ids: tuple[str, ...] = ()
 
 
+def release_ray_thread_cap() -> None:
+    """Let the processes an actor starts use the node's cores: Ray sets OMP_NUM_THREADS=1 in an actor that holds
+    no CPUs of its own (ours hold theirs through their placement group's bundle), and a launch inherits it."""
+    if os.environ.get("OMP_NUM_THREADS") == "1" and not ray.get_runtime_context().get_assigned_resources().get("CPU"):
+        del os.environ["OMP_NUM_THREADS"]
+
+
 @ray.remote(max_concurrency=4)
 class NodeAgent:
     """Runs one node's part of an attempt on the node Ray placed it on (module docstring)."""
 
     def __init__(self) -> None:
+        release_ray_thread_cap()
         self._handle = None
         self._stop_reason: str | None = None
 

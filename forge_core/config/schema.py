@@ -1017,6 +1017,16 @@ class ResourceConfig:
         return errors
 
 
+def _distributed(stage: str) -> bool:
+    """Whether `stage` runs under torchrun (its registry record; a stage not registered here counts as one)."""
+    from forge_core.stages import stage_named
+
+    try:
+        return stage_named(stage).distributed
+    except ValueError:
+        return True
+
+
 @dataclass
 class LaunchConfig:
     prepare: ResourceConfig = field(default_factory=ResourceConfig)
@@ -1059,6 +1069,8 @@ class LaunchConfig:
         if self.pool_wait_s <= 0:
             errors.append(f"pool_wait_s={self.pool_wait_s}: must be > 0 seconds")
         for stage, resources in self.stage_resources().items():
+            if not _distributed(stage):
+                continue  # RunConfig.check: one node only
             if resources.nnodes > 1 and self.placement == "local" and not resources.rdzv_endpoint:
                 errors.append(
                     f"{stage}.nnodes={resources.nnodes}: multi-node needs rdzv_endpoint=host:port (and nodes "
@@ -1121,9 +1133,15 @@ class RunConfig:
         if self.grpo.trainer_lifetime == "flow" and self.launch.grpo.nnodes != 1:
             errors.append(
                 f"grpo.trainer_lifetime='flow' with launch.grpo.nnodes={self.launch.grpo.nnodes}: the long-lived "
-                "trainer job runs on one node (a worker of its pool with launch.placement=pool); set "
+                "trainer job runs on one node (a Ray node of its pool with launch.placement=pool); set "
                 "grpo.trainer_lifetime=stage for multi-node GRPO"
             )
+        for stage, resources in self.launch.stage_resources().items():
+            if resources.nnodes != 1 and not _distributed(stage):
+                errors.append(
+                    f"launch.{stage}.nnodes={resources.nnodes}: {stage} runs on one node (rollout and evaluate "
+                    "scale with rollout.num_engines engines on it); set it to 1"
+                )
         env = self.rollout.env
         if env.enabled and env.max_total_tokens > self.model.max_seq_len:
             errors.append(

@@ -205,11 +205,11 @@ def test_unknown_key_suggests_where_it_nests():
 
 def test_section_checks_name_the_full_key():
     with pytest.raises(ConfigError) as exc_info:
-        load_config(None, ["grpo.optimizer.lr=0", "launch.rollout.nnodes=2", "sft.micro_batch_size=0"])
+        load_config(None, ["grpo.optimizer.lr=0", "launch.sft.nnodes=2", "sft.micro_batch_size=0"])
     errors = problems(exc_info)
     for expected in (
         "grpo.optimizer.lr=0.0: must be > 0",  # OptimizerConfig says `optimizer.lr`: placed under grpo
-        "launch.rollout.nnodes=2: multi-node needs rdzv_endpoint",  # ResourceConfig says `nnodes`
+        "launch.sft.nnodes=2: multi-node needs rdzv_endpoint",  # ResourceConfig says `nnodes`
         "sft.micro_batch_size=0: must be >= 1",
     ):
         assert any(e.startswith(expected) for e in errors), (expected, errors)

@@ -134,3 +134,23 @@ def test_validate_prints_every_problem_and_exits_2(tmp_path, prefect_api):
     assert result.returncode == 2, result.stderr
     assert "2 problems running this config" in result.stderr
     assert "model.hf_path=" in result.stderr and "data.source=" in result.stderr
+
+
+def test_a_prefect_api_open_to_the_network_is_a_problem_with_the_fix():
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from flows.preflight import open_api_problem, prefect_api_problems
+
+    assert open_api_problem(None, None, None) is None  # the ephemeral API of this process
+    assert open_api_problem("http://127.0.0.1:4200/api", None, None) is None
+    assert open_api_problem("http://localhost:4200/api", None, None) is None
+    assert open_api_problem("http://[::1]:4200/api", None, None) is None
+    assert open_api_problem("http://prefect.internal:4200/api", "admin:pw", None) is None
+    assert open_api_problem("https://api.prefect.cloud/api/accounts/a/workspaces/w", None, "pnu_key") is None
+    problem = open_api_problem("http://10.1.2.3:4200/api", None, None)
+    assert "PREFECT_API_URL=http://10.1.2.3:4200/api" in problem and "PREFECT_SERVER_API_AUTH_STRING" in problem
+    cfg = load_config("configs/tiny_test.yaml")
+    with temporary_settings({PREFECT_API_URL: "http://prefect.internal:4200/api"}):
+        assert len(prefect_api_problems(cfg)) == 1
+        with temporary_settings({PREFECT_API_AUTH_STRING: "admin:pw"}):
+            assert prefect_api_problems(cfg) == []
