@@ -49,24 +49,24 @@ class ClusterRunner(Runner):
 
     def __init__(self, cfg: RunConfig, stage: str) -> None:
         super().__init__(cfg, stage)
-        self.cluster = FlowResources.of(cfg).cluster()
-        self.pool = self.resources.pool if not self.cluster.embedded else None
         self.where = f"pool {self.resources.pool!r} of the Ray cluster"
 
     def start(self, plan: StagePlan, log: LogSink) -> Attempt:
         resources = self.resources
-        request = GangRequest(self.pool, nnodes=resources.nnodes, gpus_per_node=resources.gpus_per_node)
+        cluster = FlowResources.of(self.cfg).cluster()  # joined (or started) by the run's first placed stage
+        pool = None if cluster.embedded else resources.pool
+        request = GangRequest(pool, nnodes=resources.nnodes, gpus_per_node=resources.gpus_per_node)
         log(f"{plan.stage}: waiting for {request.describe()} (up to launch.pool_wait_s={self.cfg.launch.pool_wait_s:g} s)")
 
         def node_env(places: list[NodePlace], node_rank: int) -> dict[str, str]:
-            record = placement_record(self.pool, plan.spec.attempt, places, node_rank)
+            record = placement_record(pool, plan.spec.attempt, places, node_rank)
             return {PLACEMENT_ENV: json.dumps(record, sort_keys=True)}
 
         # A Ray node's processes have that node's environment, not this one's: what a launch must see from
         # here travels in its spec (the launch spec's own settings, and the test faults a flow was given).
         faults = {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
         gang = Gang(
-            self.cluster,
+            cluster,
             request,
             launch_spec_for(plan, self.cfg, extra_env=faults),
             log,

@@ -16,8 +16,10 @@ from forge_core.config.schema import ResourceConfig
 from forge_core.launch import Outcome
 from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.rollout.lifetime import engine_state_dir
+from forge_core.run.cluster_runner import ClusterRunner
 from forge_core.run.in_process import TaskProcessRunner
 from forge_core.run.plan import plan_stage
+from forge_core.run.resident import ResidentRunner
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Cancel, LaunchRunner
 from forge_core.run.runners import runner_for
@@ -82,6 +84,10 @@ def _wait_for(path, what: str) -> None:
         ("wait_forever", [], LaunchRunner),  # a registered stage without a lifetime setting
         ("wait_for_engines", [], TaskProcessRunner),
         ("wait_for_engines", ["rollout.engine_lifetime=stage"], LaunchRunner),
+        ("sft", ["launch.placement=pool"], ClusterRunner),  # on the Ray cluster: a gang ...
+        ("rollout", ["launch.placement=pool", "rollout.engine_lifetime=stage"], ClusterRunner),
+        ("rollout", ["launch.placement=pool"], ResidentRunner),  # ... or an order to the run's resident
+        ("grpo", ["launch.placement=pool"], ResidentRunner),
     ],
 )
 def test_the_runner_is_chosen_from_the_stage_record_and_its_lifetime_setting(tmp_path, stage, overrides, expected):
