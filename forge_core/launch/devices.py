@@ -10,23 +10,31 @@ and records the devices in the manifests the launch writes (the placement record
 capacity (a Prefect global concurrency limit: tasks/stages.py) admits a stage when enough of the pool's GPUs are
 free but does not say which; without an assignment every 1-GPU stage used cuda:0.
 
-Each device is a lock file in a host-wide folder (`FORGE_DEVICE_DIR`, default `<tmp>/forgeflow-devices`),
-taken with `flock`: the kernel drops a lock when its last holder is gone, so a crashed launcher never leaves a
+Each device is a lock file in a folder of this user (`FORGE_DEVICE_DIR`, default
+`<tmp>/forgeflow-devices-<uid>`), taken with `flock`: the kernel drops a lock when its last holder is gone, so a crashed launcher never leaves a
 GPU marked busy, and the launched process inherits the locks, so its devices stay taken while it lives. The
 devices are the ones this process may use: `CUDA_VISIBLE_DEVICES` (indexes or UUIDs, kept as given) when set,
 else `0..torch.cuda.device_count()-1`.
+
+The folder must belong to this user and give group and others no access (created 0700; one that does not is
+refused), and a lock file is opened without following a symlink and must be a regular file of this user (0600):
+another local user can neither plant a lock "file" that redirects our writes to a file of theirs choosing nor
+hold our devices. Launches of different users therefore do not coordinate: give each its own GPUs.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge_core.launch.errors import RetryableStageError
+from forge_core.launch.registry import check_private
 
 DEVICE_DIR_ENV = "FORGE_DEVICE_DIR"
 # The pool's concurrency limit admitted the stage, so its devices are normally free at once; a wait means a
@@ -50,7 +58,17 @@ def visible_devices() -> list[str]:
 
 
 def device_dir() -> Path:
-    return Path(os.environ.get(DEVICE_DIR_ENV) or Path(tempfile.gettempdir()) / "forgeflow-devices")
+    """The lock folder, created private when missing (module docstring).
+
+    Raises:
+        ValueError: the folder belongs to another user or gives group/others access.
+    """
+    configured = os.environ.get(DEVICE_DIR_ENV)
+    default = Path(tempfile.gettempdir()) / f"forgeflow-devices-{os.getuid()}"
+    folder = Path(configured) if configured else default
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_private(folder, DEVICE_DIR_ENV if configured else "the device lock folder")
+    return folder
 
 
 @dataclass
@@ -81,7 +99,6 @@ class DeviceLease:
                 "gpus_per_node to at most that, or widen CUDA_VISIBLE_DEVICES"
             )
         folder = device_dir()
-        folder.mkdir(parents=True, exist_ok=True)
         give_up = time.monotonic() + wait_s
         while True:
             lease = cls._try_take(devices, count, folder, holder)
@@ -99,7 +116,7 @@ class DeviceLease:
     def _try_take(cls, devices: list[str], count: int, folder: Path, holder: str) -> DeviceLease | None:
         lease = cls(devices=[])
         for device in devices:
-            fd = os.open(_lock_path(folder, device), os.O_RDWR | os.O_CREAT, 0o666)
+            fd = _open_lock(_lock_path(folder, device))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -126,6 +143,27 @@ class DeviceLease:
             os.ftruncate(fd, 0)  # no holder named any more
             os.close(fd)  # closing the last descriptor of the open file drops its flock
         self._files.clear()
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor: a regular file of this user, never a symlink's target (module docstring).
+    Truncating and writing it afterwards is safe: the descriptor is that very file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ValueError(
+            f"device lock {path} is a symlink: remove it (only this user should write that folder)"
+        ) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(fd)
+        raise ValueError(
+            f"device lock {path} is not a regular file of this user (mode {oct(info.st_mode)}, owner uid "
+            f"{info.st_uid}): remove it"
+        )
+    return fd
 
 
 def _lock_path(folder: Path, device: str) -> Path:
