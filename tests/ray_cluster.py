@@ -76,6 +76,11 @@ class RayTestCluster:
         return pids
 
 
+def ray_client_environment(cluster: RayTestCluster) -> dict[str, str]:
+    """What a process of this machine needs in its environment to join the cluster: the token, loopback only."""
+    return embedded_environment(cluster.token_path)
+
+
 def start_ray_cluster(tmp_path_factory):
     """The session's cluster (a generator: the `ray_cluster` fixture of tests/conftest.py drives it)."""
     from ray.cluster_utils import Cluster

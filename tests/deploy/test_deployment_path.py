@@ -1,6 +1,7 @@
 """The cluster path end to end on one box: `prefect server start`, `forgeflow pools create`,
 `prefect --no-prompt deploy --all` (prefect.yaml), `prefect worker start`, `prefect deployment run` with
-parameters, then the flow run's state, UI artifacts and schedules read back through the Prefect API.
+parameters, then the flow run's state, UI artifacts and schedules read back through the Prefect API; last, the same
+deployment runs its stages on a Ray cluster joined by address.
 A first run is cancelled (`prefect flow-run cancel`) during SFT: the worker's cancel must end every process
 the run launched, and the next run skips the stage that run committed.
 
@@ -18,6 +19,7 @@ import pytest
 from forge_core.config import load_config
 from forge_core.storage import ObjectStore
 from tests.deploy.conftest import REPO_ROOT, LocalPrefect, tail
+from tests.ray_cluster import POOL, ray_client_environment
 
 pytestmark = pytest.mark.integration
 
@@ -254,7 +256,16 @@ def assert_deployment_is_portable(prefect: LocalPrefect) -> None:
     ]
 
 
-def test_deploy_run_and_read_back(local_prefect: LocalPrefect, process_keeper, tmp_path):
+def assert_ran_on_the_cluster(store: ObjectStore, ray_cluster) -> None:
+    """The deployment run on the Ray cluster: SFT as two torchrun nodes on two Ray nodes of pool gpu-a."""
+    (sft,) = [store.read_manifest(uri) for uri in store.list_committed("sft")]
+    placement = sft.placement
+    assert placement["placement"] == "ray" and placement["pool"] == POOL, placement
+    pool_ids = {node.node_id for node in ray_cluster.compute.pool_nodes(POOL)}
+    assert len({n["node_id"] for n in placement["nodes"]}) == 2 and {n["node_id"] for n in placement["nodes"]} <= pool_ids
+
+
+def test_deploy_run_and_read_back(ray_cluster, local_prefect: LocalPrefect, process_keeper, tmp_path):
     overrides = [
         f"storage.root=file://{tmp_path}/store",
         f"logging.dir={tmp_path}/runs",
@@ -299,6 +310,21 @@ def test_deploy_run_and_read_back(local_prefect: LocalPrefect, process_keeper, t
     assert re.search(rf"^{run.id}  {run.name} +Completed ", status.stdout, re.MULTILINE), status.stdout
     grpo_line = rf"^grpo\s+{cfg.grpo.iterations} committed"
     assert re.search(grpo_line, status.stdout, re.MULTILINE), status.stdout
+
+    # 3. The same deployment on a Ray cluster joined by address (the session's cluster_utils raylets, pool
+    # gpu-a): the flow run on the worker joins it with the cluster's token and runs every stage there.
+    on_cluster = [
+        f"storage.root=file://{tmp_path}/cluster-store", f"logging.dir={tmp_path}/cluster-runs", "grpo.iterations=0",
+        "launch.placement=pool", f"launch.ray_address={ray_cluster.compute.address}",
+        "launch.sft.nnodes=2", "launch.sft.nproc_per_node=1",
+        *(f"launch.{stage}.pool={POOL}" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
+    ]
+    cluster_run = run_deployment(
+        local_prefect, "post-train/demo-cpu", {"config": "configs/tiny_test.yaml", "overrides": on_cluster},
+        env=ray_client_environment(ray_cluster),
+    )
+    wait_for_flow_run(local_prefect, cluster_run, worker.log_path)
+    assert_ran_on_the_cluster(ObjectStore(f"file://{tmp_path}/cluster-store"), ray_cluster)
 
     process_keeper.stop_all()
     survivors = process_keeper.survivors()
