@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forge_core.launch.registry import check_private
+
 log = logging.getLogger(__name__)
 
 POOL_LABEL = "forgeflow.pool"
@@ -123,12 +125,7 @@ def private_token_file(folder: Path | None = None) -> Path:
     """
     folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="forgeflow-ray-"))
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = folder.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ValueError(
-            f"the Ray token folder {folder} must belong to this user with mode 0700 (it has owner uid "
-            f"{info.st_uid}, mode {oct(info.st_mode & 0o777)}); remove it or choose another folder"
-        )
+    check_private(folder, "the Ray token folder")
     path = folder / "ray-auth-token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:

@@ -83,3 +83,16 @@ def test_a_client_with_the_token_joins(ray_cluster):
         timeout=180, check=False,
     )
     assert out.returncode == 0 and "connected" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_the_embedded_token_is_private_and_a_shared_folder_is_refused(tmp_path):
+    from forge_core.compute.cluster import private_token_file
+
+    token = private_token_file(tmp_path / "mine")
+    assert token.stat().st_mode & 0o777 == 0o600 and (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
+    assert len(token.read_text()) == 64
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(ValueError, match="lets other users reach"):
+        private_token_file(shared)
