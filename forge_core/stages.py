@@ -43,7 +43,8 @@ from typing import Literal
 STAGE_MODULES_ENV = "FORGE_STAGE_MODULES"
 
 # Config keys inside key sections that only say how the work is run, never what it produces: left out of every
-# stage's key. The reward bounds say how scoring runs (with no timeout or crash the rewards are the same);
+# stage's key. The reward bounds and the reward workers' extra environment say how scoring runs (with no timeout
+# or crash the rewards are the same);
 # grpo.mode / max_staleness pick the rollouts a GRPO stage trains on (its input), not what it makes of them;
 # allow_uncorrected_async only lets such a config through validation, max_no_signal_iterations only when the
 # flow stops; the lifetimes and the engines' state folder
@@ -56,6 +57,7 @@ OPERATIONAL_KEYS = (
     "rollout.kv_cache_gib",
     "rollout.reward_timeout_s",
     "rollout.reward_workers",
+    "rollout.worker_env_allow",
     "grpo.trainer_lifetime",
     "grpo.mode",
     "grpo.max_staleness",

@@ -585,6 +585,9 @@ class EnvironmentConfig:
     # Seconds one tool call may take; a call past it (or one that raises or kills its worker) becomes an
     # error observation and is counted (env/tool_timeouts, env/tool_errors); the stage goes on.
     tool_timeout_s: float = 5.0
+    # Most bytes (pickled) of one tool call's result; a larger result is not passed on: it becomes an error
+    # observation (kind too_large) counted in env/tool_errors, like a tool that raised.
+    max_tool_result_bytes: int = 65536
     # Extra settings for the environment's factory (skyrl_gym: its env_config; tool_use: result_template,
     # error_template).
     kwargs: dict = field(default_factory=dict)
@@ -603,6 +606,11 @@ class EnvironmentConfig:
             errors.append(f"rollout.env.max_total_tokens={self.max_total_tokens}: must be >= 2")
         if not self.tool_timeout_s > 0:
             errors.append(f"rollout.env.tool_timeout_s={self.tool_timeout_s}: must be > 0 (seconds per tool call)")
+        if self.max_tool_result_bytes < 1:
+            errors.append(
+                f"rollout.env.max_tool_result_bytes={self.max_tool_result_bytes}: must be >= 1 (bytes of one "
+                "tool result, e.g. 65536)"
+            )
         if self.name == "tool_use" and not self.tools:
             errors.append("rollout.env.tools=[]: the tool_use environment needs at least one tool, e.g. calculator")
         return errors
@@ -667,9 +675,20 @@ class RolloutConfig:
     # Reward worker processes per rollout/evaluate stage (they score disjoint slices of the samples).
     # Not part of the artifacts' key.
     reward_workers: int = 1
+    # Reward and tool workers run user code with an allow-listed environment (PATH, HOME, LANG/LC_*, TMPDIR,
+    # PYTHONPATH, ...: forge_core.rewards.isolation.WORKER_ENV), never the flow process's credentials. Names
+    # listed here pass too (e.g. [HF_HOME] for a reward that loads a tokenizer); a secret passes only if
+    # named.
+    worker_env_allow: list[str] = field(default_factory=list)
 
     def check(self) -> list[str]:
         errors = []
+        bad_names = [n for n in self.worker_env_allow if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(n))]
+        if bad_names:
+            errors.append(
+                f"rollout.worker_env_allow: {bad_names} are not environment variable names; list names like "
+                "HF_HOME"
+            )
         if self.engine_state_dir is not None:
             errors += _engine_state_dir_errors(self.engine_state_dir, self.num_engines)
         if self.engine_in_process and self.tensor_parallel_size != 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forge_core.config.schema import EnvironmentConfig
@@ -22,12 +22,15 @@ from forge_core.envs.tool_env import ToolUseEnvironment
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-def environment_from_config(env: EnvironmentConfig) -> Environment | None:
-    """The configured environment (module docstring); ValueError naming `rollout.env.name` and the fix."""
+def environment_from_config(
+    env: EnvironmentConfig, worker_env_allow: Sequence[str] = ()
+) -> Environment | None:
+    """The configured environment (module docstring); `worker_env_allow` (rollout.worker_env_allow): further
+    environment variables its tool workers get. ValueError naming `rollout.env.name` and the fix."""
     if not env.enabled:
         return None
     if env.name == ToolUseEnvironment.name:
-        return ToolUseEnvironment.from_config(env)
+        return ToolUseEnvironment.from_config(env, worker_env_allow)
     if env.name.startswith(SKYRL_PREFIX):
         return SkyRLEnvironment.from_config(env)
     if _FACTORY_RE.match(env.name):

@@ -6,15 +6,18 @@ functions then score the model's text (e.g. `exact_answer` on `<answer>...</answ
 
 Observations are written with two templates (`rollout.env.kwargs`): `result_template` (default
 `<result>{result}</result>`) and `error_template` (default `<result>error: {kind}</result>`, kind one of
-raised, timeout, crashed, malformed); the full error message goes into the turn record, not the context.
+raised, timeout, crashed, too_large, malformed); the full error message goes into the turn record, not the
+context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from forge_core.envs.base import End, Environment, EpisodeState, Observation, Step, ToolRequest, check_kwargs
 from forge_core.envs.parsers import ToolCall, parser_named
 from forge_core.envs.tools import Tool, ToolRunner, tools_named
-from forge_core.rewards.isolation import CallOutcome
+from forge_core.rewards.isolation import DEFAULT_MAX_RESULT_BYTES, CallOutcome
 from forge_core.rollout.types import Prompt
 
 RESULT_TEMPLATE = "<result>{result}</result>"
@@ -30,6 +33,8 @@ class ToolUseEnvironment(Environment):
         tools: dict[str, Tool],
         parser: str = "tag",
         timeout_s: float = 5.0,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        env_allow: Sequence[str] = (),
         result_template: str = RESULT_TEMPLATE,
         error_template: str = ERROR_TEMPLATE,
     ) -> None:
@@ -47,14 +52,18 @@ class ToolUseEnvironment(Environment):
                 ) from exc
         self.tools = tools
         self.parser = parser_named(parser)
-        self.runner = ToolRunner(tools, timeout_s)
+        self.runner = ToolRunner(tools, timeout_s, max_result_bytes, env_allow)
         self.result_template = result_template
         self.error_template = error_template
 
     @classmethod
-    def from_config(cls, env) -> ToolUseEnvironment:
+    def from_config(cls, env, env_allow: Sequence[str] = ()) -> ToolUseEnvironment:
+        """The `rollout.env` section's environment; `env_allow`: rollout.worker_env_allow."""
         check_kwargs(env.kwargs, ("result_template", "error_template"), "the tool_use environment")
-        return cls(tools_named(env.tools), env.tool_parser, env.tool_timeout_s, **env.kwargs)
+        return cls(
+            tools_named(env.tools), env.tool_parser, env.tool_timeout_s, env.max_tool_result_bytes, env_allow,
+            **env.kwargs,
+        )  # fmt: skip
 
     def describe(self) -> dict:
         return {

@@ -7,7 +7,8 @@
 A tool is a plain function found by import path (so a worker process can import it): `calculator` is built
 in; `package.module:function` names your own. Calls run in the process's reward worker pool
 (forge_core.rewards.isolation: the same workers, the same timeout machinery as reward functions): a tool that
-raises, hangs past `rollout.env.tool_timeout_s` or kills its worker gives an outcome with an error, which the
+raises, hangs past `rollout.env.tool_timeout_s`, kills its worker or returns more than
+`rollout.env.max_tool_result_bytes` gives an outcome with an error, which the
 environment turns into an error observation; the rollout stage goes on and counts it. All calls of one turn of
 a batch go to the pool together (one request per tool), not one round trip per episode.
 """
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forge_core.envs.parsers import ToolCall
-from forge_core.rewards.isolation import CALL_CRASHED, CallOutcome, process_pool
+from forge_core.rewards.isolation import CALL_CRASHED, DEFAULT_MAX_RESULT_BYTES, CallOutcome, process_pool
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,20 @@ def tools_named(names: Sequence[str]) -> dict[str, Tool]:
 
 
 class ToolRunner:
-    """Runs tool calls in the isolated worker pool, `timeout_s` per call (module docstring)."""
+    """Runs tool calls in the isolated worker pool, `timeout_s` per call, results of at most
+    `max_result_bytes`, in workers whose environment adds `env_allow` to the allow-list (module docstring)."""
 
-    def __init__(self, tools: dict[str, Tool], timeout_s: float) -> None:
+    def __init__(
+        self,
+        tools: dict[str, Tool],
+        timeout_s: float,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        env_allow: Sequence[str] = (),
+    ) -> None:
         self.tools = tools
         self.timeout_s = timeout_s
+        self.max_result_bytes = max_result_bytes
+        self.env_allow = tuple(env_allow)
 
     def run(self, calls: Sequence[ToolCall]) -> list[CallOutcome]:
         outcomes: list[CallOutcome | None] = [None] * len(calls)
@@ -75,7 +85,11 @@ class ToolRunner:
                 continue
             arguments = [(tuple(calls[i].args), dict(calls[i].kwargs)) for i in indices]
             what = f"per {name} call (rollout.env.tool_timeout_s)"
-            for i, outcome in zip(indices, process_pool().call_each(tool.function, arguments, self.timeout_s, what)):
+            answers = process_pool().call_each(
+                tool.function, arguments, self.timeout_s, what,
+                max_result_bytes=self.max_result_bytes, env_allow=self.env_allow,
+            )  # fmt: skip
+            for i, outcome in zip(indices, answers, strict=True):
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 

@@ -24,6 +24,13 @@ each answer:
 
 A worker watches its parent (forge_core.launch.owner) and exits with it; an idle one exits when its parent
 closes the channel.
+
+Workers run user code, so they get an allow-listed environment (`worker_environment`): the names in
+WORKER_ENV and LC_*, their import path, and the names the user allows (`rollout.worker_env_allow`); never the
+flow process's credentials (AWS_*, FORGE_CLUSTER_KEY, WANDB_API_KEY, FORGE_SECRET_URLS, HF_TOKEN, ...) unless
+named there. A call's result (an environment's tool) is bounded too: one whose pickled size exceeds
+`max_result_bytes` (rollout.env.max_tool_result_bytes) never leaves its worker; it is an outcome of kind
+CALL_TOO_LARGE.
 """
 
 from __future__ import annotations
@@ -58,10 +65,27 @@ FAILURE_FLOOR = 3
 # A fresh worker imports forge_core.rewards and the user's reward modules before its first answer.
 STARTUP_TIMEOUT_S = 120.0
 TIMEOUTS, CRASHES, ZEROED = "reward/timeouts", "reward/crashes", "reward/zeroed"
+# What a worker's environment keeps of its parent's (besides LC_*, and PYTHONPATH, which it sets): what
+# Python, locales and temp files need, and FORGE_LAUNCH_ID, by which a launch's process tree is found and
+# ended.
+WORKER_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "LD_LIBRARY_PATH",
+    "PYTHONHASHSEED", "OMP_NUM_THREADS", "FORGE_LAUNCH_ID", "FORGE_STAGE",
+)  # fmt: skip
+DEFAULT_MAX_RESULT_BYTES = 64 * 1024
 
 
 def no_failures() -> dict[str, int]:
     return {TIMEOUTS: 0, CRASHES: 0, ZEROED: 0}
+
+
+def worker_environment(allow: Sequence[str] = ()) -> dict[str, str]:
+    """A worker's environment: this process's variables named in WORKER_ENV, LC_* or `allow`, and the parent's
+    import path as PYTHONPATH (so a worker imports the same reward modules the parent resolved)."""
+    keep = set(WORKER_ENV) | set(allow)
+    env = {name: value for name, value in os.environ.items() if name in keep or name.startswith("LC_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
 
 
 def failure_limit(samples: int) -> int:
@@ -71,14 +95,20 @@ def failure_limit(samples: int) -> int:
 
 @dataclass(frozen=True)
 class RewardIsolation:
-    """How rewards are scored outside the calling process: the per-sample timeout and the worker count."""
+    """How rewards are scored outside the calling process: the per-sample timeout, the worker count and the
+    names of further environment variables the workers get (`worker_environment`)."""
 
     timeout_s: float = 30.0
     workers: int = 1
+    env_allow: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> RewardIsolation:
-        return cls(timeout_s=float(rollout.reward_timeout_s), workers=int(rollout.reward_workers))
+        return cls(
+            timeout_s=float(rollout.reward_timeout_s),
+            workers=int(rollout.reward_workers),
+            env_allow=tuple(rollout.worker_env_allow),
+        )
 
 
 class IsolatedRewards(Protocol):
@@ -92,13 +122,14 @@ class IsolatedRewards(Protocol):
     def versions(self) -> dict[str, str]: ...
 
 
-CALL_RAISED, CALL_TIMEOUT, CALL_CRASHED = "raised", "timeout", "crashed"
+CALL_RAISED, CALL_TIMEOUT, CALL_CRASHED, CALL_TOO_LARGE = "raised", "timeout", "crashed", "too_large"
 
 
 @dataclass(frozen=True)
 class CallOutcome:
     """One isolated call's outcome (RewardPool.call_each): its value, or `kind` (raised, timeout, crashed) and
-    `error` (what happened); `latency_s` is the call's time (the wait, for a call that never answered)."""
+    `error` (what happened; CALL_TOO_LARGE: a result over the size bound); `latency_s` is the call's time (the
+    wait, for a call that never answered)."""
 
     value: object = None
     error: str = ""
@@ -123,12 +154,12 @@ class _Failed(Exception):
 
 
 class _Worker:
-    """One reward worker process and our end of its channel."""
+    """One reward worker process (environment: `worker_environment(env_allow)`) and our end of its channel."""
 
-    def __init__(self) -> None:
+    def __init__(self, env_allow: tuple[str, ...]) -> None:
+        self.env_allow = env_allow
         ours, theirs = socket.socketpair()
-        # The parent's import path, so the worker imports the same reward modules the parent resolved.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = worker_environment(env_allow)
         owner = str(Owner.this_process())
         command = [sys.executable, "-m", WORKER_MODULE, "--fd", str(theirs.fileno()), "--owner", owner]
         try:
@@ -215,7 +246,7 @@ class RewardPool:
     def _score_slice(self, batch: _Batch, slot: int, indices: list[int]) -> None:
         todo = indices
         while todo and batch.error is None:
-            worker = self._worker(slot)
+            worker = self._worker(slot, batch.isolation.env_allow)
             try:
                 worker.request(batch.request(todo))
             except _Failed as failure:  # the worker could not even start: not the samples' fault
@@ -246,29 +277,45 @@ class RewardPool:
         return []
 
     def call_each(
-        self, fn: str, calls: Sequence[tuple[tuple, dict]], timeout_s: float, what: str = "per call"
+        self,
+        fn: str,
+        calls: Sequence[tuple[tuple, dict]],
+        timeout_s: float,
+        what: str = "per call",
+        *,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        env_allow: Sequence[str] = (),
     ) -> list[CallOutcome]:
         """Run the function `fn` ('package.module:function') once per `(args, kwargs)` in `calls`, in a worker
-        process, each call bounded by `timeout_s`: an environment's tools (forge_core.envs.tools). A call that
-        raises, hangs past the timeout or kills its worker is an outcome with an `error` (the worker is replaced
-        and the next call goes to a fresh one), never an exception here: the caller decides what a failed call
-        means. ValueError when `fn` cannot be imported (a config mistake); RewardWorkerError when a worker
-        cannot start."""
+        process, each call bounded by `timeout_s`: an environment's tools (forge_core.envs.tools). A call
+        that raises, hangs past the timeout, kills its worker or returns more than `max_result_bytes`
+        (pickled) is an outcome with an `error` (after a timeout or crash the worker is replaced and the next
+        call goes to a fresh one), never an exception here: the caller decides what a failed call means.
+        `env_allow`: further environment variables the worker gets (`worker_environment`).
+
+        Raises:
+            ValueError: `fn` cannot be imported (a config mistake).
+            RewardWorkerError: a worker cannot start.
+        """
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         with self._lock:
             if not self._slots:
                 self._slots.append(None)
             todo = list(range(len(calls)))
             while todo:
-                todo = self._call_slice(fn, calls, todo, outcomes, timeout_s, what)
+                request = {"fn": fn, "max_result_bytes": max_result_bytes}
+                todo = self._call_slice(request, calls, todo, outcomes, timeout_s, what, tuple(env_allow))
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
 
-    def _call_slice(self, fn, calls, todo: list[int], outcomes: list, timeout_s: float, what: str) -> list[int]:
+    def _call_slice(
+        self, request: dict, calls, todo: list[int], outcomes: list, timeout_s: float, what: str, env_allow
+    ) -> list[int]:
         """One request for the calls `todo` to slot 0's worker; returns the calls left after a failure."""
-        worker = self._worker(0)
+        fn = request["fn"]
+        worker = self._worker(0, env_allow)
         try:
-            worker.conn.send(("call", {"fn": fn, "calls": [calls[i] for i in todo]}))
+            worker.conn.send(("call", {**request, "calls": [calls[i] for i in todo]}))
             kind, _, payload = worker.next_answer(STARTUP_TIMEOUT_S, f"to import {fn}")
         except _Failed as failure:
             self._replace(0)
@@ -289,8 +336,8 @@ class RewardPool:
                 log.warning("%s call %d of %d: %s; the next call goes to a fresh worker", fn, index, len(calls), failure)
                 return todo[position + 1 :]
             assert answered == position, f"worker answered call {answered}, expected {position}"
-            if kind == "raised":
-                outcomes[index] = CallOutcome(error=value, kind=CALL_RAISED, latency_s=seconds)
+            if kind in (CALL_RAISED, CALL_TOO_LARGE):
+                outcomes[index] = CallOutcome(error=value, kind=kind, latency_s=seconds)
             else:
                 outcomes[index] = CallOutcome(value=value, latency_s=seconds)
         try:
@@ -299,10 +346,14 @@ class RewardPool:
             self._replace(0)
         return []
 
-    def _worker(self, slot: int) -> _Worker:
+    def _worker(self, slot: int, env_allow: tuple[str, ...]) -> _Worker:
+        """Slot `slot`'s live worker with exactly the environment `env_allow` asks for (else a fresh one)."""
         worker = self._slots[slot]
+        if worker is not None and worker.env_allow != env_allow:
+            self._replace(slot)
+            worker = None
         if worker is None or worker.proc.poll() is not None:
-            worker = self._slots[slot] = _Worker()
+            worker = self._slots[slot] = _Worker(env_allow)
         return worker
 
     def _replace(self, slot: int) -> None:

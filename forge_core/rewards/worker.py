@@ -6,7 +6,8 @@
 sample: ("ready"), then ("value", i, [component values]) per sample and ("done", n); a reward function's
 Python error becomes ("error", i, message) and ends that request. It also serves call requests (a function by
 import path, e.g. an environment's tool: forge_core.envs.tools), answered call by call the same way, where the
-function's exception is an answer ("raised"), not the end of the request. It exits when the parent closes the
+function's exception is an answer ("raised"), not the end of the request, and so is a result whose pickled
+size exceeds the request's `max_result_bytes` ("too_large": it is never sent). It exits when the parent closes the
 socket or is gone (forge_core.launch.owner); a hang or a crash in a function is the parent's to notice.
 """
 
@@ -19,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 from forge_core.launch.owner import Owner, watch_owner
 from forge_core.rewards.registry import RewardFunctionError
@@ -63,8 +65,9 @@ def _score(conn: Connection, rewards: RewardSet, items: list[tuple]) -> None:
 
 def _call(conn: Connection, request: dict) -> None:
     """Run a function (by import path) on each argument set: ("ready"), then per call ("value", i, (value,
-    seconds)) or ("raised", i, (message, seconds)), then ("done"); ("error", None, message) when the function
-    cannot be imported."""
+    seconds)), ("raised", i, (message, seconds)) or ("too_large", i, (message, seconds)), then ("done");
+    ("error", None, message) when the function cannot be imported."""
+    limit = request["max_result_bytes"]
     try:
         fn = _import_function(request["fn"])
     except (ImportError, AttributeError, ValueError) as exc:
@@ -78,7 +81,16 @@ def _call(conn: Connection, request: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - a tool's failure is the caller's observation, not ours
             conn.send(("raised", position, (f"{type(exc).__name__}: {exc}", time.perf_counter() - started)))
             continue
-        conn.send(("value", position, (value, time.perf_counter() - started)))
+        seconds = time.perf_counter() - started
+        answer = ForkingPickler.dumps(("value", position, (value, seconds)))  # what conn.send would send
+        if len(answer) > limit:
+            message = (
+                f"the result is {len(answer)} bytes (pickled), more than rollout.env.max_tool_result_bytes="
+                f"{limit}; return less, or raise that bound"
+            )
+            conn.send(("too_large", position, (message, seconds)))
+            continue
+        conn.send_bytes(answer)
     conn.send(("done", len(request["calls"]), None))
 
 

@@ -58,7 +58,7 @@ def plan_evaluation(ctx: StageContext) -> EvalPlan:
     cfg = ctx.cfg
     data_uri = ctx.input("data")
     rewards = RewardSet.for_stage(cfg.rollout)
-    environment = environment_from_config(cfg.rollout.env)
+    environment = environment_from_config(cfg.rollout.env, cfg.rollout.worker_env_allow)
     table = read_prompt_split(ctx.store, data_uri, EVAL_SPLIT)
     if table.num_rows < cfg.eval.num_prompts:
         log.warning(

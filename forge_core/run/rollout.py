@@ -161,7 +161,8 @@ def plan_rollout(ctx: StageContext) -> RolloutPlan:
     iteration = iteration_param(ctx.spec)
     policy_iteration = policy_iteration_param(ctx.spec, iteration)
     rewards = RewardSet.for_stage(cfg.rollout)  # a bad reward fails before vLLM starts
-    environment = environment_from_config(cfg.rollout.env)  # so does a bad environment
+    # so does a bad environment
+    environment = environment_from_config(cfg.rollout.env, cfg.rollout.worker_env_allow)
     seed = rollout_seed(cfg.seed, cfg.rollout.sampling)
     table = read_prompt_split(store, ctx.input("data"), PROMPTS_SPLIT)
     per_iteration = cfg.rollout.prompts_per_iteration

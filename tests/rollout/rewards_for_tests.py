@@ -33,3 +33,8 @@ def segfaults_on(completion: str, ground_truth: str, *, truth: str) -> float:
 def exits_always(completion: str, ground_truth: str) -> float:
     """Ends its process on every sample (os._exit), as a reward with a stray sys.exit-like call would."""
     os._exit(7)
+
+
+def has_env(completion: str, ground_truth: str, *, name: str) -> float:
+    """1.0 when the reward's process sees the environment variable `name` (e.g. a secret it must not read)."""
+    return float(name in os.environ)
