@@ -130,8 +130,15 @@ class FlowResources:
         trainer job first (bounded), then its actor ends; returns their names."""
         with self.lock:
             residents, self.residents = list(self.residents.values()), {}
-        for resident in residents:
-            resident.close(RESIDENT_STOP_S[failing], failing)
+        # In parallel: a failing flow has Prefect's grace (30 s) for all of them together.
+        closing = [
+            threading.Thread(target=r.close, args=(RESIDENT_STOP_S[failing], failing), name=f"forge-close-{r.name}")
+            for r in residents
+        ]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()
         return [resident.name for resident in residents]
 
     def _stop(self, failing: bool) -> None:
