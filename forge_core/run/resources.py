@@ -21,7 +21,8 @@ Nothing else would stop them, so the flow ends them here, and only here:
 
 Bounds (Prefect 3.7's process worker SIGKILLs a cancelled flow run 30 s after its SIGTERM: prefect/runner/
 _cancellation_manager.py, grace_seconds = 30.0): terminate_all_live takes at most max(launch.*.kill_grace_s) +
-10 s (20 s by default), the engines at most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s: ~25 s in all. Whatever a
+10 s (20 s by default), the engines at most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s: ~25 s in all; the residents on
+a Ray cluster close meanwhile, each bounded by RESIDENT_STOP_S[True]. Whatever a
 SIGKILL still catches ends itself within ~2 s through its owner watchdog (forge_core.launch.owner), the one
 place owner watching lives (launched workers, the trainer job, the engine services and reward workers alike).
 """
@@ -114,8 +115,12 @@ class FlowResources:
         return stop_flow_engines(self.cfg, grace_s)
 
     def abort(self, reason: str) -> None:
-        """End everything at once: every launch of this process, the trainer job, the engines (bounded)."""
+        """End everything at once: every launch of this process (gangs on the cluster too), the residents on the
+        cluster (at the same time), the trainer job, the engines (bounded)."""
+        residents = threading.Thread(target=self.stop_residents, args=(True,), name="forge-abort-residents")
+        residents.start()
         terminate_all_live(reason=reason)
+        residents.join()
         self._stop(failing=True)
 
     def close(self, failing: bool = False) -> None:
