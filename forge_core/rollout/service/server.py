@@ -28,7 +28,7 @@ import traceback
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import AuthenticationError, Connection, Listener
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
 import psutil
@@ -42,6 +42,7 @@ from forge_core.launch.spec import LAUNCH_ID_ENV
 from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.generator import model_fingerprint
 from forge_core.rollout.protocol import PolicyVersionMismatch
+from forge_core.rollout.service.listener import BACKLOG, serve_connections
 from forge_core.rollout.service.state import (
     DEFAULT_NAME,
     FAILED,
@@ -185,18 +186,9 @@ def _serve_connection(conn: Connection, state: _EngineState, jobs: queue.Queue) 
         conn.close()
 
 
-def _accept_connections(listener: Listener, state: _EngineState, jobs: queue.Queue) -> None:
-    while True:
-        try:
-            conn = listener.accept()
-        except AuthenticationError as exc:
-            log.warning("refused a connection that failed the key challenge: %s", exc)
-            continue
-        except OSError:
-            return  # the listener was closed: the service is exiting
-        threading.Thread(
-            target=_serve_connection, args=(conn, state, jobs), name="forge-engine-conn", daemon=True
-        ).start()
+def _accept_connections(listener: Listener, authkey: bytes, state: _EngineState, jobs: queue.Queue) -> None:
+    # Returns when the listener is closed: the service is exiting.
+    serve_connections(listener, authkey, lambda conn: _serve_connection(conn, state, jobs))
 
 
 def _run_jobs(state: _EngineState, jobs: queue.Queue) -> None:
@@ -320,12 +312,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = None
     try:
         state = _start_engine(args, paths, record)
-        listener = Listener(str(paths.socket), family="AF_UNIX", authkey=paths.authkey.read_bytes())
+        listener = Listener(str(paths.socket), family="AF_UNIX", backlog=BACKLOG)
         write_record(paths, dataclasses.replace(record, status=READY, info=state.info()))
         log.info("engine service ready on %s (pid %d)", paths.socket, this.pid)
         jobs: queue.Queue = queue.Queue()
         threading.Thread(
-            target=_accept_connections, args=(listener, state, jobs), name="forge-engine-accept", daemon=True
+            target=_accept_connections,
+            args=(listener, paths.authkey.read_bytes(), state, jobs),
+            name="forge-engine-accept",
+            daemon=True,
         ).start()
         _run_jobs(state, jobs)
         return 0
