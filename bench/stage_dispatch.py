@@ -22,7 +22,8 @@ Results (two files):
   its row of the flow's stage table (the flow's clock around the stage task). Details also give each stage's
   walls, its body (`wall_s` of its manifest), and the same median over the non-body part (wall minus body).
 - `stage_dispatch.pipeline`: value = the pool run's wall, baseline = the local run's; target ratio <= 1.15.
-  Details: the cluster's start-up time.
+  Details: the cluster's start-up time and each run's peak RSS (the sum over this process and all its
+  descendants, the simulated cluster's processes included; target for the demo <= 6 GiB).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Self
 
 from bench._flow_runs import isolate_prefect, warm_up_api
 from bench.harness import write_result
@@ -76,8 +79,41 @@ def start_cluster(folder: Path):
     return raylets, compute, time.monotonic() - started
 
 
+class PeakRss:
+    """The peak of the summed RSS of this process and all its descendants (the Ray cluster's processes, the
+    launches, the engines), sampled every `every_s` on a thread while the block runs."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self.every_s):
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    continue
+            self.peak_bytes = max(self.peak_bytes, total)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run_mode(folder: Path, name: str, mode: str, config: str, extra: list[str]) -> dict:
-    """One pipeline run in placement `mode` on its own store: its wall and per stage its wall and body."""
+    """One pipeline run in placement `mode` on its own store: its wall, its peak RSS (every process of this
+    machine it ran, the Ray cluster's included) and per stage its wall and body."""
     from flows.post_train import post_train
     from forge_core.storage import ObjectStore
 
@@ -85,7 +121,8 @@ def run_mode(folder: Path, name: str, mode: str, config: str, extra: list[str]) 
                  f"name={name}", *placement_overrides(mode), *extra]
     print(f"[{BENCH_NAME}] {name}: starting {config} {' '.join(overrides)}", flush=True)
     started = time.monotonic()
-    summary = post_train(config, overrides)
+    with PeakRss() as rss:
+        summary = post_train(config, overrides)
     wall_s = time.monotonic() - started
     print(f"[{BENCH_NAME}] {name}: {wall_s:.1f} s", flush=True)
     store = ObjectStore(f"file://{folder / name}/store")
@@ -97,7 +134,7 @@ def run_mode(folder: Path, name: str, mode: str, config: str, extra: list[str]) 
             "body_s": round(float(manifest.metrics["wall_s"]), 2),
             "where": row["where"],
         }
-    return {"wall_s": round(wall_s, 1), "stages": stages}
+    return {"wall_s": round(wall_s, 1), "peak_rss_gib": round(rss.peak_bytes / 2**30, 2), "stages": stages}
 
 
 def compare(pool: dict, local: dict) -> dict:
@@ -160,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             **common,
             "encoding": "value = the pipeline's wall with launch.placement=pool, baseline = with local",
             "cluster_start_s": round(cluster_start_s, 1),
+            "peak_rss_gib": {"pool": pool["peak_rss_gib"], "local": local["peak_rss_gib"]},
         },
     )
     write_result(

@@ -7,9 +7,10 @@
     gang.placement                       # node rank -> Ray node id, address, GPU ids
 
 - Placement: `nnodes` bundles of `gpus_per_node` GPUs and `cpus_per_node` CPUs, STRICT_SPREAD (one bundle per
-  node, all or nothing), each on a node labelled `forgeflow.pool=<pool>`. A group not ready within `wait_s`
-  is removed and the attempt fails with `PlacementUnavailable` (retryable: capacity may free up), naming what
-  the stage asked and what the pool has.
+  node, all or nothing), each on a node labelled `forgeflow.pool=<pool>`. While it waits, the log says every
+  WAIT_REPORT_S what for and what the pool has; a `stop` meanwhile ends the attempt CANCELLED. A group not ready
+  within `wait_s` is removed and the attempt fails with `PlacementUnavailable` (retryable: capacity may free
+  up), naming what the stage asked and what the pool has.
 - Launch: the agent of bundle k (a Ray actor holding that bundle's GPUs; Ray sets their CUDA_VISIBLE_DEVICES)
   runs `forge_core.launch.start` with the attempt's LaunchSpec, node k's part of one c10d rendezvous (node 0's
   agent hosts it on a free port of its node) and what `node_env(placement, k)` adds to its environment. The agent process is the launch's owner, so its ranks end by
@@ -48,6 +49,8 @@ LogSink = Callable[[str], None]
 TAIL_LINES = 60
 # How long ending the agents may take beyond the launches' own kill grace before they are killed outright.
 STOP_MARGIN_S = 15.0
+# While an attempt waits for its placement group, the stage's log says what it waits for this often.
+WAIT_REPORT_S = 30.0
 _END = object()
 
 
@@ -186,6 +189,8 @@ class Gang:
         self.nodes: list[_Node] = []
         self.result: LaunchResult | None = None
         self.launch_id = ""  # an attempt's launches are its nodes' (forge_core.run.runner.Attempt)
+        self._stopped = threading.Event()
+        self._why = ""
         self._pg = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -207,14 +212,8 @@ class Gang:
             bundle_label_selector=request.label_selectors(),
             name=f"forgeflow-{self.name}",
         )
-        ready, _ = ray.wait([self._pg.ready()], timeout=self.wait_s)
-        if not ready:
-            self._release()
-            raise PlacementUnavailable(
-                f"{self.name}: the cluster could not give {request.describe()} within {self.wait_s:g} s; "
-                f"{self.cluster.describe_pool(request.pool)}. Fix: add nodes to the pool (ray start --labels "
-                f"{POOL_LABEL}=<pool>), free the busy ones, or lower nnodes/gpus_per_node"
-            )
+        if not self._wait_for_placement():
+            return
         agents = [
             NodeAgent.options(
                 num_cpus=0,
@@ -224,15 +223,52 @@ class Gang:
             for k in range(request.nnodes)
         ]
         places = ray.get([agent.place.remote() for agent in agents])
-        self.nodes = [
-            _Node(k, agent, dataclasses.replace(place, node_rank=k))
-            for k, (agent, place) in enumerate(zip(agents, places, strict=True))
-        ]
+        with self._changed:
+            self.nodes = [
+                _Node(k, agent, dataclasses.replace(place, node_rank=k))
+                for k, (agent, place) in enumerate(zip(agents, places, strict=True))
+            ]
+            self._changed.notify_all()
         for node, spec in zip(self.nodes, self._node_specs(), strict=True):
             node.relay = threading.Thread(
                 target=self._relay, args=(node, spec), name=f"gang-{self.name}-{node.rank}", daemon=True
             )
             node.relay.start()
+
+    def _wait_for_placement(self) -> bool:
+        """True once the placement group is ready; False when the attempt was stopped meanwhile (its result is
+        then CANCELLED). What it waits for is logged every WAIT_REPORT_S.
+
+        Raises:
+            PlacementUnavailable: the group was not ready within `wait_s`.
+        """
+        request, ready_ref = self.request, self._pg.ready()
+        started = time.monotonic()
+        reported = started
+        while not ray.wait([ready_ref], timeout=min(1.0, self.wait_s))[0]:
+            waited = time.monotonic() - started
+            if self._stopped.is_set():
+                self._release()
+                with self._changed:
+                    self.result = LaunchResult(
+                        Outcome.CANCELLED, None, f"{self.name}: stopped while waiting for its placement: {self._why}"
+                    )
+                    self._changed.notify_all()
+                return False
+            if waited >= self.wait_s:
+                self._release()
+                raise PlacementUnavailable(
+                    f"{self.name}: the cluster could not give {request.describe()} within {self.wait_s:g} s; "
+                    f"{self.cluster.describe_pool(request.pool)}. Fix: add nodes to the pool (ray start --labels "
+                    f"{POOL_LABEL}=<pool>), free the busy ones, or lower nnodes/gpus_per_node"
+                )
+            if time.monotonic() - reported >= WAIT_REPORT_S:
+                reported = time.monotonic()
+                self.log(
+                    f"{self.name}: still waiting for {request.describe()} ({waited:.0f} of {self.wait_s:g} s); "
+                    f"{self.cluster.describe_pool(request.pool)}"
+                )
+        return True
 
     def _node_specs(self) -> list[LaunchSpec]:
         if self.request.nnodes == 1:
@@ -287,6 +323,8 @@ class Gang:
 
     def wait(self, timeout: float) -> LaunchResult | None:
         """The combined result once every node ended (the module docstring), None while the attempt runs."""
+        if self.result is not None:
+            return self.result
         deadline = time.monotonic() + timeout
         with self._changed:
             while not all(node.ended for node in self.nodes):
@@ -297,7 +335,14 @@ class Gang:
         return self._finish()
 
     def stop(self, reason: str) -> LaunchResult | None:
-        """End every node's launch (SIGTERM, kill grace, SIGKILL through the launcher) and return the result."""
+        """End every node's launch (SIGTERM, kill grace, SIGKILL through the launcher) and return the result; an
+        attempt still waiting for its placement ends CANCELLED."""
+        self._why = reason
+        self._stopped.set()
+        with self._changed:  # a start still waiting for its placement notices the stop within a second
+            self._changed.wait_for(lambda: self.result is not None or self.nodes, timeout=STOP_MARGIN_S)
+        if not self.nodes:
+            return self.result
         self._stop_nodes(reason)
         result = self.wait(self.spec.kill_grace_s + STOP_MARGIN_S)
         if result is None:

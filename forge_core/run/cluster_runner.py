@@ -74,10 +74,15 @@ class ClusterRunner(Runner):
             name=plan.stage,
             node_env=node_env,
         )
-        gang.start()
+        attempt = _GangAttempt(gang)  # the flow's cancel reaches it while it waits for its placement too
+        try:
+            gang.start()
+        except BaseException:
+            attempt.unregister()
+            raise
         placed = ", ".join(f"node {p.node_rank} on {p.node_id[:8]} ({p.address})" for p in gang.placement)
-        log(f"{plan.stage}: placed {placed}")
-        return _GangAttempt(gang)
+        log(f"{plan.stage}: placed {placed}" if placed else f"{plan.stage}: stopped before it was placed")
+        return attempt
 
 
 class _GangAttempt:
@@ -87,7 +92,7 @@ class _GangAttempt:
 
     def __init__(self, gang: Gang) -> None:
         self.gang = gang
-        self._unregister = add_remote_stop(gang.stop)
+        self.unregister = add_remote_stop(gang.stop)
 
     def wait(self, timeout: float) -> LaunchResult | None:
         return self._ended(self.gang.wait(timeout))
@@ -97,5 +102,5 @@ class _GangAttempt:
 
     def _ended(self, result: LaunchResult | None) -> LaunchResult | None:
         if result is not None:
-            self._unregister()
+            self.unregister()
         return result

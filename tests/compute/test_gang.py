@@ -133,3 +133,21 @@ def test_a_lost_node_ends_the_attempt_everywhere_and_a_retry_places_on_a_spare(r
     assert again.outcome is Outcome.SUCCESS, again.reason
     assert lost.node_id not in {p.node_id for p in retry.placement}
     ray_cluster.add_pool_node()  # the pool's size for the tests after this one
+
+
+def test_a_gang_stopped_while_it_waits_for_its_placement_ends_cancelled(ray_cluster, workers_env):
+    request = GangRequest(POOL, nnodes=POOL_NODES + 1, gpus_per_node=1)
+    gang = Gang(ray_cluster.compute, request, spec(workers_env, "success"), print, wait_s=BOUND_S, name="unplaced")
+    waiting = threading.Thread(target=gang.start, daemon=True)
+    waiting.start()
+    wait_for_group = time.monotonic() + BOUND_S
+    while not any(t["name"] == "forgeflow-unplaced" for t in ray.util.placement_group_table().values()):
+        assert time.monotonic() < wait_for_group, "the gang never asked for its placement group"
+        time.sleep(0.1)
+    result = gang.stop("cancelled by the test")
+    waiting.join(BOUND_S)
+    assert not waiting.is_alive(), "start() went on waiting after the stop"
+    assert result is not None and result.outcome is Outcome.CANCELLED, result
+    assert "stopped while waiting for its placement" in result.reason
+    assert gang.wait(0) is result and gang.nodes == []
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
