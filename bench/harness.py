@@ -19,10 +19,11 @@ import math
 import operator
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -149,3 +150,42 @@ def write_result(
     (folder / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(text, flush=True)
     return result
+
+
+class TreeMemorySampler:
+    """Peak over time of the summed RSS of a process and all its descendants."""
+
+    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_bytes = max(self.peak_bytes, self._tree_rss())
+
+    def _tree_rss(self) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for process in processes:
+            try:
+                total += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total

@@ -33,13 +33,11 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Self
 
 from bench._flow_runs import isolate_prefect, warm_up_api
-from bench.harness import write_result
+from bench.harness import TreeMemorySampler, write_result
 
 BENCH_NAME = "stage_dispatch"
 DISPATCH_TARGET = "<=1"
@@ -79,38 +77,6 @@ def start_cluster(folder: Path):
     return raylets, compute, time.monotonic() - started
 
 
-class PeakRss:
-    """The peak of the summed RSS of this process and all its descendants (the Ray cluster's processes, the
-    launches, the engines), sampled every `every_s` on a thread while the block runs."""
-
-    def __init__(self, every_s: float = 0.5) -> None:
-        self.every_s = every_s
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
-
-    def _sample(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._stop.wait(self.every_s):
-            total = 0
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    continue
-            self.peak_bytes = max(self.peak_bytes, total)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def run_mode(folder: Path, name: str, mode: str, config: str, extra: list[str]) -> dict:
     """One pipeline run in placement `mode` on its own store: its wall, its peak RSS (every process of this
     machine it ran, the Ray cluster's included) and per stage its wall and body."""
@@ -121,7 +87,7 @@ def run_mode(folder: Path, name: str, mode: str, config: str, extra: list[str]) 
                  f"name={name}", *placement_overrides(mode), *extra]
     print(f"[{BENCH_NAME}] {name}: starting {config} {' '.join(overrides)}", flush=True)
     started = time.monotonic()
-    with PeakRss() as rss:
+    with TreeMemorySampler(os.getpid()) as rss:
         summary = post_train(config, overrides)
     wall_s = time.monotonic() - started
     print(f"[{BENCH_NAME}] {name}: {wall_s:.1f} s", flush=True)

@@ -22,54 +22,16 @@ import platform
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Self
 
-import psutil
 import torch
+
+from bench.harness import TreeMemorySampler
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 RESULTS = REPO / "docs" / "demo_seeds.json"
-
-
-class TreeMemorySampler:
-    """Peak over time of the summed RSS of a process and all its descendants."""
-
-    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak_bytes = max(self.peak_bytes, self._tree_rss())
-
-    def _tree_rss(self) -> int:
-        try:
-            root = psutil.Process(self.pid)
-            processes = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0
-        total = 0
-        for process in processes:
-            try:
-                total += process.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
 
 
 def machine_facts() -> dict:
