@@ -95,14 +95,20 @@ def test_a_pool_with_too_few_nodes_fails_after_the_wait_naming_both(ray_cluster,
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
 
 
-def test_a_stopped_gang_leaves_no_rank_and_no_actor(ray_cluster, workers_env, tmp_path):
+def hanging_gang(ray_cluster, workers_env, pid_dir: Path, name: str) -> tuple[Gang, list[int]]:
+    """A 2-node gang whose ranks both wait after their all-reduce; with their pids."""
     lines = Lines()
     gang = Gang(ray_cluster.compute, GangRequest(POOL, nnodes=2, gpus_per_node=1),
-                spec(workers_env, "hang", tmp_path), lines, wait_s=BOUND_S, name="stopped")
+                spec(workers_env, "hang", pid_dir), lines, wait_s=BOUND_S, name=name)
     gang.start()
     lines.wait_for(2, "waiting")
-    ranks = pids_in(tmp_path)
+    ranks = pids_in(pid_dir)
     assert len(ranks) == 2
+    return gang, ranks
+
+
+def test_a_stopped_gang_leaves_no_rank_and_no_actor(ray_cluster, workers_env, tmp_path):
+    gang, ranks = hanging_gang(ray_cluster, workers_env, tmp_path, "stopped")
     result = gang.stop("cancelled by the test")
     assert result is not None and result.outcome is Outcome.CANCELLED, result
     assert wait_gone(ranks) == []
@@ -113,12 +119,7 @@ def test_a_stopped_gang_leaves_no_rank_and_no_actor(ray_cluster, workers_env, tm
 
 
 def test_a_lost_node_ends_the_attempt_everywhere_and_a_retry_places_on_a_spare(ray_cluster, workers_env, tmp_path):
-    lines = Lines()
-    gang = Gang(ray_cluster.compute, GangRequest(POOL, nnodes=2, gpus_per_node=1),
-                spec(workers_env, "hang", tmp_path), lines, wait_s=BOUND_S, name="node-lost")
-    gang.start()
-    lines.wait_for(2, "waiting")
-    ranks = pids_in(tmp_path)
+    gang, ranks = hanging_gang(ray_cluster, workers_env, tmp_path, "node-lost")
     lost = gang.placement[1]
     ray_cluster.raylets.remove_node(ray_cluster.node_with_id(lost.node_id), allow_graceful=False)
     result = wait_result(gang)
