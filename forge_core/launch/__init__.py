@@ -59,7 +59,8 @@ FATAL       some rank raised an exception classified fatal (`errors.classify_exc
             in the reason: access denied or a missing bucket (`StorageAccessError`, EACCES/EPERM), a
             corrupted or missing input artifact (`ArtifactCorrupted`, `ArtifactNotCommitted`), a full
             disk or quota (ENOSPC/EDQUOT: free space, lower storage.keep_checkpoints / the policy
-            cache), a read-only file system, out of memory (`torch.OutOfMemoryError`, `MemoryError`:
+            cache), a read-only file system, a missing path or one of the wrong kind (ENOENT, EISDIR,
+            ENOTDIR: the path named), out of memory (`torch.OutOfMemoryError`, `MemoryError`:
             the fix names micro_batch_size, max_seq_len, activation_checkpoint, rollout.kv_cache_gib /
             max_num_seqs), or a fatal type by class hierarchy: `FatalStageError`, `ValueError` (so
             `ConfigError` and other user errors), `TypeError`, `LookupError`, `AttributeError`,
@@ -69,7 +70,7 @@ FATAL       some rank raised an exception classified fatal (`errors.classify_exc
             in `rank_errors[1]`.
 RETRYABLE   some rank was killed by a signal (SIGKILL/OOM killer, SIGSEGV, preemption), raised an
             exception classified retryable (`RetryableStageError`, `StorageUnavailable`, transient
-            storage and connection errors and other `OSError`s, a collective timeout: gloo's
+            storage and connection errors and other `OSError`s but a missing path, a collective timeout: gloo's
             "Timed out waiting", NCCL's watchdog, `torch.distributed.DistError`; rendezvous errors,
             torchrun's `SignalException`, vLLM's `EngineDeadError`), or exited with code 75
             (`EXIT_RETRYABLE`, EX_TEMPFAIL); also torchrun failing on its own (lost rendezvous/node)

@@ -143,6 +143,9 @@ _COLLECTIVE_TIMEOUT = re.compile(
 )
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+# A path that is missing, or of the wrong kind, stays so on a retry.
+_MISSING_PATH_ERRNOS = frozenset({errno.ENOENT, errno.EISDIR, errno.ENOTDIR})
+_MISSING_PATH_TYPES = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 # Keys added next to torch's own fields in the error file's "extraInfo".
 MRO_KEY = "forge_exception_mro"
@@ -228,6 +231,12 @@ def _fatal_with_fix(exc: BaseException, mro: list[str]) -> Classification | None
         if exc.errno == errno.EROFS:
             return Classification(
                 Category.FATAL, f"{path} is on a read-only file system: point the setting at a writable one"
+            )
+        if exc.errno in _MISSING_PATH_ERRNOS or isinstance(exc, _MISSING_PATH_TYPES):
+            what = {errno.EISDIR: "is a folder where a file is read", errno.ENOTDIR: "has a file where a folder "
+                    "is expected"}.get(exc.errno, "does not exist")  # fmt: skip
+            return Classification(
+                Category.FATAL, f"{path} {what}, and a retry finds the same: fix the setting that names it"
             )
     return None
 

@@ -148,3 +148,25 @@ def test_a_corrupted_input_artifact_fails_at_once_with_the_fix(prefect_api, tmp_
     assert f"Fix: the committed artifact {data_uri} no longer matches its manifest" in message, message
     assert f"delete the prefix {data_uri}" in message, message
     fault_row.fact("run_count=1; the fix names the artifact to delete")
+
+
+@pytest.mark.fault(
+    fault="data.source names a file that does not exist (FileNotFoundError), or a folder where a file is read "
+    "(IsADirectoryError)",
+    where="prepare_data task (file://), 2 retries allowed",
+    checked="a missing path is fatal, not retried like a transient OSError: the task runs once and the flow's "
+    "failure names the path",
+)
+def test_a_missing_input_path_fails_at_once_naming_it(prefect_api, tmp_path, fault_row):
+    from forge_core.launch.errors import Category, classify_exception
+
+    missing = tmp_path / "nowhere" / "rows.jsonl"
+    storage = [f"storage.root=file://{tmp_path}/store"]
+    config = _config(tmp_path, storage, f"data.source={missing}", "data.tokenizer.vocab_size=300")
+    state = prepare_only(config, return_state=True)
+    message = _failed_once(state, "prepare_data")
+    assert str(missing) in message, message
+    for error in (IsADirectoryError(21, "Is a directory", str(tmp_path)), FileNotFoundError(2, "No such", str(missing))):
+        found = classify_exception(error)
+        assert found.category is Category.FATAL and error.filename in found.fix, (error, found)
+    fault_row.fact("run_count=1; the flow's failure names the missing file")
