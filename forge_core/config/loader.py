@@ -26,6 +26,7 @@ import difflib
 import json
 import math
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -438,9 +439,25 @@ def _convert_plain_data(value: Any, key: str, walk: _Walk) -> Any:
     )
 
 
+def shown(value: Any) -> str:
+    """`value` as an error message shows it: a repr bounded in depth, items and length, so that a value built
+    from YAML aliases (a few hundred bytes that expand to billions of items) is not rendered whole."""
+    return _BOUNDED_REPR.repr(value)
+
+
+def _bounded_repr() -> reprlib.Repr:
+    bounded = reprlib.Repr()
+    bounded.maxlevel, bounded.maxstring, bounded.maxother = 2, 120, 120
+    bounded.maxtuple = bounded.maxlist = bounded.maxdict = bounded.maxset = 6
+    return bounded
+
+
+_BOUNDED_REPR = _bounded_repr()
+
+
 def _report(walk: _Walk, key: str, value: Any, expected: str, fix: str, show_type: bool = True) -> Any:
     got = f", got {type(value).__name__}" if show_type else ""
-    walk.type_error(key, f"{key}={value!r}: expected {expected}{got}; {fix}")
+    walk.type_error(key, f"{key}={shown(value)}: expected {expected}{got}; {fix}")
     return _INVALID
 
 
@@ -454,7 +471,7 @@ def _unknown_key_message(section: str, name: Any, value: Any, hints: Mapping[str
         fix = f"did you mean {' or '.join(repr(p) for p in elsewhere)}? (keys nest under their section)"
     else:
         fix = f"valid keys {'under ' + section if section else 'at the top level'}: {', '.join(hints)}"
-    return f"{key}={value!r}: unknown key; {fix}"
+    return f"{key}={shown(value)}: unknown key; {fix}"
 
 
 def _run_check(path: str, section: Any) -> list[str]:

@@ -1122,6 +1122,10 @@ class LoggingConfig:
         return errors
 
 
+# What a run name may be: it becomes a folder name (never a path) and a wandb run name.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
 @dataclass
 class RunConfig:
     name: str = "demo"
@@ -1139,6 +1143,11 @@ class RunConfig:
 
     def check(self) -> list[str]:
         errors = []
+        if not isinstance(self.name, str) or not _RUN_NAME.fullmatch(self.name):
+            errors.append(
+                f"name={str(self.name)[:80]!r}: must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                "or digit (it names folders under logging.dir and runs in wandb); e.g. name=qwen3-gsm8k"
+            )
         if self.data.max_seq_len > self.model.max_seq_len:
             errors.append(
                 f"data.max_seq_len={self.data.max_seq_len}: exceeds model.max_seq_len={self.model.max_seq_len}; "
