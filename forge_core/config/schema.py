@@ -245,6 +245,9 @@ class DataConfig:
     max_reject_fraction: float = 0.05
     # Rows read, tokenized and written per batch (one Parquet row group each); bounds the stage's memory.
     batch_rows: int = 8192
+    # A JSONL line longer than this (bytes) is rejected as line_too_large without being held whole or parsed,
+    # so one huge row cannot exhaust the stage's memory (no such row fits any max_seq_len).
+    max_line_bytes: int = 1 << 20
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     demo: DemoTaskConfig = field(default_factory=DemoTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
@@ -284,6 +287,8 @@ class DataConfig:
             errors.append(f"data.max_seq_len={self.max_seq_len}: must be >= 8")
         if self.batch_rows < 1:
             errors.append(f"data.batch_rows={self.batch_rows}: must be >= 1 (e.g. 8192)")
+        if self.max_line_bytes < 1024:
+            errors.append(f"data.max_line_bytes={self.max_line_bytes}: must be >= 1024 (default 1048576)")
         if not self.source.strip():
             errors.append("data.source='': use demo or a file/folder URI")
         needs_trained_text_bpe = self.source not in ("demo", "demo_tools") and self.tokenizer.path is None

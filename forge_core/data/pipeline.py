@@ -225,7 +225,7 @@ def _generated_chunks(cfg: RunConfig, batch_rows: int) -> Iterator[Chunk]:
 def _source_chunks(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[Chunk]:
     data = cfg.data
     assign = SplitAssigner.from_config(cfg)
-    for raw in read_source(data.source, data.format, layout.fields, data.batch_rows, options):
+    for raw in read_source(data.source, data.format, layout.fields, data.batch_rows, options, data.max_line_bytes):
         examples, rejects = layout.to_examples(raw)
         by_split: dict[tuple[str, ...], list[int]] = {}
         for i, prompt in enumerate(examples.prompts):
@@ -253,7 +253,9 @@ def reference_examples(cfg: RunConfig, limit: int = 16) -> ExampleBatch | None:
     else:
         template, special = data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS
     layout = layout_from_config(data, template, special)
-    for raw in read_source(data.source, data.format, layout.fields, limit, config_storage_options(data.source, cfg)):
+    for raw in read_source(
+        data.source, data.format, layout.fields, limit, config_storage_options(data.source, cfg), data.max_line_bytes
+    ):
         examples, _ = layout.to_examples(raw)
         if len(examples):
             return examples

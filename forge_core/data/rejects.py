@@ -20,6 +20,7 @@ class RejectReason(str, Enum):
     INVALID_JSON = "invalid_json"  # a JSONL line that does not parse to an object
     MALFORMED_ROW = "malformed_row"  # a CSV row with the wrong number of columns
     FIELD_TOO_LARGE = "field_too_large"  # a CSV field over 1 MiB (forge_core.data.sources.CSV_MAX_FIELD_BYTES)
+    LINE_TOO_LARGE = "line_too_large"  # a JSONL line over data.max_line_bytes (never parsed)
     INVALID_MESSAGES = "invalid_messages"  # a chat record that is not user/.../assistant messages
     UNPARSABLE_GROUND_TRUTH = "unparsable_ground_truth"  # e.g. a GSM8K answer without "#### <number>"
     TOO_LONG = "too_long"  # prompt + completion + EOS exceed data.max_seq_len tokens

@@ -44,6 +44,8 @@ HF_DICT_FILE = "dataset_dict.json"
 _READ_CHUNK_BYTES = 4 << 20
 # A CSV field longer than this is rejected as field_too_large (Arrow's own streaming limit was 1 MiB per row).
 CSV_MAX_FIELD_BYTES = 1 << 20
+# A JSONL line longer than this is rejected as line_too_large unless data.max_line_bytes says otherwise.
+MAX_LINE_BYTES = 1 << 20
 _RAW_PREVIEW_CHARS = 1024  # what a reject keeps of an oversized row
 
 
@@ -78,17 +80,21 @@ def read_source(
     fields: dict[str, pa.DataType],
     batch_rows: int,
     storage_options: dict | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Iterator[RawBatch]:
     """Stream every file of the source `uri` as RawBatches of the requested `fields` (name -> Arrow type).
 
     `fields` types matter only for JSONL's fast path (text fields are `pa.string()`); readers return
-    whatever Python values the file holds and leave type checks to the layout.
+    whatever Python values the file holds and leave type checks to the layout. A JSONL line over
+    `max_line_bytes` is a `line_too_large` reject, read but never held whole or parsed.
     """
     fs, files = resolve_source(uri, fmt, storage_options)
-    readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv, "hf_disk": _read_hf_disk}
     with _credentials_scrubbed():
         for source_file in files:
-            yield from readers[source_file.format](fs, source_file, fields, batch_rows)
+            if source_file.format == "jsonl":
+                yield from _read_jsonl(fs, source_file, fields, batch_rows, max_line_bytes)
+            else:
+                yield from _ARROW_READERS[source_file.format](fs, source_file, fields, batch_rows)
 
 
 def resolve_source(
@@ -225,51 +231,78 @@ def _check_columns(source: str, present: list[str], fields: dict[str, pa.DataTyp
 # --- JSONL ----------------------------------------------------------------------------------------------
 
 
-def _iter_lines(f, chunk_bytes: int = _READ_CHUNK_BYTES) -> Iterator[bytes]:
+class LineTooLarge(bytes):
+    """A line longer than the cap: its first bytes (a preview), with its full size in `size`."""
+
+    size: int
+
+
+def _iter_lines(f, chunk_bytes: int = _READ_CHUNK_BYTES, max_line_bytes: int | None = None) -> Iterator[bytes]:
     """Lines without their newline, read in large chunks (fsspec's readline on object stores is slow).
 
     Linear however long a line is: the pieces of a line that spans chunks are kept in a list and joined once,
     when its end arrives (concatenating each chunk onto the tail would copy a tens-of-MB line over and over).
+    A line over `max_line_bytes` is never held whole: it comes as a `LineTooLarge` (its first bytes and size).
     """
     pending: list[bytes] = []
+    pending_bytes = 0
     while chunk := f.read(chunk_bytes):
-        if b"\n" not in chunk:
-            pending.append(chunk)
-            continue
-        lines = chunk.split(b"\n")
-        if pending:
-            lines[0] = b"".join([*pending, lines[0]])
-        tail = lines.pop()
-        pending = [tail] if tail else []
-        yield from lines
-    if pending:
-        yield b"".join(pending)
+        pieces = chunk.split(b"\n")
+        for index, piece in enumerate(pieces):
+            ended = index < len(pieces) - 1
+            if pending_bytes <= (max_line_bytes or pending_bytes + len(piece)):
+                pending.append(piece)
+            pending_bytes += len(piece)
+            if ended:
+                yield _line(pending, pending_bytes, max_line_bytes)
+                pending, pending_bytes = [], 0
+    if pending_bytes:
+        yield _line(pending, pending_bytes, max_line_bytes)
 
 
-def _read_jsonl(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int):
+def _line(pieces: list[bytes], size: int, max_line_bytes: int | None) -> bytes:
+    if max_line_bytes is None or size <= max_line_bytes:
+        return b"".join(pieces)
+    line = LineTooLarge(b"".join(pieces)[:_RAW_PREVIEW_CHARS])
+    line.size = size
+    return line
+
+
+def _read_jsonl(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int, max_line_bytes: int):
     schema = pa.schema([pa.field(name, dtype) for name, dtype in fields.items()])
-    for index, (lines, rows) in enumerate(_jsonl_blocks(fs, source_file.path, batch_rows)):
+    for index, (lines, rows, too_large) in enumerate(_jsonl_blocks(fs, source_file.path, batch_rows, max_line_bytes)):
         batch = _parse_jsonl_lines(source_file.uri, lines, rows, schema)
+        batch.rejects.extend(
+            Reject(source_file.uri, row, RejectReason.LINE_TOO_LARGE,
+                   f"the line is {line.size} bytes, over data.max_line_bytes={max_line_bytes}",
+                   line.decode("utf-8", errors="replace"))
+            for line, row in too_large
+        )  # fmt: skip
         if index == 0:
             _check_jsonl_fields(source_file.uri, batch, lines, fields)
         yield batch
 
 
-def _jsonl_blocks(fs, path: str, batch_rows: int) -> Iterator[tuple[list[bytes], list[int]]]:
-    """Up to `batch_rows` non-blank lines at a time, with their 1-based line numbers (what an editor shows)."""
+def _jsonl_blocks(
+    fs, path: str, batch_rows: int, max_line_bytes: int
+) -> Iterator[tuple[list[bytes], list[int], list[tuple[LineTooLarge, int]]]]:
+    """Up to `batch_rows` non-blank lines at a time, with their 1-based line numbers (what an editor shows), and
+    the lines over `max_line_bytes` among them (previews, never parsed) with theirs."""
     lines: list[bytes] = []
     rows: list[int] = []
+    too_large: list[tuple[LineTooLarge, int]] = []
     with fs.open(path, "rb") as f:
-        for number, line in enumerate(_iter_lines(f), start=1):
-            if not line.strip():
-                continue  # blank lines (a trailing newline) are not records
-            lines.append(line)
-            rows.append(number)
-            if len(lines) == batch_rows:
-                yield lines, rows
-                lines, rows = [], []
-    if lines:
-        yield lines, rows
+        for number, line in enumerate(_iter_lines(f, max_line_bytes=max_line_bytes), start=1):
+            if isinstance(line, LineTooLarge):
+                too_large.append((line, number))
+            elif line.strip():  # blank lines (a trailing newline) are not records
+                lines.append(line)
+                rows.append(number)
+            if len(lines) + len(too_large) == batch_rows:
+                yield lines, rows, too_large
+                lines, rows, too_large = [], [], []
+    if lines or too_large:
+        yield lines, rows, too_large
 
 
 def _parse_jsonl_lines(source: str, lines: list[bytes], rows: list[int], schema: pa.Schema) -> RawBatch:
@@ -302,6 +335,10 @@ def _parse_jsonl_line_by_line(source: str, lines: list[bytes], rows: list[int], 
             record = json.loads(text)
         except ValueError as exc:
             batch.rejects.append(Reject(source, row, RejectReason.INVALID_JSON, str(exc), text))
+            continue
+        except RecursionError:
+            detail = "the JSON nests deeper than Python can parse"
+            batch.rejects.append(Reject(source, row, RejectReason.INVALID_JSON, detail, text[:_RAW_PREVIEW_CHARS]))
             continue
         if not isinstance(record, dict):
             detail = f"a JSONL line must be an object, got {type(record).__name__}"
@@ -543,3 +580,6 @@ def _hf_data_file(uri: str, entry) -> str:
             f"{uri}/{HF_STATE_FILE}: _data_files names {filename!r}, which is not a file inside the dataset "
             f"folder ({exc}); re-save the dataset with datasets.save_to_disk, or fix the name in {HF_STATE_FILE}"
         ) from exc
+
+
+_ARROW_READERS = {"parquet": _read_parquet, "csv": _read_csv, "hf_disk": _read_hf_disk}

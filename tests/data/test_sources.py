@@ -14,8 +14,8 @@ RECORDS = [{"prompt": f"p{i} ü", "completion": f"c{i}", "extra": i} for i in ra
 FORMATS = ["jsonl", "parquet", "csv", "hf_disk"]
 
 
-def read_all(store, uri, fmt="auto", batch_rows=10, fields=FIELDS):
-    return list(read_source(uri, fmt, fields, batch_rows, storage_options_for(uri, store)))
+def read_all(store, uri, fmt="auto", batch_rows=10, fields=FIELDS, **options):
+    return list(read_source(uri, fmt, fields, batch_rows, storage_options_for(uri, store), **options))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -161,13 +161,16 @@ def test_a_line_of_tens_of_mb_is_split_in_linear_time():
     assert large < 3.0 * small + 0.05, f"24 MiB: {small:.3f}s, 48 MiB: {large:.3f}s of CPU"
 
 
-def test_a_jsonl_record_with_a_20_mb_field_is_read(file_store):
+def test_a_jsonl_record_with_a_20_mb_field_is_read_when_lines_may_be_that_long(file_store):
     big = "y" * (20 << 20)
     uri = put(file_store, "long.jsonl", jsonl_bytes([RECORDS[0], {"prompt": big, "completion": "c"}, RECORDS[1]]))
 
-    batches = read_all(file_store, uri)
-
+    batches = read_all(file_store, uri, max_line_bytes=32 << 20)
     assert [len(p) for b in batches for p in b.columns["prompt"]] == [4, len(big), 4]  # "p0 ü", ..., "p1 ü"
+
+    by_default = read_all(file_store, uri)  # data.max_line_bytes' default, 1 MiB
+    assert [len(p) for b in by_default for p in b.columns["prompt"]] == [4, 4]
+    assert [(r.source_row, r.reason.value) for b in by_default for r in b.rejects] == [(2, "line_too_large")]
 
 
 def test_csv_fields_over_1_mib_become_rejects_with_their_line_number(file_store):
