@@ -18,8 +18,9 @@ the same generation for `storage.lease_ttl_s` seconds of its own monotonic clock
 at once, and so is one whose holder is known to be gone: an earlier attempt of the same `owner` (the Prefect
 task run whose retry this is: its attempts run one after the other, so the earlier one has ended even if it
 could not release, say during a storage outage), or a holder process on this host that no longer runs (a
-flow run killed or cancelled on this machine; the record names host, pid and the process's start time, so a
-reused pid does not count). After the key is committed its lease objects are deleted.
+flow run killed or cancelled on this machine; the record names host, PID namespace and boot, pid and the
+process's start time, so a reused pid, or a live holder in another PID namespace under the same host name,
+does not count). After the key is committed its lease objects are deleted.
 
 The lease only avoids duplicate work; correctness never depends on its timing: exclusive manifest creation
 (ArtifactWriter.commit) keeps an artifact whole even when two runs compute it at once.
@@ -32,8 +33,10 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 
@@ -91,6 +94,8 @@ class Lease:
             "owner": self.owner,
             "state": state,
             "host": socket.gethostname(),
+            "process": _PROCESS_ID,
+            "pid_namespace": _PID_NAMESPACE,
             "pid": os.getpid(),
             "pid_started": _PROCESS_STARTED,
             "ttl_s": self.ttl_s,
@@ -160,14 +165,32 @@ class Lease:
 
 
 _PROCESS_STARTED = psutil.Process().create_time()
+# Who holds a lease, for people and logs: random per process, unlike a host name and pid.
+_PROCESS_ID = uuid.uuid4().hex
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace and boot (a pid means a process only within both), "" when unknown."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+_PID_NAMESPACE = _pid_namespace()
 
 
 def _holder_gone(record: dict, owner: str | None) -> bool:
-    """Whether the holder is known to have ended: an earlier attempt of `owner`, or a process of this host that
-    no longer runs (a pid reused by another process does not count as the holder)."""
+    """Whether the holder is known to have ended: an earlier attempt of `owner`, or a process of this host, PID
+    namespace and boot that no longer runs (a pid reused by another process does not count as the holder).
+    A holder in another PID namespace (a container or a hostNetwork pod with this host name) cannot be seen
+    from here: only the TTL decides."""
     if owner is not None and record.get("owner") == owner:
         return True
     if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return False
+    if not _PID_NAMESPACE or record.get("pid_namespace") != _PID_NAMESPACE:
         return False
     try:
         holder = psutil.Process(record["pid"])
