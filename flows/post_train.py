@@ -43,6 +43,7 @@ from forge_core.config import RunConfig, load_config
 from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
 from forge_core.rollout.lifetime import with_run_id
+from forge_core.run.plan import LAUNCHER_BACKSTOP_S
 from forge_core.run.resources import FlowResources
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
@@ -115,7 +116,28 @@ def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
     check_run(cfg)
     install_sigterm_handler()
     end_orphaned_launches()
+    sweep_crashed_attempts(cfg)
     return cfg
+
+
+# Crashed attempts a flow start deletes at most (the oldest first); the next start goes on with the rest.
+SWEEP_LIMIT = 200
+
+
+def sweep_crashed_attempts(cfg: RunConfig) -> list[str]:
+    """Delete the files of up to SWEEP_LIMIT attempts that never committed and can no longer be running: older
+    than the longest any attempt may run (a stage's deadline with its kill grace and the launcher's backstop)
+    and than the lease TTL. Returns the attempt prefixes deleted."""
+    store = ObjectStore.from_config(cfg.storage)
+    longest = max(r.deadline_s + r.kill_grace_s for r in cfg.launch.stage_resources().values())
+    older_than_s = max(longest + LAUNCHER_BACKSTOP_S, store.lease_ttl_s)
+    deleted = store.sweep_stale_attempts(older_than_s, limit=SWEEP_LIMIT)
+    if deleted:
+        get_run_logger().info(
+            "deleted the files of %d crashed attempt(s) older than %.0f s, e.g. %s", len(deleted), older_than_s,
+            deleted[0],
+        )
+    return deleted
 
 
 def kill_launches(flow, flow_run, state) -> None:

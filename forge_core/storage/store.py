@@ -442,9 +442,10 @@ class ObjectStore:
         if self.scheme == "file":
             _remove_empty_dirs(self.path_of(uri))
 
-    def sweep_stale_attempts(self, older_than_s: float, under: str | None = None) -> list[str]:
+    def sweep_stale_attempts(self, older_than_s: float, under: str | None = None, limit: int | None = None) -> list[str]:
         """Delete the files of attempts that never committed (crashed or lost writers) and are older than
-        `older_than_s`, under `under` (default: the whole store). Returns the attempt prefixes deleted.
+        `older_than_s`, under `under` (default: the whole store), at most `limit` of them (oldest first).
+        Returns the attempt prefixes deleted.
 
         The committed attempt of an artifact is never touched, and neither is any attempt younger than the
         threshold (it may still be writing): choose `older_than_s` above the longest stage's run time."""
@@ -456,7 +457,9 @@ class ObjectStore:
                 artifact, rest = file_uri.split(marker, 1)
                 prefixes.add((artifact, rest.split("/", 1)[0]))
         deleted = []
-        for artifact, attempt in sorted(prefixes):
+        for artifact, attempt in sorted(prefixes, key=lambda found: found[1]):
+            if limit is not None and len(deleted) >= limit:
+                break
             created = attempt_created_at(attempt)
             if created is None or (now - created).total_seconds() < older_than_s:
                 continue
