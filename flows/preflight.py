@@ -98,9 +98,30 @@ def prefect_api_problems(cfg: RunConfig) -> list[str]:
     return [problem] if problem else []
 
 
+_STORES_PROBED: dict[str, str | None] = {}  # storage root -> its conditional-write problem, once per process
+
+
+def conditional_write_problems(cfg: RunConfig) -> list[str]:
+    """The store refuses a second exclusive create of one key (`ObjectStore.conditional_write_problem`), probed
+    once per store root and process."""
+    from forge_core.storage import ObjectStore
+
+    root = cfg.storage.root
+    if root not in _STORES_PROBED:
+        try:
+            _STORES_PROBED[root] = ObjectStore.from_config(cfg.storage).conditional_write_problem()
+        except Exception:  # noqa: BLE001 - an unreachable store is input_problems' to name, with its fix
+            return []
+    problem = _STORES_PROBED[root]
+    return [problem] if problem else []
+
+
 def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
     """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
     stage runs on this host (launch.placement=pool without `here`)."""
     local = here or getattr(cfg.launch, "placement", "local") == "local"
-    checks = (input_problems, wandb_key_problems, pool_problems, reward_problems, prefect_api_problems)
+    checks = (
+        input_problems, wandb_key_problems, pool_problems, reward_problems, prefect_api_problems,
+        conditional_write_problems,
+    )  # fmt: skip
     return preflight(cfg, stage_names() if local else [], checks=checks)

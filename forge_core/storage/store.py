@@ -302,6 +302,26 @@ class ObjectStore:
                 return False  # deleted again since: still not ours
         return True
 
+    def conditional_write_problem(self) -> str | None:
+        """Why this store cannot commit exclusively, None when it can: on S3, a probe object is created twice with
+        `If-None-Match: *` and the second create must be refused (an endpoint that ignores the header lets the
+        last writer win, and two attempts could both commit). Local and memory stores always can."""
+        if self.scheme in ("file", "memory"):
+            return None
+        probe = self.join(self.root, "_probes", f"conditional-write-{uuid.uuid4().hex}")
+        try:
+            first, second = self.create_exclusive(probe, b"first"), self.create_exclusive(probe, b"second")
+        finally:
+            self.delete(probe)
+        if first and not second:
+            return None
+        endpoint = redact_url(self.endpoint_url) if self.endpoint_url else "of AWS"
+        return (
+            f"storage.root={self.root}: the S3 endpoint {endpoint} ignored If-None-Match (a second conditional PUT "
+            "of one key was accepted), so two attempts of a stage could both commit; use an endpoint that answers "
+            "412 to it (AWS S3 since 2024-08, MinIO since mid-2024)"
+        )
+
     def _create_memory_object(self, path: str, data: bytes) -> None:
         with _MEMORY_CREATE_LOCK:
             if self.fs.exists(path):
