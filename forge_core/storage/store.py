@@ -450,15 +450,17 @@ class ObjectStore:
     def delete_artifact(self, uri: str) -> None:
         """Un-commit, then delete, the committed artifact at `uri` (retention of old checkpoints).
 
-        The manifest goes first, so nothing half-deleted ever looks committed; then the files of every attempt
-        under `<uri>/_attempts/` (format 1: the listed files). Nested artifacts under `uri` are left alone."""
+        The manifest goes first, so nothing half-deleted ever looks committed; then the committed attempt's
+        files (format 1: the listed files). Other attempts' files are not this artifact's: one may still be
+        writing, and may commit once the manifest is gone; crashed ones are `sweep_stale_attempts`'. Nested
+        artifacts under `uri` are left alone."""
         manifest = self.read_manifest(uri)
         self.delete(self.manifest_uri(uri))
         if manifest.attempt is None:
             for rel in manifest.files:
                 self.delete(self.join(uri, rel))
         else:
-            self.delete_prefix(self.join(uri, ATTEMPTS_DIR))
+            self.delete_prefix(self.files_uri(uri, manifest.attempt))
         if self.scheme == "file":
             _remove_empty_dirs(self.path_of(uri))
 
