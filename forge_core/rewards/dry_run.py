@@ -13,12 +13,17 @@ the reward, the layout and the fix. Rewards that score sample facts instead of t
 
 from __future__ import annotations
 
+import dataclasses
+
 from forge_core.config.schema import RewardComponentConfig, RunConfig
 from forge_core.data.pipeline import reference_examples
+from forge_core.rewards.isolation import RewardIsolation
 from forge_core.rewards.registry import RewardFunctionError
-from forge_core.rewards.scoring import RewardSet
+from forge_core.rewards.scoring import RewardSet, example_context
 
 DRY_RUN_ROWS = 16
+# A dry run's per-sample bound (rollout.reward_timeout_s when lower): validate must not wait long on a hang.
+DRY_RUN_TIMEOUT_S = 5.0
 
 
 def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
@@ -30,33 +35,45 @@ def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
         return []  # an unreadable source or tokenizer: preflight's input_problems names it
     if examples is None or not len(examples):
         return []
-    # In this process: the user's functions, on a few rows. SFT's verifier (its validation exact match) too.
-    components = list(RewardSet.from_config(cfg.rollout.rewards).components)
+    layout = "demo" if cfg.data.source == "demo" else cfg.data.layout
+    # User functions run in the isolated reward workers, bounded in time, as the stages run them.
+    isolation = dataclasses.replace(
+        RewardIsolation.from_config(cfg.rollout), timeout_s=min(cfg.rollout.reward_timeout_s, DRY_RUN_TIMEOUT_S)
+    )
+    sets = [RewardSet.from_config(cfg.rollout.rewards, isolation=isolation)]
     verifier = getattr(cfg.sft, "verifier", None)
     if verifier is not None:
         config = RewardComponentConfig(name=verifier, kwargs=dict(getattr(cfg.sft, "verifier_kwargs", {})))
-        components += RewardSet.from_config([config], section="sft.verifier").components
-    layout = "demo" if cfg.data.source == "demo" else cfg.data.layout
+        sets.append(RewardSet.from_config([config], section="sft.verifier", isolation=isolation))
     problems = []
-    for component in components:
-        if component.sample_fields:
+    refs = [f"{examples.source} row {row}" for row in examples.rows]
+    for rewards in sets:
+        scored = [c for c in rewards.components if not c.sample_fields]
+        if not scored:
             continue
-        refs = [f"{examples.source} row {row}" for row in examples.rows]
         try:
-            scores = [
-                component.score(completion, truth, ref)
-                for completion, truth, ref in zip(examples.completions, examples.ground_truths, refs)
-            ]
+            contexts = [example_context() for _ in refs]  # the sample-fact rewards are not judged, only run
+            result = rewards.score(examples.completions, examples.ground_truths, refs, contexts)
         except RewardFunctionError as exc:
-            problems.append(f"{exc} (preflight dry run on the reference answers of data.layout={layout!r})")
-            continue
-        if all(score == 0 for score in scores):
-            key = "sft.verifier" if component.config_key.startswith("sft.verifier") else f"{component.config_key}.name"
+            names = ", ".join(f"{c.config_key}.name={c.spec.name!r}" for c in rewards.components)
             problems.append(
-                f"{key}={component.spec.name!r}: scored 0 on all {len(scores)} reference "
-                f"answers of the first rows of data.source={cfg.data.source!r} (data.layout={layout!r}, e.g. "
-                f"{examples.completions[0][-80:]!r} against ground truth {examples.ground_truths[0]!r}), so it "
-                "cannot tell a right answer from a wrong one on this data; choose a reward that fits the layout "
-                "(gsm8k: numeric_answer) or its kwargs (e.g. tag), or remove it"
+                f"{names}: {exc} (preflight dry run in the reward workers on the reference answers of "
+                f"data.layout={layout!r}, {isolation.timeout_s:g} s a sample); fix the function, or raise "
+                "rollout.reward_timeout_s if it is only slow"
             )
+            continue
+        for component in scored:
+            if all(score == 0 for score in result.columns[component.column]):
+                problems.append(_scores_nothing(cfg, component, examples, layout))
     return problems
+
+
+def _scores_nothing(cfg: RunConfig, component, examples, layout: str) -> str:
+    key = "sft.verifier" if component.config_key.startswith("sft.verifier") else f"{component.config_key}.name"
+    return (
+        f"{key}={component.spec.name!r}: scored 0 on all {len(examples.completions)} reference "
+        f"answers of the first rows of data.source={cfg.data.source!r} (data.layout={layout!r}, e.g. "
+        f"{examples.completions[0][-80:]!r} against ground truth {examples.ground_truths[0]!r}), so it "
+        "cannot tell a right answer from a wrong one on this data; choose a reward that fits the layout "
+        "(gsm8k: numeric_answer) or its kwargs (e.g. tag), or remove it"
+    )

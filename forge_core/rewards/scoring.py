@@ -48,6 +48,11 @@ SAMPLE_FIELDS = ("response_len", "finish_reason", "max_new_tokens", "env_reward"
 _EXAMPLE_CONTEXT = {"response_len": 1, "finish_reason": "stop", "max_new_tokens": 1, "env_reward": 0.0}
 
 
+def example_context() -> dict[str, Any]:
+    """Placeholder sample facts, for scoring text without a generated sample (a dry run on reference answers)."""
+    return dict(_EXAMPLE_CONTEXT)
+
+
 def sample_context(sample: Any, max_new_tokens: int) -> dict[str, Any]:
     """The SAMPLE_FIELDS of one generated sample (anything with `response_len` and `finish_reason`; an
     episode of forge_core.envs also has `env_reward`)."""

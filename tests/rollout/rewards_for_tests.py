@@ -38,3 +38,15 @@ def exits_always(completion: str, ground_truth: str) -> float:
 def has_env(completion: str, ground_truth: str, *, name: str) -> float:
     """1.0 when the reward's process sees the environment variable `name` (e.g. a secret it must not read)."""
     return float(name in os.environ)
+
+
+def hangs_always(completion: str, ground_truth: str) -> float:
+    """Never returns (a reward waiting on a network call that never answers)."""
+    time.sleep(3600)
+    return 1.0
+
+
+def execs_a_program(completion: str, ground_truth: str) -> float:
+    """Replaces its process with another program, as `os.execlp` in a reward would."""
+    os.execlp("true", "true")
+    return 1.0
