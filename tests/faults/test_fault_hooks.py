@@ -57,27 +57,31 @@ def test_bad_fault_entries_say_what_is_expected(spec, why):
 
 
 @pytest.mark.fault(
-    fault="`storage_outage:0.4:_MANIFEST.json` (every store call fails for 0.4 s from the first manifest write)",
+    fault="`storage_outage:0.4:create` (every store call fails for 0.4 s from the manifest's exclusive create)",
     where="ObjectStore retry path (any stage; file:// here)",
-    checked="with enough retries the commit succeeds after the outage; with too few it fails with "
-    "StorageUnavailable naming the URI (retryable for the launcher)",
+    checked="the outage starts at the manifest's create itself; with enough retries the create succeeds after the "
+    "outage and the artifact is committed; with too few the create fails with StorageUnavailable naming it "
+    "(retryable for the launcher) and nothing is committed",
 )
 def test_storage_outage_is_ridden_out_by_the_store_retries(monkeypatch, tmp_path, fault_row):
-    monkeypatch.setenv("FORGE_FAULT", "storage_outage:0.4:_MANIFEST.json")
-    monkeypatch.setattr(faults, "_outage_started", None)
+    def commit_under_outage(store: ObjectStore) -> None:
+        writer = store.writer(store.artifact_uri("data", "k"), kind="data", stage="prepare")
+        writer.write_bytes("rows.bin", b"x" * 10)
+        monkeypatch.setenv("FORGE_FAULT", "storage_outage:0.4:create")  # files written: only the create is left
+        monkeypatch.setattr(faults, "_outage_started", None)
+        monkeypatch.setattr(faults, "_outage_spent", False)
+        writer.commit(config={}, inputs={}, metrics={})
+
     patient = ObjectStore(f"file://{tmp_path}/a", retries=8, retry_backoff_s=0.05)
-    writer = patient.writer(patient.artifact_uri("data", "k"), kind="data", stage="prepare")
-    writer.write_bytes("rows.bin", b"x" * 10)
-    writer.commit(config={}, inputs={}, metrics={})
+    commit_under_outage(patient)
+    assert faults._outage_started is not None, "the outage never started"
     assert patient.is_committed(patient.artifact_uri("data", "k"))
     assert patient.retrier.retried >= 1
-    fault_row.fact(f"{patient.retrier.retried} retries")
+    fault_row.fact(f"{patient.retrier.retried} retries of the create")
 
-    monkeypatch.setattr(faults, "_outage_started", None)
     impatient = ObjectStore(f"file://{tmp_path}/b", retries=1, retry_backoff_s=0.01)
-    with pytest.raises(StorageUnavailable, match=r"_MANIFEST\.json: still failing after 1 retries"):
-        writer = impatient.writer(impatient.artifact_uri("data", "k"), kind="data", stage="prepare")
-        writer.commit(config={}, inputs={}, metrics={})
+    with pytest.raises(StorageUnavailable, match=r"create \S+/_MANIFEST\.json: still failing after 1 retries"):
+        commit_under_outage(impatient)
     monkeypatch.setattr(faults, "_outage_spent", True)  # end the outage to look
     assert not impatient.is_committed(impatient.artifact_uri("data", "k"))
 
