@@ -27,7 +27,7 @@ closes the channel.
 
 Workers run user code, so they get an allow-listed environment (`worker_environment`): the names in
 WORKER_ENV and LC_*, their import path, and the names the user allows (`rollout.worker_env_allow`); never the
-flow process's credentials (AWS_*, FORGE_CLUSTER_KEY, WANDB_API_KEY, FORGE_SECRET_URLS, HF_TOKEN, ...) unless
+flow process's credentials (AWS_*, RAY_AUTH_TOKEN, WANDB_API_KEY, FORGE_SECRET_URLS, HF_TOKEN, ...) unless
 named there. A call's result (an environment's tool) is bounded too: one whose pickled size exceeds
 `max_result_bytes` (rollout.env.max_tool_result_bytes) never leaves its worker; it is an outcome of kind
 CALL_TOO_LARGE.

@@ -93,7 +93,7 @@ def test_device_locks_by_default_live_in_a_private_folder_of_this_user(monkeypat
 
 SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "aws-secret",
-    "FORGE_CLUSTER_KEY": "cluster-key",
+    "RAY_AUTH_TOKEN": "ray-token",
     "WANDB_API_KEY": "wandb-key",
     "HF_TOKEN": "hf-token",
 }
@@ -107,7 +107,7 @@ def pool():
 
 
 @pytest.mark.fault(
-    fault="a tool reads secrets of the flow process's environment (AWS_SECRET_ACCESS_KEY, FORGE_CLUSTER_KEY, "
+    fault="a tool reads secrets of the flow process's environment (AWS_SECRET_ACCESS_KEY, RAY_AUTH_TOKEN, "
     "...)",
     where="forge_core.rewards.isolation (the workers that run tools and rewards)",
     checked="the worker's environment is allow-listed: every secret reads as None, PATH still passes, and a "
@@ -126,21 +126,21 @@ def test_a_tool_sees_no_secret_of_the_flow_process(monkeypatch, pool):
 
 
 @pytest.mark.fault(
-    fault="a reward function reads FORGE_CLUSTER_KEY from its worker's environment",
+    fault="a reward function reads RAY_AUTH_TOKEN from its worker's environment",
     where="forge_core.rewards.isolation (isolated reward scoring)",
     checked="the reward sees no such variable unless rollout.worker_env_allow names it",
 )
 def test_a_reward_sees_no_cluster_key(monkeypatch):
-    monkeypatch.setenv("FORGE_CLUSTER_KEY", "cluster-key")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-token")
     reads_key = [
-        RewardComponentConfig("tests.rollout.rewards_for_tests:has_env", 1.0, {"name": "FORGE_CLUSTER_KEY"})
+        RewardComponentConfig("tests.rollout.rewards_for_tests:has_env", 1.0, {"name": "RAY_AUTH_TOKEN"})
     ]
 
     def score(env_allow: tuple[str, ...]) -> float:
         isolation = RewardIsolation(timeout_s=60, workers=1, env_allow=env_allow)
         return RewardSet.from_config(reads_key, isolation=isolation).score(["a"], ["a"], ["s0"]).total[0]
 
-    assert score(("FORGE_CLUSTER_KEY",)) == 1.0  # allowed: the variable does reach a worker
+    assert score(("RAY_AUTH_TOKEN",)) == 1.0  # allowed: the variable does reach a worker
     assert score(()) == 0.0
 
 
