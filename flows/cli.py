@@ -3,6 +3,7 @@
 forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
 forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config, its inputs and pools
 forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
+forgeflow export last ./my-model [--push-to-hub me/my-model]           # a trained policy as an HF folder
 forgeflow pools create gpu-a --gpus 8                                   # a process work pool and its GPU limit
 """
 
@@ -63,6 +64,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from flows.export import export
+
+    export(args.source, args.target, load_config(args.config, args.overrides), hub_repo=args.push_to_hub)
+    return 0
+
+
 def _cmd_pools_create(args: argparse.Namespace) -> int:
     if args.gpus < 0:
         raise ValueError(f"--gpus={args.gpus}: must be >= 0 (0 = a CPU pool without a GPU limit)")
@@ -96,6 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--limit", type=int, default=10)
     status.add_argument("overrides", nargs="*", help="key=value overrides, e.g. storage.root=s3://bucket/x")
     status.set_defaults(handler=_cmd_status)
+
+    export = sub.add_parser(
+        "export", help="copy a committed policy (verified) to a plain HF folder that transformers loads"
+    )
+    export.add_argument(
+        "source",
+        help="`last` (the last run's final policy, recorded in logging.dir), a flow run id, or the URI of a "
+        "policy or of an sft/grpo artifact (s3://..., file://... or a local path)",
+    )
+    export.add_argument("target", help="a new or empty folder")
+    export.add_argument(
+        "--config", default=None, help="the run's YAML: its logging.dir and store settings (default: the defaults)"
+    )
+    export.add_argument(
+        "--push-to-hub", metavar="REPO_ID", default=None,
+        help="then upload the folder to this Hugging Face model repo (private when created; needs HF_TOKEN)",
+    )
+    export.add_argument("overrides", nargs="*", help="key=value overrides, e.g. logging.dir=/runs")
+    export.set_defaults(handler=_cmd_export)
 
     pools = sub.add_parser("pools", help="work pools and their GPU concurrency limits")
     pools_sub = pools.add_subparsers(dest="pools_command", required=True)

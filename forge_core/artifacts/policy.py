@@ -3,6 +3,7 @@
     policy_uri(store, stage_uri)                                     # <stage_uri>/policy
     local = download_policy(store, stage_uri, workdir / "policy")    # verified copy (the trainers)
     policy = fetch_policy(store, stage_uri)                          # verified, cached by manifest hash (vLLM)
+    export_policy_folder(store, uri, "./my-model")                   # verified copy for a user (forgeflow export)
     policy.local_dir, policy.uri, policy.version, policy.manifest_sha256
 
 Layout: a training stage's artifact (`sft` or `grpo` kind, `forge_core.stages.policy_kinds()`) holds `policy/`, a
@@ -51,6 +52,7 @@ from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.storage.manifest import Manifest
 
 POLICY_DIR = "policy"  # the policy inside a training stage's artifact
+POLICY_KIND = "policy"  # the kind of that nested artifact's manifest
 # What a stage artifact passed as a policy must be (the messages of policy_kind).
 POLICY_WHAT = f"the output of an SFT or GRPO stage, which holds {POLICY_DIR}/"
 log = logging.getLogger(__name__)
@@ -292,6 +294,62 @@ def download_policy(store: ObjectStore, stage_uri: str, local_dir: str | Path, i
         return store.reader(uri).download_dir("", local_dir)
     except (ArtifactError, FileNotFoundError) as exc:
         raise ValueError(f"inputs.{input_name}={stage_uri}: cannot read its policy at {uri}: {exc}") from exc
+
+
+def export_policy_folder(store: ObjectStore, uri: str, target: str | os.PathLike) -> str:
+    """Verified copy of a committed policy into `target`, a plain HF folder (weights, config, tokenizer) that
+    transformers and vLLM load: every file is checked against the policy's manifest (size and sha256) before
+    `target` appears, so a refused copy leaves nothing there.
+
+    Args:
+        uri: a policy artifact (`<stage_uri>/policy`, what a run prints as its final policy) or the committed
+            `sft` / `grpo` stage artifact that holds one.
+        target: a folder that does not exist yet or is empty (created with its parents).
+
+    Returns:
+        The URI of the policy artifact copied.
+
+    Raises:
+        ValueError: `target` is not an empty folder; `uri` is not committed, holds no policy, or a file of the
+            policy does not match its manifest (named, with the fix).
+    """
+    target = Path(target).expanduser().absolute()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"export target {target} is not empty; name a new or an empty folder")
+    source = _committed_policy_uri(store, uri)
+    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        store.reader(source).download_dir("", staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, target)  # over an empty folder too: rename(2) replaces an empty directory
+    except ArtifactError as exc:
+        raise ValueError(
+            f"refused to export {source}: {exc}; nothing was written to {target}. Delete the artifact's prefix so "
+            "its stage runs again (or export another committed policy: forgeflow status lists them)"
+        ) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return source
+
+
+def _committed_policy_uri(store: ObjectStore, uri: str) -> str:
+    """The policy artifact `uri` names: itself (kind `policy`) or the `policy/` of a committed sft/grpo artifact."""
+    uri = uri.rstrip("/")
+    try:
+        kind = store.read_manifest(uri).kind
+    except ArtifactError as exc:
+        raise ValueError(
+            f"cannot export {uri}: {exc}. Export a committed policy: the final policy a run printed, or an sft or "
+            "grpo artifact that `forgeflow status` lists"
+        ) from exc
+    if kind == POLICY_KIND:
+        return uri
+    if kind not in policy_kinds():
+        raise ValueError(
+            f"{uri} is a {kind!r} artifact, which holds no policy; export {POLICY_WHAT} (kinds {list(policy_kinds())}), "
+            f"or its {POLICY_DIR}/"
+        )
+    return policy_uri(store, uri)
 
 
 def fetch_policy(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from forge_core.artifacts.policy import POLICY_KIND
 from forge_core.batch import TokenBatch
 from forge_core.engine import Checkpointer, CheckpointRef, Engine, ResumeState
 from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
@@ -38,7 +39,6 @@ from forge_core.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
-POLICY_KIND = "policy"
 _LOSS_KEY = "__loss"
 _TOKENS_KEY = "__tokens"
 
