@@ -2,7 +2,7 @@
 
 forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the pipeline now
 forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config, its inputs and pools
-forgeflow status [--config configs/demo_cpu.yaml] [storage.root=...]   # recent runs + committed artifacts
+forgeflow status [--config my.yaml] [storage.root=...]                 # recent runs, artifacts (last run's store)
 forgeflow export last ./my-model [--push-to-hub me/my-model]           # a trained policy as an HF folder
 forgeflow pools create gpu-a --gpus 8                                   # a process work pool and its GPU limit
 """
@@ -51,10 +51,12 @@ async def _recent_flow_runs(limit: int) -> list:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from forge_core.storage import ObjectStore
+    from flows.last_run import status_store
 
     cfg = load_config(args.config, args.overrides)
-    store = ObjectStore.from_config(cfg.storage)
+    named = args.config is not None or any(o.startswith("storage.") for o in args.overrides)
+    store, origin = status_store(cfg, store_named=named)
+    print(f"store {store.root}: {origin}; read another with --config <yaml> or storage.root=<uri>")
     for run in asyncio.run(_recent_flow_runs(args.limit)):
         state = run.state.name if run.state else "?"
         print(f"{run.id}  {run.name:<28} {state:<12} {run.start_time or ''}")
@@ -100,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(handler=_cmd_validate)
 
     status = sub.add_parser("status", help="recent flow runs and committed artifacts")
-    status.add_argument("--config", default="configs/demo_cpu.yaml")
+    status.add_argument(
+        "--config", default=None,
+        help="the store of this YAML (default: the store of the last run recorded in logging.dir, ./.forge-runs)",
+    )
     status.add_argument("--limit", type=int, default=10)
     status.add_argument("overrides", nargs="*", help="key=value overrides, e.g. storage.root=s3://bucket/x")
     status.set_defaults(handler=_cmd_status)

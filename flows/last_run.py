@@ -1,8 +1,8 @@
 """Where a finished run left its results, for the commands that come after it.
 
     path = record_run(summary, cfg)            # every run's ending (flows.report.finish_run)
-    record = read_run(".forge-runs", "last")   # forgeflow export last <dir>, forgeflow status
-    store = run_store(record)
+    record = read_run(".forge-runs", "last")   # forgeflow export last <dir>
+    store, origin = status_store(cfg, store_named=False)   # forgeflow status: the last run's store, or cfg's
 
 A run's record is its summary (flows.post_train.PipelineSummary as a dict) plus the store it wrote to
 (`store`: root, endpoint_url, region) and the config it ran. It is written under the run's `logging.dir` twice:
@@ -96,3 +96,17 @@ def run_store(record: dict, cfg: RunConfig) -> ObjectStore:
         retry_backoff_s=cfg.storage.retry_backoff_s,
         retry_horizon_s=cfg.storage.retry_horizon_s,
     )
+
+
+def status_store(cfg: RunConfig, store_named: bool) -> tuple[ObjectStore, str]:
+    """The store `forgeflow status` reads and where that choice came from: `cfg`'s when the command named a
+    store (`store_named`: --config or a storage.* override), else the last run's recorded one, else the default."""
+    if not store_named:
+        record = find_run(cfg.logging.dir)
+        if record is not None:
+            path = Path(cfg.logging.dir).expanduser().resolve() / LAST_RUN_FILE
+            return run_store(record, cfg), f"the last run's, flow run {record['flow_run_id']} ({path})"
+    store = ObjectStore.from_config(cfg.storage)
+    if store_named:
+        return store, "storage.root of the config and overrides"
+    return store, f"the default store: no run is recorded under {Path(cfg.logging.dir).expanduser().resolve()}"
