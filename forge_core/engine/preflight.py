@@ -29,10 +29,15 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from forge_core.config.schema import RunConfig, TrainingConfig
 from forge_core.stages import stage_named, stage_names
+
+if TYPE_CHECKING:
+    from forge_core.models.architecture import Architecture
+    from forge_core.models.hf import HFModelInfo
 
 _GPU_ROLLOUT_DTYPES = ("bfloat16", "float16")
 _INSTALL_FIX = "install the gpu extra into a fresh venv: EXTRAS=gpu,dev scripts/install.sh"
@@ -104,9 +109,11 @@ class HostDevices:
         return None
 
     def describe(self) -> str:
+        """What the host offers, in a few words; a host without a usable GPU is "CPU only" (why it has none is
+        said only where a config asks for a GPU: most configs run on CPU deliberately)."""
         if self.gpu_unusable_reason() is None:
             return f"{self.device_count} CUDA device(s), torch {self.torch_version} (CUDA {self.torch_cuda})"
-        return f"no usable GPU: {self.gpu_unusable_reason()}"
+        return f"CPU only, torch {self.torch_version}"
 
 
 def training_gpu_requests(training: TrainingConfig) -> list[str]:
@@ -180,13 +187,19 @@ def _rank_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[str]:
     ]
 
 
-def _vllm_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[str]:
+def vllm_gpu_requests(cfg: RunConfig, stage: str) -> list[str]:
+    """The settings that ask vLLM for a GPU in a scoring stage (rollout, evaluate); [] = vLLM on CPU."""
     asks = []
     if cfg.rollout.dtype in _GPU_ROLLOUT_DTYPES:
         asks.append(f"rollout.dtype={cfg.rollout.dtype!r}")
     gpus = cfg.launch.for_stage(stage).gpus_per_node
     if gpus > 0:
         asks.append(f"launch.{stage}.gpus_per_node={gpus}")
+    return asks
+
+
+def _vllm_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[str]:
+    asks = vllm_gpu_requests(cfg, stage)
     if not asks:
         return []
     if host.vllm_build == "cpu":
@@ -284,19 +297,45 @@ def checkpoint_problems(cfg: RunConfig) -> list[str]:
     if uri is None or problems:
         return problems
     from forge_core.models.flavors import check_architecture
-    from forge_core.models.hf import model_info_of_config
 
     fs, path = _file_system(uri, cfg)
     if not fs.glob(f"{path.rstrip('/')}/*.safetensors"):
         problems.append(f"model.hf_path={uri!r}: no *.safetensors weights in the folder; give {what}")
-    where = f"model.hf_path={uri!r} config.json"
     try:
-        info = model_info_of_config(json.loads(fs.cat_file(f"{path.rstrip('/')}/config.json")), where)
+        info = _checkpoint_info(cfg)
         check_architecture(cfg.model, info.architecture)
     except ValueError as exc:
         return [*problems, str(exc)]
-    context = info.context_problem(cfg.model.max_seq_len, where)
+    context = info.context_problem(cfg.model.max_seq_len, _checkpoint_where(cfg))
     return [*problems, *([context] if context else [])]
+
+
+def _checkpoint_where(cfg: RunConfig) -> str:
+    return f"model.hf_path={cfg.model.hf_path!r} config.json"
+
+
+def _checkpoint_info(cfg: RunConfig) -> HFModelInfo:
+    """HFModelInfo of model.hf_path's config.json; ValueError for a model forgeflow cannot build."""
+    from forge_core.models.hf import model_info_of_config
+
+    fs, path = _file_system(cfg.model.hf_path, cfg)
+    return model_info_of_config(json.loads(fs.cat_file(f"{path.rstrip('/')}/config.json")), _checkpoint_where(cfg))
+
+
+def model_architecture(cfg: RunConfig) -> tuple[Architecture, str] | None:
+    """(the Architecture the run trains and serves, the settings it comes from, for messages): model.hf_path's
+    config.json, else the family's flavor; None when it cannot be read or built (checkpoint_problems says
+    why)."""
+    from forge_core.models.flavors import flavor_architecture, from_scratch_flavor
+
+    model = cfg.model
+    try:
+        if model.hf_path is None:
+            flavor = from_scratch_flavor(model.flavor)
+            return flavor_architecture(model.family, flavor), f"model.family={model.family!r} model.flavor={flavor!r}"
+        return _checkpoint_info(cfg).architecture, _checkpoint_where(cfg)
+    except Exception:  # noqa: BLE001 - unreadable or unsupported: checkpoint_problems names it with its fix
+        return None
 
 
 def _data_source_problems(cfg: RunConfig) -> list[str]:

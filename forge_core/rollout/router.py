@@ -54,6 +54,7 @@ class EngineRouter:
         assert engines, "a router needs at least one engine"
         self.live: list[EngineConnection] = list(engines)
         self.dead: list[str] = []  # names of the engines dropped since this router was made
+        self._why_lost: dict[str, str] = {}  # name of a dropped engine -> the first line of its error
 
     @property
     def names(self) -> list[str]:
@@ -176,6 +177,7 @@ class EngineRouter:
         self.dead.append(engine.name)
         engine.close()
         first_line = str(error).splitlines()[0] if str(error) else repr(error)
+        self._why_lost[engine.name] = first_line
         log.warning(
             "engine %s (pid %d) is lost: %s; %s %s",
             engine.name,
@@ -187,9 +189,10 @@ class EngineRouter:
 
     def _check_some_left(self, doing: str) -> None:
         if not self.live:
+            causes = "; ".join(f"{name}: {self._why_lost.get(name, '?')}" for name in self.dead)
             raise EngineLost(
-                f"no engine is left (lost: {', '.join(self.dead)}) {doing}; a retry of the stage starts new "
-                "ones (EngineService.ensure_engines restarts a flow's)"
+                f"no engine is left (lost: {causes}) {doing}; a retry of the stage starts new ones "
+                "(EngineService.ensure_engines restarts a flow's)"
             )
 
 

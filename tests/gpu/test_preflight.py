@@ -54,7 +54,7 @@ def test_every_gpu_request_is_named_in_one_report(no_wandb_key):
     with pytest.raises(PreflightError) as raised:
         preflight(cfg)
     message = str(raised.value)
-    assert "running this config on this host (no usable GPU: torch 2.13.0+cpu is a CPU build" in message
+    assert "running this config on this host (CPU only, torch 2.13.0+cpu):" in message
     expected = [
         "launch.sft.gpus_per_node=8 asks for GPUs, but torch 2.13.0+cpu is a CPU build",
         "sft: training.mixed_precision='bf16' (with training.device='auto') asks for a GPU",

@@ -158,3 +158,4 @@ def test_two_flow_engines_reroute_a_killed_engines_prompts_and_stop_with_the_flo
         router.generate(prompts[:4], LONG_SAMPLING, SEED)
     assert isinstance(failure.value, RetryableStageError)
     assert router.dead == ["engine-0", "engine-1"]
+    assert "lost: engine-0: " in str(failure.value) and "; engine-1: " in str(failure.value)  # each one's cause
