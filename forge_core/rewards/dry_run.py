@@ -6,20 +6,24 @@ before anything trains.
 Each reward component scores the reference completion of the first rows of `data.source` (read as the prepare
 stage reads them) against its ground truth. A reward that scores 0 on every reference cannot tell a right
 answer from a wrong one on this data (e.g. `answer_format` looks for `<answer>` tags that GSM8K answers never
-have): GRPO would train on zero advantage. That, and a reward that raises on a reference, is a problem naming
-the reward, the layout and the fix. Rewards that score sample facts instead of the text (`overlong`: they take
-`response_len` ...) are not dry-run: 0 is their normal value.
+have): GRPO would train on zero advantage. Its problem shows what the reward saw (a reference completion and
+its ground truth, as the layout made them) and the settings that change what it compares (data.ground_truth_field,
+the reward's kwargs). A reward that raises on a reference, ends or replaces its worker process, or outlasts the
+dry run's per-sample bound is a problem naming the reward, the sample and the fix. Rewards that score sample facts
+instead of the text (`overlong`: they take `response_len` ...) are not dry-run: 0 is their normal value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import reprlib
 
 from forge_core.config.schema import RewardComponentConfig, RunConfig
 from forge_core.data.pipeline import reference_examples
 from forge_core.rewards.isolation import RewardIsolation
 from forge_core.rewards.registry import RewardFunctionError
-from forge_core.rewards.scoring import RewardSet, example_context
+from forge_core.rewards.scoring import SAMPLE_FIELDS, RewardComponent, RewardSet, example_context
 
 DRY_RUN_ROWS = 16
 # A dry run's per-sample bound (rollout.reward_timeout_s when lower): validate must not wait long on a hang.
@@ -54,12 +58,12 @@ def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
         try:
             contexts = [example_context() for _ in refs]  # the sample-fact rewards are not judged, only run
             result = rewards.score(examples.completions, examples.ground_truths, refs, contexts)
-        except RewardFunctionError as exc:
+        except RewardFunctionError as exc:  # its message names the sample and the fix
             names = ", ".join(f"{c.config_key}.name={c.spec.name!r}" for c in rewards.components)
+            truth_source, _ = _ground_truth_source(cfg.data, layout)
             problems.append(
-                f"{names}: {exc} (preflight dry run in the reward workers on the reference answers of "
-                f"data.layout={layout!r}, {isolation.timeout_s:g} s a sample); fix the function, or raise "
-                "rollout.reward_timeout_s if it is only slow"
+                f"{names}: {exc} (the preflight dry run in the reward workers, {isolation.timeout_s:g} s a sample, "
+                f"on the reference answers of data.layout={layout!r}, whose ground truth is {truth_source})"
             )
             continue
         for component in scored:
@@ -68,12 +72,57 @@ def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
     return problems
 
 
-def _scores_nothing(cfg: RunConfig, component, examples, layout: str) -> str:
-    key = "sft.verifier" if component.config_key.startswith("sft.verifier") else f"{component.config_key}.name"
+def _scores_nothing(cfg: RunConfig, component: RewardComponent, examples, layout: str) -> str:
+    """The problem of a reward that scored 0 on every reference: what it saw (the first reference completion
+    and its ground truth, as the layout made them) and the settings that change what it compares."""
+    verifier = component.config_key.startswith("sft.verifier")
+    key = "sft.verifier" if verifier else f"{component.config_key}.name"
+    kwargs_key = "sft.verifier_kwargs" if verifier else f"{component.config_key}.kwargs"
+    truth_source, truth_setting = _ground_truth_source(cfg.data, layout)
+    settings = [
+        truth_setting,
+        f"{kwargs_key} (now {component.kwargs}; {component.spec.name} takes {_kwargs_it_takes(component)})",
+        "a reward that fits what the ground truth is (GSM8K answers: numeric_answer), or removing it",
+    ]
     return (
-        f"{key}={component.spec.name!r}: scored 0 on all {len(examples.completions)} reference "
-        f"answers of the first rows of data.source={cfg.data.source!r} (data.layout={layout!r}, e.g. "
-        f"{examples.completions[0][-80:]!r} against ground truth {examples.ground_truths[0]!r}), so it "
-        "cannot tell a right answer from a wrong one on this data; choose a reward that fits the layout "
-        "(gsm8k: numeric_answer) or its kwargs (e.g. tag), or remove it"
+        f"{key}={component.spec.name!r}: scored 0 on all {len(examples.completions)} reference answers of the "
+        f"first rows of data.source={cfg.data.source!r}, so it cannot tell a right answer from a wrong one on "
+        f"this data. What it saw ({examples.source} row {examples.rows[0]}, data.layout={layout!r}):\n"
+        f"      completion:   {_SHOWN.repr(examples.completions[0])}\n"
+        f"      ground truth: {_SHOWN.repr(examples.ground_truths[0])} ({truth_source})\n"
+        f"    Settings that change what it compares: {'; '.join(settings)}"
     )
+
+
+# A reference shown in a problem: long enough to see its end (where answers are), bounded for huge rows.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = 240
+
+
+def _ground_truth_source(data, layout: str) -> tuple[str, str]:
+    """(where the layout takes the ground truth from, the setting that changes it)."""
+    if layout == "demo":
+        return "the demo task's answer", "data.demo (the demo task's own answers)"
+    if layout == "gsm8k":
+        own_column = "data.layout (prompt_completion or chat take data.ground_truth_field, a column of your own)"
+        return f"the number after '####' in data.answer_field={data.answer_field!r}", own_column
+    setting = "data.ground_truth_field=<a column holding exactly what the reward compares against>"
+    if data.ground_truth_field:
+        return f"column data.ground_truth_field={data.ground_truth_field!r}", f"{setting} (now {data.ground_truth_field!r})"
+    itself = f"data.completion_field={data.completion_field!r}" if layout == "prompt_completion" else "the last message"
+    return f"{itself} as is: data.ground_truth_field is unset", setting
+
+
+def _kwargs_it_takes(component: RewardComponent) -> str:
+    """`tag='answer', rel_tol=1e-06`: the parameters a reward function takes besides completion, ground truth
+    and the sample facts (the kwargs a config may set), with their defaults."""
+    try:
+        parameters = list(inspect.signature(component.spec.fn).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return "unknown kwargs"
+    shown = [
+        p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+        for p in parameters
+        if p.name not in SAMPLE_FIELDS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    return ", ".join(shown) or "no kwargs"
