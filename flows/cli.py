@@ -12,22 +12,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
 from forge_core.config import ConfigError, load_config
 from forge_core.credentials import hide_credentials_in_overrides
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """Exit status 1 when GRPO stopped early for lack of learning signal (the ending says why)."""
     from flows.post_train import post_train
+    from flows.report import finish_run
 
+    cfg = load_config(args.config, args.overrides)
+    started = time.time()
     # Prefect records the flow's parameters: a tokenised URL in an override goes in redacted.
     summary = post_train(args.config, hide_credentials_in_overrides(args.overrides))
-    for point in summary["evals"]:
-        print(
-            f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}"
-        )
-    print(f"final policy: {summary['final_policy_uri']}")
-    return 0
+    return 1 if finish_run(summary, cfg, started, args.config).get("stopped") else 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

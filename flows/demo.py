@@ -8,16 +8,16 @@
 Runs the `post-train` flow on Prefect's ephemeral local API with configs/demo_cpu.yaml: a local-folder object
 store (./.forge-store), wandb offline (./.forge-runs), vLLM on CPU, torchrun with 2 ranks for SFT and GRPO.
 The terminal shows one line per stage start/finish and a progress bar for SFT and GRPO; worker logs go to the
-Prefect API (and to the terminal with --verbose). It ends with the stage table (duration, key metric,
-artifact URI), held-out accuracy after SFT and after every GRPO iteration, the plot, the Prefect flow-run id
-and the `wandb sync` command that uploads the offline runs later. Re-running with the same config skips
-every committed stage.
+Prefect API (and to the terminal with --verbose). It ends as every run does (flows.report.finish_run, also
+`forgeflow run`): the stage table (duration, key metric, artifact URI), held-out accuracy after SFT and after
+every GRPO iteration, the final policy and the `forgeflow export` command that copies it to an HF folder, the
+plot, the Prefect flow-run id and the `wandb sync` command that uploads the offline runs later. Re-running with
+the same config skips every committed stage. Exits 1 when GRPO stopped early for lack of learning signal.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -51,55 +51,13 @@ def _quiet_worker_logs() -> None:
             handler.addFilter(_HideWorkerLines())
 
 
-def _new_wandb_runs(log_dir: Path, since: float) -> list[Path]:
-    """The wandb offline runs this demo wrote (a skipped stage writes none)."""
-    return sorted(p for p in log_dir.glob("*/wandb/offline-run-*") if p.stat().st_mtime >= since)
-
-
-def _rollout_rewards(summary: dict, cfg) -> list[float]:
-    from forge_core.storage import ObjectStore
-
-    store = ObjectStore.from_config(cfg.storage)
-    return [float(store.read_manifest(uri).metrics["reward_mean"]) for uri in summary["rollouts"]]
-
-
-def print_demo_report(summary: dict, cfg, started: float) -> None:
-    """The end of `make demo`: stage table, learning curve, where the plot, runs and artifacts are."""
-    from flows.report import format_learning, format_table
-
-    print("\n" + format_table(summary["stages"]))
-    print("\nHeld-out exact match (greedy) after SFT and after each GRPO iteration:")
-    print(format_learning(summary["evals"], _rollout_rewards(summary, cfg)))
-    evals = summary["evals"]
-    if cfg.rollout.env.enabled:
-        from flows.report import format_tool_use
-        from forge_core.storage import ObjectStore
-
-        store = ObjectStore.from_config(cfg.storage)
-        print(f"\nTool use on the held-out prompts ({cfg.rollout.env.name}: {', '.join(cfg.rollout.env.tools)}):")
-        print(format_tool_use(evals, [store.read_manifest(e["eval_uri"]).metrics for e in evals]))
-    if len(evals) > 1:
-        gain = 100 * (evals[-1]["accuracy"] - evals[0]["accuracy"])
-        print(f"GRPO changed held-out accuracy by {gain:+.1f} points over the SFT policy.")
-    log_dir = Path(cfg.logging.dir).resolve()
-    print(f"\nfinal policy:  {summary['final_policy_uri']}")
-    print(f"plot:          {summary['plot_path']}  (also on the Prefect flow run as an image artifact)")
-    print(f"flow run:      {summary['flow_run_id']}  (browse it: .venv/bin/prefect server start)")
-    print(f"summary:       {summary['summary_path']}")
-    runs = _new_wandb_runs(log_dir, started)
-    if runs:
-        print(f"wandb:         {len(runs)} offline runs under {log_dir}")
-        print(f"               upload later: .venv/bin/wandb sync {log_dir}/*/wandb/offline-run-*")
-    else:
-        print(f"wandb:         no new runs (every training stage was already committed); see {log_dir}")
-    print(f"total:         {time.time() - started:.0f}s")
-
-
 def run_demo(overrides: list[str], verbose: bool = False, config: str = DEMO_CONFIG) -> dict:
-    """Run the demo flow with `overrides` on top of `config` (configs/demo_cpu.yaml), print the report, return
-    the flow's summary (flows.post_train.PipelineSummary as a dict)."""
+    """Run the demo flow with `overrides` on top of `config` (configs/demo_cpu.yaml), print the run's ending
+    (flows.report.finish_run), return the flow's summary (flows.post_train.PipelineSummary as a dict) with its
+    recorded file (`summary_path`)."""
     _prepare_environment()
     from flows.post_train import post_train
+    from flows.report import finish_run
     from forge_core.config import load_config
     from forge_core.credentials import hide_credentials_in_overrides
     from forge_core.models.flavors import from_scratch_flavor
@@ -119,18 +77,7 @@ def run_demo(overrides: list[str], verbose: bool = False, config: str = DEMO_CON
     )
     started = time.time()
     summary = post_train(config, hide_credentials_in_overrides(overrides))  # Prefect records parameters
-    summary["summary_path"] = str(write_summary(summary, cfg))
-    print_demo_report(summary, cfg, started)
-    return summary
-
-
-def write_summary(summary: dict, cfg) -> Path:
-    """The flow's summary as JSON next to the run's plot, for scripts (docs/demo_seeds.py reads it)."""
-    run_dir = Path(summary["plot_path"]).parent if summary.get("plot_path") else Path(cfg.logging.dir)
-    path = run_dir / f"summary-{summary['flow_run_id']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return path
+    return finish_run(summary, cfg, started, config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     from forge_core.config import ConfigError
 
     try:
-        run_demo(args.overrides, verbose=args.verbose, config=str(Path(args.config).resolve()))
+        summary = run_demo(args.overrides, verbose=args.verbose, config=str(Path(args.config).resolve()))
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    return 0
+    return 1 if summary.get("stopped") else 0
 
 
 if __name__ == "__main__":

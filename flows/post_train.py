@@ -11,6 +11,10 @@ by policy max(0, k - grpo.max_staleness), are generated while the iterations bef
 code with staleness 0 (each rollout is awaited as soon as it is submitted). A cancelled or killed flow still
 takes every launch down with it: the launcher's registry is per process, whichever thread launched.
 
+After `grpo.max_no_signal_iterations` GRPO iterations in a row without learning signal the flow evaluates the
+last policy and stops, completed: the summary's `stopped` says why and what to change (every entry point's
+ending prints it: flows.report.finish_run).
+
 The config is loaded and validated once, here; the tasks get the RunConfig object. The run's long-lived
 engines and trainer job (the default lifetimes) belong to its FlowResources (forge_core.run.resources), which
 ends them when the flow ends, fails or is cancelled.
@@ -30,9 +34,8 @@ from prefect.runtime import flow_run
 
 from flows.preflight import check_run
 from flows.report import (
-    NoLearningSignal,
     StageRecord,
-    format_table,
+    finish_run,
     no_learning_signal,
     no_signal_fix,
     placement_table,
@@ -70,6 +73,8 @@ class PipelineSummary:
     stages: list[dict] = field(default_factory=list)  # rows of flows.report.stage_table
     placement: list[dict] = field(default_factory=list)  # rows of flows.report.placement_table
     plot_path: str | None = None
+    # Why GRPO stopped before grpo.iterations (grpo.max_no_signal_iterations), with the fix; None = it did not.
+    stopped: str | None = None
 
     def as_markdown(self) -> str:
         lines = ["| stage | accuracy | mean reward | policy |", "| --- | --- | --- | --- |"]
@@ -86,6 +91,7 @@ class PipelineSummary:
                 f"Data: `{self.data_uri}`",
                 "",
                 f"Final policy: `{self.final_policy_uri}`",
+                *(["", f"**GRPO stopped early**: {self.stopped}"] if self.stopped else []),
             ]
         )
 
@@ -289,7 +295,7 @@ class _RolloutLane:
 
 
 class _NoSignalWatch:
-    """Warns on the flow run (log + artifact) for every GRPO iteration without learning signal and stops the flow
+    """Warns on the flow run (log + artifact) for every GRPO iteration without learning signal and says to stop
     after `grpo.max_no_signal_iterations` of them in a row (0 = never)."""
 
     def __init__(self, limit: int, logger):
@@ -297,11 +303,12 @@ class _NoSignalWatch:
         self._logger = logger
         self._in_a_row = 0
 
-    def check(self, label: str, metrics: dict) -> None:
+    def check(self, label: str, metrics: dict) -> str | None:
+        """Why the flow stops GRPO after iteration `label` (with the fix), or None to go on."""
         reason = no_learning_signal(metrics)
         if reason is None:
             self._in_a_row = 0
-            return
+            return None
         self._in_a_row += 1
         message = f"{label}: no learning signal: {reason} ({self._in_a_row} such iteration(s) in a row)"
         self._logger.warning(message)
@@ -311,10 +318,11 @@ class _NoSignalWatch:
             description="a GRPO iteration that learned nothing",
         )
         if self._limit and self._in_a_row >= self._limit:
-            raise NoLearningSignal(
+            return (
                 f"stopped after {self._in_a_row} GRPO iterations in a row without learning signal (last: {label}: "
                 f"{reason}). {no_signal_fix(self._limit)}"
             )
+        return None
 
 
 def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
@@ -345,12 +353,15 @@ def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
             lane.submit_ready(policies)
             rollouts_uri = lane.result(iteration)
             policies.append(run(f"grpo-{n}", t.grpo, cfg, policies[iteration], rollouts_uri, iteration))
-            no_signal.check(f"grpo-{n}", store.read_manifest(policies[n]).metrics)
+            summary.stopped = no_signal.check(f"grpo-{n}", store.read_manifest(policies[n]).metrics)
             summary.rollouts.append(rollouts_uri)
-            lane.drain()
+            lane.drain()  # also the rollouts of later iterations a stop leaves unused: nothing stays in flight
             eval_uri = run(f"eval-grpo-{n}", t.evaluate, cfg, policies[n], data_uri)
             summary.evals.append(_eval_point(store, f"grpo-{n}", policies[n], eval_uri))
             logger.info("after GRPO iteration %d: accuracy %.3f", n, summary.evals[-1].accuracy)
+            if summary.stopped:
+                logger.warning("GRPO %s", summary.stopped)
+                break
     except BaseException:
         lane.abandon()
         raise
@@ -387,20 +398,6 @@ def _publish_summary(summary: PipelineSummary) -> None:
         )
 
 
-def print_report(summary: dict) -> None:
-    """The end-of-run table a person reads in the terminal."""
-    print()
-    print(format_table(summary["stages"]))
-    print()
-    for point in summary["evals"]:
-        print(
-            f"{point['label']:>10}  accuracy {point['accuracy']:.3f}  mean reward {point['mean_reward']:.3f}"
-        )
-    print(f"\nfinal policy: {summary['final_policy_uri']}")
-    print(f"plot:         {summary['plot_path']}")
-    print(f"flow run:     {summary['flow_run_id']}")
-
-
 @flow(name="post-train", on_cancellation=[kill_launches], on_crashed=[kill_launches], log_prints=True)
 def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | None = None) -> dict:
     """Post-train a model per the YAML `config` with `key=value` `overrides` applied; returns the summary."""
@@ -410,6 +407,8 @@ def post_train(config: str = "configs/demo_cpu.yaml", overrides: list[str] | Non
 
 
 if __name__ == "__main__":
+    config, overrides = (sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml"), sys.argv[2:]
+    started = time.time()
     # Prefect records the flow's parameters: a tokenised URL in an override goes in redacted.
-    overrides = hide_credentials_in_overrides(sys.argv[2:])
-    print_report(post_train(sys.argv[1] if len(sys.argv) > 1 else "configs/demo_cpu.yaml", overrides))
+    summary = post_train(config, hide_credentials_in_overrides(overrides))
+    sys.exit(1 if finish_run(summary, load_config(config, overrides), started, config).get("stopped") else 0)

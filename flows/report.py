@@ -6,10 +6,12 @@ The numbers come from the committed manifests, so a report can be rebuilt from t
     print(format_table(rows))
     placement = placement_table(records, store) # per node of every stage: pool, node rank, Ray node, host
     print(format_learning(summary))             # accuracy after SFT and after every GRPO iteration
+    summary = finish_run(summary, cfg, started) # the end of every run, whichever entry point started it
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +37,6 @@ def _data_metric(m: Mapping) -> str:
     return f"rows {_fmt(rows)}"
 
 
-class NoLearningSignal(ValueError):
-    """GRPO iterations in a row learned nothing (grpo.max_no_signal_iterations): the flow stops instead of
-    burning compute on more of them."""
-
-
 def no_learning_signal(metrics: Mapping) -> str | None:
     """Why a GRPO iteration (its artifact's manifest metrics) carried no learning signal, or None: it made no
     optimizer step, or every group of its rollouts scored equal rewards (zero advantage everywhere)."""
@@ -52,6 +49,7 @@ def no_learning_signal(metrics: Mapping) -> str | None:
 
 
 def no_signal_fix(max_iterations: int) -> str:
+    """What to change when GRPO iterations carry no learning signal."""
     return (
         "Check that rollout.rewards can score this data (forgeflow validate dry-runs them on the references), "
         "raise rollout.sampling.temperature or group_size so samples differ, or start from a policy that solves "
@@ -245,3 +243,60 @@ def plot_curves(labels: list[str], accuracy: list[float], rollout_reward: list[f
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _new_wandb_runs(log_dir: Path, since: float) -> list[Path]:
+    """The wandb offline runs this run wrote (a skipped stage writes none)."""
+    return sorted(p for p in log_dir.glob("*/wandb/offline-run-*") if p.stat().st_mtime >= since)
+
+
+def _rollout_rewards(summary: Mapping, store: ObjectStore) -> list[float]:
+    return [float(store.read_manifest(uri).metrics["reward_mean"]) for uri in summary["rollouts"]]
+
+
+def finish_run(summary: dict, cfg, started: float, config: str | None = None) -> dict:
+    """The end of every run, whichever entry point started it: record the run (flows.last_run: its summary
+    file, and `last-run.json` for `forgeflow export last` and `forgeflow status`) and print the stage table,
+    the learning table, why GRPO stopped early (if it did), the final policy and the command that exports it,
+    the plot, the flow run, the summary file and the wandb runs.
+
+    Args:
+        summary: the flow's PipelineSummary as a dict (post_train's return value).
+        cfg: the run's RunConfig; `config` the YAML it was loaded from (recorded).
+        started: time.time() when the run started (the total printed).
+
+    Returns:
+        `summary` with `summary_path`, the recorded summary file.
+    """
+    from flows.export import export_command
+    from flows.last_run import record_run
+
+    store = ObjectStore.from_config(cfg.storage)
+    summary = {**summary, "summary_path": str(record_run(summary, cfg, config))}
+    print("\n" + format_table(summary["stages"]))
+    print("\nHeld-out exact match (greedy) after SFT and after each GRPO iteration:")
+    print(format_learning(summary["evals"], _rollout_rewards(summary, store)))
+    evals = summary["evals"]
+    if cfg.rollout.env.enabled:
+        print(f"\nTool use on the held-out prompts ({cfg.rollout.env.name}: {', '.join(cfg.rollout.env.tools)}):")
+        print(format_tool_use(evals, [store.read_manifest(e["eval_uri"]).metrics for e in evals]))
+    if len(evals) > 1:
+        gain = 100 * (evals[-1]["accuracy"] - evals[0]["accuracy"])
+        print(f"GRPO changed held-out accuracy by {gain:+.1f} points over the SFT policy.")
+    if summary.get("stopped"):
+        print(f"\nGRPO stopped early: {summary['stopped']}")
+    policy = store.join(summary["final_policy_uri"], "policy")
+    log_dir = Path(cfg.logging.dir).resolve()
+    print(f"\nfinal policy:  {policy}")
+    print(f"export it:     {export_command(policy, cfg)}  (a verified, plain HF folder)")
+    print(f"plot:          {summary['plot_path']}  (also on the Prefect flow run as an image artifact)")
+    print(f"flow run:      {summary['flow_run_id']}  (browse it: .venv/bin/prefect server start)")
+    print(f"summary:       {summary['summary_path']}")
+    runs = _new_wandb_runs(log_dir, started)
+    if runs:
+        print(f"wandb:         {len(runs)} offline runs under {log_dir}")
+        print(f"               upload later: .venv/bin/wandb sync {log_dir}/*/wandb/offline-run-*")
+    else:
+        print(f"wandb:         no new runs (every training stage was already committed); see {log_dir}")
+    print(f"total:         {time.time() - started:.0f}s")
+    return summary
