@@ -14,6 +14,7 @@ import asyncio
 import sys
 import time
 
+from flows.local_prefect import use_local_server_settings
 from forge_core.config import ConfigError, load_config
 from forge_core.credentials import hide_credentials_in_overrides
 
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_local_server_settings()  # before any command imports Prefect
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

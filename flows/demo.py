@@ -29,9 +29,9 @@ DEMO_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.ya
 
 def _prepare_environment() -> None:
     """Settings Prefect reads at import time, so this runs before anything imports prefect."""
-    # A cold SQLite database can take longer than Prefect's 20 s default to start on 2 cores.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.local_prefect import use_local_server_settings
+
+    use_local_server_settings()
     os.environ.setdefault("FORGE_PROGRESS_BARS", "1")
 
 

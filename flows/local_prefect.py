@@ -1,0 +1,23 @@
+"""Settings of the temporary local Prefect server a run starts for itself when no PREFECT_API_URL is set
+(`forgeflow run`, `make demo`). Prefect reads its settings once, when it is imported: call
+`use_local_server_settings()` first.
+"""
+
+from __future__ import annotations
+
+import os
+
+LOCAL_SERVER_SETTINGS = {
+    # A cold SQLite database can take longer than Prefect's 20 s default to start on 2 cores.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # The server's telemetry service: on a first run it writes its session into the fresh SQLite database while
+    # the flow's own writes hold it ("database is locked" tracebacks), and every start it calls out to the
+    # network (an ERROR line where there is none). A run's temporary server has no use for it.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+
+
+def use_local_server_settings() -> None:
+    """LOCAL_SERVER_SETTINGS as defaults: a value already in the environment wins."""
+    for name, value in LOCAL_SERVER_SETTINGS.items():
+        os.environ.setdefault(name, value)
