@@ -8,7 +8,6 @@ training stage commits its export: a nested `policy` artifact inside an `sft` ar
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import huggingface_hub
