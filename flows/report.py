@@ -293,7 +293,9 @@ def finish_run(summary: dict, cfg, started: float, config: str | None = None) ->
     print(f"flow run:      {summary['flow_run_id']}  (browse it: .venv/bin/prefect server start)")
     print(f"summary:       {summary['summary_path']}")
     runs = _new_wandb_runs(log_dir, started)
-    if runs:
+    if cfg.logging.wandb_mode == "disabled":
+        print("wandb:         off (logging.wandb_mode: disabled)")
+    elif runs:
         print(f"wandb:         {len(runs)} offline runs under {log_dir}")
         print(f"               upload later: .venv/bin/wandb sync {log_dir}/*/wandb/offline-run-*")
     else:
