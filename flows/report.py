@@ -268,15 +268,21 @@ def finish_run(summary: dict, cfg, started: float, config: str | None = None) ->
     Returns:
         `summary` with `summary_path`, the recorded summary file.
     """
-    from flows.export import export_command
     from flows.last_run import record_run
 
     store = ObjectStore.from_config(cfg.storage)
     summary = {**summary, "summary_path": str(record_run(summary, cfg, config))}
     print("\n" + format_table(summary["stages"]))
-    print("\nHeld-out exact match (greedy) after SFT and after each GRPO iteration:")
-    print(format_learning(summary["evals"], _rollout_rewards(summary, store)))
+    _print_learning(summary, cfg, store)
+    _print_whereabouts(summary, cfg, store, started)
+    return summary
+
+
+def _print_learning(summary: Mapping, cfg, store: ObjectStore) -> None:
+    """Held-out accuracy per policy (and tool use), the gain over SFT, why GRPO stopped early."""
     evals = summary["evals"]
+    print("\nHeld-out exact match (greedy) after SFT and after each GRPO iteration:")
+    print(format_learning(evals, _rollout_rewards(summary, store)))
     if cfg.rollout.env.enabled:
         print(f"\nTool use on the held-out prompts ({cfg.rollout.env.name}: {', '.join(cfg.rollout.env.tools)}):")
         print(format_tool_use(evals, [store.read_manifest(e["eval_uri"]).metrics for e in evals]))
@@ -285,6 +291,12 @@ def finish_run(summary: dict, cfg, started: float, config: str | None = None) ->
         print(f"GRPO changed held-out accuracy by {gain:+.1f} points over the SFT policy.")
     if summary.get("stopped"):
         print(f"\nGRPO stopped early: {summary['stopped']}")
+
+
+def _print_whereabouts(summary: Mapping, cfg, store: ObjectStore, started: float) -> None:
+    """Where the run's results are: the final policy and its export command, plot, flow run, summary, wandb."""
+    from flows.export import export_command
+
     policy = store.join(summary["final_policy_uri"], "policy")
     log_dir = Path(cfg.logging.dir).resolve()
     print(f"\nfinal policy:  {policy}")
@@ -301,4 +313,3 @@ def finish_run(summary: dict, cfg, started: float, config: str | None = None) ->
     else:
         print(f"wandb:         no new runs (every training stage was already committed); see {log_dir}")
     print(f"total:         {time.time() - started:.0f}s")
-    return summary
