@@ -157,7 +157,7 @@ def kill_launches(flow, flow_run, state) -> None:
     except ValueError:
         return  # the flow failed on its config before it could start anything
     reason = f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}"
-    # The launches here, the gangs on the Ray cluster (forge_core.launch.add_remote_stop), the residents.
+    # The launches here, the gangs on the Ray cluster (forge_core.launch.add_stop), the residents.
     FlowResources.of(cfg).abort(reason)
 
 

@@ -98,7 +98,7 @@ from forge_core.launch.errors import (
 )
 from forge_core.launch.handle import (
     LaunchHandle,
-    add_remote_stop,
+    add_stop,
     install_sigterm_handler,
     kill_all_live,
     launch,
@@ -124,7 +124,7 @@ __all__ = [
     "Outcome",
     "RankError",
     "RetryableStageError",
-    "add_remote_stop",
+    "add_stop",
     "classify_exception",
     "install_sigterm_handler",
     "kill_all_live",

@@ -296,9 +296,10 @@ def _killed(error: RankError) -> bool:
 
 _live: dict[str, LaunchHandle] = {}
 _live_lock = threading.Lock()
-# Attempts that run elsewhere on this process's behalf (forge_core.run.cluster_runner: gangs on the Ray cluster),
-# each as the `stop(reason)` that ends it (bounded by itself): terminate_all_live ends them with the launches.
-_remote_stops: dict[int, Callable[[str], object]] = {}
+# What else this process started that must end with its launches (gangs on the Ray cluster: forge_core.run.
+# cluster_runner; reward workers: forge_core.rewards.isolation), each as the `stop(reason)` that ends it (bounded
+# by itself): terminate_all_live ends them with the launches.
+_stops: dict[int, Callable[[str], object]] = {}
 _hooks_installed = False
 _previous_sigterm = None
 _sigterms = 0
@@ -354,7 +355,7 @@ def terminate_all_live(
     handles = live_handles()
     for handle in handles:
         handle.cancel(reason)
-    remote = _stop_remote_attempts(reason)
+    stops = _run_stops(reason)
     if timeout_s is None:
         timeout_s = max((h.spec.kill_grace_s for h in handles), default=0.0) + SHUTDOWN_MARGIN_S
     deadline = time.monotonic() + timeout_s
@@ -373,30 +374,31 @@ def terminate_all_live(
             results.append(handle.wait(KILL_WAIT_S))
         except TimeoutError:
             _logger.error("launch %s did not end even after SIGKILL", handle.launch_id)
-    for thread in remote:
+    for thread in stops:
         thread.join(max(0.0, deadline + KILL_WAIT_S - time.monotonic()))
     return results
 
 
-def add_remote_stop(stop: Callable[[str], object]) -> Callable[[], None]:
+def add_stop(stop: Callable[[str], object]) -> Callable[[], None]:
     """Have `terminate_all_live` (the flow's cancel or crash, SIGTERM, interpreter exit) also call `stop(reason)`
-    for an attempt that runs on other machines on this process's behalf; returns what removes it again."""
+    for something else this process started (an attempt on other machines, helper processes); returns what
+    removes it again."""
     token = id(stop)
     with _live_lock:
-        _remote_stops[token] = stop
+        _stops[token] = stop
     _install_exit_hooks()
 
     def remove() -> None:
         with _live_lock:
-            _remote_stops.pop(token, None)
+            _stops.pop(token, None)
 
     return remove
 
 
-def _stop_remote_attempts(reason: str) -> list[threading.Thread]:
-    """Start every registered remote stop on a thread of its own (they end in parallel with the launches)."""
+def _run_stops(reason: str) -> list[threading.Thread]:
+    """Start every registered stop on a thread of its own (they end in parallel with the launches)."""
     with _live_lock:
-        stops = list(_remote_stops.values())
+        stops = list(_stops.values())
     threads = [threading.Thread(target=stop, args=(reason,), name="forge-remote-stop", daemon=True) for stop in stops]
     for thread in threads:
         thread.start()

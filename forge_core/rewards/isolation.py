@@ -35,7 +35,6 @@ CALL_TOO_LARGE.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
+from forge_core.launch import add_stop
 from forge_core.launch.errors import RetryableStageError
 from forge_core.launch.owner import Owner
 from forge_core.rewards.registry import RewardFunctionError
@@ -424,10 +424,12 @@ _pool_lock = threading.Lock()
 
 
 def process_pool() -> RewardPool:
-    """This process's reward pool, started on first use and closed at exit."""
+    """This process's reward pool, started on first use; its workers end with this process's launches
+    (terminate_all_live: SIGTERM, the flow's cancel or crash, interpreter exit), so none outlives a flow that
+    is told to stop."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = RewardPool()
-            atexit.register(_pool.close)
+            add_stop(lambda reason: _pool.close())
         return _pool

@@ -23,7 +23,7 @@ import os
 from forge_core.compute.gang import Gang, GangRequest, NodePlace
 from forge_core.config import RunConfig
 from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
-from forge_core.launch import LaunchResult, add_remote_stop
+from forge_core.launch import LaunchResult, add_stop
 from forge_core.run.plan import StagePlan, launch_spec_for
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, LogSink, Runner
@@ -92,7 +92,7 @@ class _GangAttempt:
 
     def __init__(self, gang: Gang) -> None:
         self.gang = gang
-        self.unregister = add_remote_stop(gang.stop)
+        self.unregister = add_stop(gang.stop)
 
     def wait(self, timeout: float) -> LaunchResult | None:
         return self._ended(self.gang.wait(timeout))

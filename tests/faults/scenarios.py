@@ -54,6 +54,7 @@ from fault_kit import (
 )
 from prefect import flow
 
+from flows.last_run import find_run
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
 from tasks import generate_rollouts, prepare_data, train_sft
@@ -245,11 +246,10 @@ class FlowRerunProcess:
         assert run_id, (
             f"no flow run id in the re-run's output (exit code {self._proc.returncode}):\n{output[-4000:]}"
         )
-        final_policy = re.search(r"^final policy: (\S+)$", output, re.MULTILINE)
         flow_run_id = run_id.group(1)
         return FlowRerun(
             state=flow_run(flow_run_id).state,
-            summary={"final_policy_uri": final_policy.group(1)} if final_policy else {},
+            summary=find_run(self.killed.root / "runs", flow_run_id) or {},
             committed_before=self.committed_before,
             logs=all_logs(flow_run_id),
             task_runs=task_runs(flow_run_id),
