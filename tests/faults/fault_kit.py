@@ -197,6 +197,10 @@ class ProcessWatch:
         self._stop.set()
         self._thread.join()
 
+    def listings_within(self, start: float, end: float) -> list[bool]:
+        """Whether each poll that began and ended between `start` and `end` (monotonic s) could list the store."""
+        return [listed for began, ended, listed in self.listings if start <= began and ended <= end]
+
     def _run(self) -> None:
         while True:
             self.sample()
@@ -232,7 +236,8 @@ def wait_until_gone(processes: list[SeenProcess], timeout_s: float) -> list[Seen
 class CommitWatch:
     """Polls a store for `_MANIFEST.json` objects; each newly committed artifact is verified at once (every
     file read back against its size and sha256). `violations` lists what ever looked committed but was not
-    complete; `committed` maps artifact URI -> manifest sha256 as first seen."""
+    complete; `committed` maps artifact URI -> manifest sha256 as first seen; `listings` records every poll's
+    listing as (started, ended, listed): `time.monotonic()` seconds, and False when the store refused it (down)."""
 
     def __init__(self, store, every_s: float = 0.2) -> None:
         self.store = store
@@ -240,6 +245,7 @@ class CommitWatch:
         self.committed: dict[str, str] = {}
         self.violations: list[str] = []
         self.polls = 0
+        self.listings: list[tuple[float, float, bool]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-commit-watch")
 
@@ -252,6 +258,10 @@ class CommitWatch:
         self._thread.join()
         self.poll()
 
+    def listings_within(self, start: float, end: float) -> list[bool]:
+        """Whether each poll that began and ended between `start` and `end` (monotonic s) could list the store."""
+        return [listed for began, ended, listed in self.listings if start <= began and ended <= end]
+
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.poll()
@@ -259,10 +269,13 @@ class CommitWatch:
     def poll(self) -> None:
         from forge_core.storage import ArtifactCorrupted, ArtifactNotCommitted
 
+        started = time.monotonic()
         try:
             paths = self.store.fs.find(self.store.path_of(self.store.root))
         except Exception:  # noqa: BLE001 - the store may be down (that is the point of some scenarios)
+            self.listings.append((started, time.monotonic(), False))
             return
+        self.listings.append((started, time.monotonic(), True))
         self.polls += 1
         for path in paths:
             if not path.endswith("/_MANIFEST.json"):

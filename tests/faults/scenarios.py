@@ -494,6 +494,7 @@ class OutageRun:
     outages: dict[str, object]  # planned outage name -> fault_kit.OutageEvent, for those that fired
     task_pid: int  # the process the task-process outages had to come from (this one)
     violations: list[str]
+    commits: object  # the fault_kit.CommitWatch that polled the store throughout
     committed_before_outage: dict[
         str, str
     ]  # artifact URI -> manifest sha256, seen as the checkpoint outage began
@@ -545,6 +546,9 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
         commits = CommitWatch(watch_store)
 
         def while_down(event) -> None:
+            # At least one listing while the server is down, whatever the poll thread's timing: the driver keeps
+            # the outage on until this returns.
+            commits.poll()
             event.notes["committed"] = dict(commits.committed)
 
         def once_back(event) -> None:
@@ -588,6 +592,7 @@ def _s3_outage(root: Path, secrets: dict[str, str]) -> OutageRun:
             outages=dict(driver.events),
             task_pid=os.getpid(),
             violations=list(commits.violations),
+            commits=commits,
             committed_before_outage=before,
             committed_after=after,
             final_manifest_metrics=watch_store.read_manifest(uris["sft"]).metrics if uris else {},

@@ -3,13 +3,15 @@
 A real flow process (`python -m flows.post_train`, on the session's Prefect API) runs the tiny pipeline with an
 SFT far longer than the test; once the SFT's first in-stage checkpoint is committed the flow process is
 SIGKILLed. Its torchrun agent and both ranks must then end by themselves (no later flow runs, no reaper: the
-launch registry keeps the dead flow's record), and nothing may be committed on the dead flow's behalf: every
-manifest in the store was stamped (`committed_at`, set before the pre-commit owner check) before the kill.
+launch registry keeps the dead flow's record), and nothing may be committed on the dead flow's behalf: no
+manifest file (a file:// commit is its manifest's exclusive create) appears after the kill. Measured on the files
+themselves, not on the manifests' `committed_at`, which is stamped before the pre-commit owner check: the store's
+manifests listed right after the kill against those at the end, and every manifest's mtime against the kill time
+(read from a file written right after it: the clock file times come from).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -31,6 +33,18 @@ pytestmark = pytest.mark.integration
 GONE_WAIT_S = 120.0
 
 
+def _manifests(store_dir: Path) -> dict[Path, int]:
+    """Every manifest file in the store and its mtime (ns)."""
+    return {path: path.stat().st_mtime_ns for path in store_dir.rglob("_MANIFEST.json")}
+
+
+def _file_clock_now(folder: Path) -> int:
+    """Now, on the clock the kernel stamps file times with (coarser than time.time_ns)."""
+    marker = folder / "now"
+    marker.write_bytes(b"")
+    return marker.stat().st_mtime_ns
+
+
 def _wait_for_first_checkpoint(store_dir: Path, flow: subprocess.Popen, log_path: Path) -> Path:
     deadline = time.monotonic() + STAGE_WAIT_S
     while time.monotonic() < deadline and flow.poll() is None:
@@ -48,8 +62,9 @@ def _wait_for_first_checkpoint(store_dir: Path, flow: subprocess.Popen, log_path
     fault="flow process SIGKILLed mid-SFT (after its first in-stage checkpoint)",
     where="`python -m flows.post_train` (own process); no later flow and no reaper runs",
     checked="torchrun's agent and both ranks end by themselves (owner watchdog); the dead flow's registry "
-    "record is still there (nobody reaped); no manifest was committed after the kill (pre-commit owner check), "
-    "the SFT output is not committed",
+    "record is still there (nobody reaped); no manifest was committed after the kill (pre-commit owner check: "
+    "no manifest file appeared between the listing at the kill and the one at the end, none has an mtime "
+    "after the kill), the SFT output is not committed",
 )
 def test_a_sigkilled_flow_s_sft_launch_ends_itself_and_commits_nothing(prefect_api, tmp_path, fault_row):
     registry = tmp_path / "launches"
@@ -65,12 +80,14 @@ def test_a_sigkilled_flow_s_sft_launch_ends_itself_and_commits_nothing(prefect_a
             cwd=REPO,
         )
     try:
-        first_checkpoint = _wait_for_first_checkpoint(tmp_path / "store", flow, log_path)
+        store_dir = tmp_path / "store"
+        first_checkpoint = _wait_for_first_checkpoint(store_dir, flow, log_path)
         workers = worker_processes_under(flow.pid)
         flow.send_signal(signal.SIGKILL)
         flow.wait()
-        killed_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
+        killed_ns = _file_clock_now(tmp_path)
         killed = time.monotonic()
+        at_kill = _manifests(store_dir)
         assert any("torch.distributed.run" in p.cmdline for p in workers), workers
         assert (
             sum(
@@ -86,14 +103,17 @@ def test_a_sigkilled_flow_s_sft_launch_ends_itself_and_commits_nothing(prefect_a
         records = sorted(p.stem for p in registry.glob("*.json"))
         assert records, "the dead flow's launch record is gone: something reaped it"
 
-        manifests = [json.loads(path.read_text()) for path in (tmp_path / "store").rglob("_MANIFEST.json")]
-        late = [(m["stage"], m["key"], m["committed_at"]) for m in manifests if m["committed_at"] > killed_at]
-        assert late == [], f"committed after the flow process was killed at {killed_at}: {late}"
-        assert ObjectStore(f"file://{tmp_path}/store").list_committed("sft") == []
+        at_end = _manifests(store_dir)
+        new_files = sorted(str(path.relative_to(store_dir)) for path in at_end.keys() - at_kill.keys())
+        assert new_files == [], f"committed after the flow process was killed: {new_files}"
+        written_late = sorted(str(path.relative_to(store_dir)) for path, ns in at_end.items() if ns > killed_ns)
+        assert written_late == [], f"manifests written after the kill (mtime > {killed_ns} ns): {written_late}"
+        assert ObjectStore(f"file://{store_dir}").list_committed("sft") == []
+        manifests = [json.loads(path.read_text()) for path in at_end]
         checkpoints = sum(m["kind"] == "checkpoint" for m in manifests)
         assert checkpoints >= 1
         fault_row.fact(f"{len(workers)} processes ended {gone_s:.1f} s after the kill, unreaped")
-        fault_row.fact(f"{checkpoints} checkpoints committed before the kill, none after")
+        fault_row.fact(f"{checkpoints} checkpoints committed before the kill, none after ({len(at_end)} manifests)")
         print(
             f"first checkpoint {first_checkpoint.parent.name}; launch gone {gone_s:.2f} s after the SIGKILL"
         )

@@ -67,8 +67,9 @@ def test_s3_down_while_the_task_process_waits_for_a_commit_publishes_and_plans_i
     fault="moto S3 server stopped on the PUT of the step-4 checkpoint's DCP metadata (every shard written, "
     f"no manifest), kept down until the task process had logged a call's retry {RETRY_THAT_OUTLASTS}",
     where="train_sft task on s3:// (2 ranks write DCP shards; rank 0 commits the checkpoint)",
-    checked="no artifact ever looked committed without all its files verifying (polled throughout, also "
-    "during the outage); the step-4 checkpoint was not committed; the attempt ended RETRYABLE, the task "
+    checked="no artifact ever looked committed without all its files verifying (the bucket polled every "
+    "0.2 s through a second port of the server that never goes down, before, during and after the outage; "
+    "every listing succeeded and every new commit was read back and verified); the step-4 checkpoint was not committed; the attempt ended RETRYABLE, the task "
     "process rode the outage out and the retry completed, resuming from step 3; everything committed before "
     "the outage is still committed, unchanged",
 )
@@ -83,6 +84,14 @@ def test_s3_down_during_checkpoint_commit_leaves_nothing_half_committed_and_the_
     assert outage.notes["step4_files"], "no step-4 shard was written before the outage"
     assert outage.notes["step4_committed"] is False
     assert outage_run.violations == []
+    polls = outage_run.commits
+    before = polls.listings_within(0.0, outage.started)
+    during = polls.listings_within(outage.started, outage.restarted)
+    after = polls.listings_within(outage.restarted, float("inf"))
+    # The watcher's port stays up: a refused listing (False) would be a poll that checked nothing.
+    assert before and all(before), f"listings before the outage (False: refused): {before}"
+    assert during and all(during), f"listings during the outage (False: refused): {during}"
+    assert after and all(after), f"listings after the outage (False: refused): {after}"
     assert outage_run.state.is_completed(), outage_run.state.message
     assert outage_run.task_runs["train_sft"].run_count >= 2
     assert attempts(outage_run.logs, "sft")[0].startswith("RETRYABLE"), attempts(outage_run.logs, "sft")
@@ -90,6 +99,10 @@ def test_s3_down_during_checkpoint_commit_leaves_nothing_half_committed_and_the_
     assert outage_run.final_manifest_metrics["resumed_from_step"] == 3
     assert len(outage_run.committed_before_outage) >= 4  # the data artifact and checkpoints 1-3
     assert outage_run.committed_after == outage_run.committed_before_outage
+    fault_row.fact(
+        f"bucket listed {len(before)} times before the outage, {len(during)} during it, {len(after)} after it; "
+        f"{len(polls.committed)} commits verified"
+    )
     fault_row.fact(
         f"{len(outage.notes['step4_files'])} uncommitted step-4 objects; {outage.refused_requests} requests "
         f"dropped; {_retries(outage)}; "
