@@ -139,8 +139,14 @@ def _placed(manifest: Manifest) -> dict | None:
 
 
 def _node_name(placement: dict, node: dict) -> str:
-    resident = f" ({placement['resident']} resident)" if placement.get("resident") else ""
-    return f"{str(node.get('node_id', ''))[:8]}{resident}"
+    """A Ray node as the tables show it: its id, and what ran there for the stage (a resident, an engine)."""
+    if placement.get("resident"):
+        role = f" ({placement['resident']} resident)"
+    elif placement.get("served_by") == "engines":
+        role = f" (engine {node.get('node_rank')})"
+    else:
+        role = ""
+    return f"{str(node.get('node_id', ''))[:8]}{role}"
 
 
 def where_it_ran(manifest: Manifest) -> str:

@@ -9,6 +9,8 @@
                                             samples have completed in it (0: as soon as the first requests are
                                             queued, i.e. mid-generation); an in-process engine dies with the
                                             worker
+      hang_engine:<index>                   engine <index> of the run's engine actors (launch.placement=pool)
+                                            hangs in its first generate request (node-loss drills)
       storage_outage:<seconds>[:<match>]    from the first storage call whose description contains <match>
                                             (default: any call), every storage call of the process fails with a
                                             transient ConnectionError for <seconds>; the store's own retries
@@ -44,11 +46,12 @@ FAULT_ONCE_ENV = "FORGE_FAULT_ONCE"
 STAGE_ENV = "FORGE_STAGE"
 RANK_ACTIONS = ("kill_rank", "raise_rank", "hang_rank")
 KILL_VLLM = "kill_vllm"
+HANG_ENGINE = "hang_engine"
 STORAGE_OUTAGE = "storage_outage"
-_ACTIONS = (*RANK_ACTIONS, KILL_VLLM, STORAGE_OUTAGE)
+_ACTIONS = (*RANK_ACTIONS, KILL_VLLM, HANG_ENGINE, STORAGE_OUTAGE)
 _USAGE = (
     "expected <action>:<rank>:<step> with action one of "
-    f"{list(RANK_ACTIONS)} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples> or "
+    f"{list(RANK_ACTIONS)} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples>, {HANG_ENGINE}:<index> or "
     f"{STORAGE_OUTAGE}:<seconds>[:<match>], each optionally followed by @<stage>"
 )
 
@@ -118,6 +121,10 @@ def _parse_entry(spec: str, entry: str) -> Fault:
         if len(parts) != 2 or not parts[1].isdigit():
             raise bad()
         return Fault(action, samples=int(parts[1]), stage=stage_name)
+    if action == HANG_ENGINE:
+        if len(parts) != 2 or not parts[1].isdigit():
+            raise bad()
+        return Fault(action, rank=int(parts[1]), stage=stage_name)
     if action == STORAGE_OUTAGE:
         try:
             seconds = float(parts[1]) if len(parts) >= 2 else -1.0
@@ -178,6 +185,18 @@ def maybe_inject_fault(rank: int, step: int) -> None:
             )
         while True:  # hang_rank
             time.sleep(3600)
+
+
+# ---- hang_engine (engine actors) -------------------------------------------------------------------------
+
+
+def maybe_hang_engine(index: int) -> None:
+    """Hang forever if a hang_engine fault names engine `index` (called as an engine actor takes a request)."""
+    for position, fault in _active_faults((HANG_ENGINE,)):
+        if fault.rank == index and _claim_once(position):
+            _announce(f"engine {index}: hang_engine in a generate request")
+            while True:
+                time.sleep(3600)
 
 
 # ---- kill_vllm (rollout / evaluate workers) --------------------------------------------------------------

@@ -79,6 +79,13 @@ class PolicyRef:
     local_dir: Path
     manifest_sha256: str = ""  # sha256 of its manifest: the artifact's identity, names the local copy
 
+    @property
+    def stage_uri(self) -> str:
+        """The training stage's artifact that holds this policy (what `fetch_policy` takes)."""
+        stage_uri, _, name = self.uri.rstrip("/").rpartition("/")
+        assert name == POLICY_DIR, f"{self.uri}: a policy artifact is <stage uri>/{POLICY_DIR}"
+        return stage_uri
+
 
 def weights_version(manifest: Manifest, source: str = "policy") -> str:
     """sha256 over the manifest's (name, size, sha256) of every `*.safetensors` file and `config.json`.

@@ -1,18 +1,23 @@
-"""A long-lived object hosted on a node of a pool: the flow run's residents (engines, trainer job) on Ray.
+"""Long-lived objects hosted on nodes of a pool: the run's engines, its trainer resident.
 
-    host = Hosted.start(cluster, HostRequest(pool="gpu-a", gpus=1), MyObject, args, wait_s=60, name="engines")
+    host = Hosted.start(cluster, HostRequest(pool="gpu-a", gpus=1), MyObject, args, wait_s=60, name="trainer")
     call = host.stream("run", spec_uri)          # the object's run(spec_uri, log=...) on its node
     call.wait(1.0)                               # its return value once done, None while it runs
     host.call("stop_order", "deadline")          # another method, while `run` still runs
     host.lost()                                  # why the host is gone (its actor or node died), None while alive
     host.close()                                 # the object's close(), then the actor and its group end
 
-The host is a Ray actor in a one-bundle placement group on a node of the pool (the bundle holds the GPUs the
+    group = HostGroup.reserve(cluster, HostRequest("gpu-a", gpus=1), nodes=2, per_node=2, wait_s=60, name="engines")
+    hosts = [group.host(k, MyObject, args, f"engine-{k}") for k in range(4)]   # two on each of two nodes
+    ...; [h.close(10) for h in hosts]; group.close()
+
+A host is a Ray actor in a bundle of a placement group on a node of the pool (the bundle holds the GPUs the
 object's work needs; Ray sets the actor's CUDA_VISIBLE_DEVICES to them), owned by the process that started it:
 Ray ends it when that process dies. The object is built on the node from an importable class and arguments;
 `stream` calls a method that takes a `log` keyword (a callable that takes one line) and sends its lines back
-while it runs; `call` calls a method and returns its value. Methods run on the actor's threads, so `call` works
-while a `stream` is in progress.
+while it runs; `call` calls a method and returns its value (the method's own exception when it raised,
+HostLost when the actor or its node died). Methods run on the actor's threads, so `call` works while a
+`stream` is in progress.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +35,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from forge_core.compute.cluster import POOL_LABEL, ComputeCluster
 from forge_core.compute.gang import NodePlace, PlacementUnavailable, release_ray_thread_cap
+from forge_core.launch.errors import RetryableStageError
 
 log = logging.getLogger(__name__)
 
 _END = object()
+# Between two tries of Hosted.revive: each try already waits for Ray's own refusal (a connection attempt).
+REVIVE_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,7 @@ class StreamCall:
         except ray.exceptions.RayTaskError as exc:  # the method raised: its own exception
             self._error = exc.as_instanceof_cause()
         except Exception as exc:  # noqa: BLE001 - the actor or its node is gone
-            self.host.mark_lost(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}")
+            self.host.mark_lost(_first_line(exc))
             self._error = exc
         finally:
             self._done.set()
@@ -126,12 +135,94 @@ class StreamCall:
         return True, self._value
 
 
+class HostLost(RetryableStageError):
+    """A hosted object cannot be reached any more: its actor or its node died."""
+
+
+class HostGroup:
+    """Room for hosted objects on `nodes` nodes of a pool: one placement group whose bundle per node holds
+    `per_node` objects' resources (STRICT_SPREAD: every bundle on a node of its own). Object `k` goes into bundle
+    `k // per_node`. Ray re-places the bundles of a dead node on a live node of the pool when it can, so a
+    replacement object can be hosted in the same slot."""
+
+    def __init__(self, group, request: HostRequest, per_node: int, name: str) -> None:
+        self.group = group
+        self.request = request
+        self.per_node = per_node
+        self.name = name
+
+    @classmethod
+    def reserve(
+        cls, cluster: ComputeCluster, request: HostRequest, nodes: int, per_node: int, wait_s: float, name: str
+    ) -> HostGroup:
+        """Reserve the group; PlacementUnavailable (naming what was asked and what the pool has) when the cluster
+        cannot give it within `wait_s`."""
+        selector = [{POOL_LABEL: request.pool}] * nodes if request.pool else None
+        bundle = {key: value * per_node for key, value in request.bundle().items()}
+        group = placement_group(
+            [dict(bundle) for _ in range(nodes)],
+            strategy="STRICT_SPREAD" if nodes > 1 else "PACK",
+            bundle_label_selector=selector,
+            name=f"forgeflow-{name}",
+        )
+        ready, _ = ray.wait([group.ready()], timeout=wait_s)
+        if not ready:
+            remove_placement_group(group)
+            where = f"node(s) of pool {request.pool!r}" if request.pool else "node(s)"
+            raise PlacementUnavailable(
+                f"{name}: the cluster could not give {nodes} {where} with {request.gpus * per_node} GPU(s) and "
+                f"{request.cpus * per_node:g} CPU(s) each within {wait_s:g} s; {cluster.describe_pool(request.pool)}. "
+                "Fix: add or free nodes of the pool, or ask for fewer nodes or GPUs"
+            )
+        return cls(group, request, per_node, name)
+
+    def host(self, index: int, factory: type, args: tuple, name: str, restarts: int = 0) -> Hosted:
+        """Build `factory(*args)` in slot `index` (module docstring); the object's exception when it fails.
+        `restarts`: how often Ray builds it again, in its slot, after its process or node died (`Hosted.revive`
+        waits for that)."""
+        actor = _Host.options(
+            max_restarts=restarts,
+            num_cpus=0,  # the bundle holds the CPUs (release_ray_thread_cap)
+            num_gpus=self.request.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=index // self.per_node
+            ),
+        ).remote(factory, args)
+        try:
+            place = _get(actor.place.remote(), name)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        return Hosted(actor, None, place, name)
+
+    def close(self) -> None:
+        """Give the group's resources back (its objects are closed first by their owner)."""
+        try:
+            remove_placement_group(self.group)
+        except Exception as exc:  # noqa: BLE001 - already removed
+            log.debug("%s: placement group already removed: %s", self.name, exc)
+
+
+def _get(ref, name: str, timeout: float | None = None) -> Any:
+    """A call's value; the method's own exception when it raised, HostLost when its actor or node died."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        raise exc.as_instanceof_cause() from None
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.NodeDiedError) as exc:
+        raise HostLost(f"{name}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
 class Hosted:
     """The driver's handle on one hosted object (module docstring)."""
 
-    def __init__(self, actor, group, place: NodePlace, name: str) -> None:
+    def __init__(self, actor, group: HostGroup | None, place: NodePlace, name: str) -> None:
         self.actor = actor
-        self.group = group
+        self.group = group  # the group this handle owns (Hosted.start), None when a HostGroup's owner closes it
         self.place = place
         self.name = name
         self._lost: str | None = None
@@ -146,40 +237,52 @@ class Hosted:
         wait_s: float,
         name: str,
     ) -> Hosted:
-        """Place and build the object (module docstring).
+        """Place and build the object in a group of its own, which it closes (module docstring).
 
         Raises:
             PlacementUnavailable: no node of the pool had the resources within `wait_s`.
         """
-        selector = [{POOL_LABEL: request.pool}] if request.pool else None
-        group = placement_group([request.bundle()], bundle_label_selector=selector, name=f"forgeflow-{name}")
-        ready, _ = ray.wait([group.ready()], timeout=wait_s)
-        if not ready:
-            remove_placement_group(group)
-            where = f"a node of pool {request.pool!r}" if request.pool else "a node"
-            raise PlacementUnavailable(
-                f"{name}: the cluster could not give {where} with {request.gpus} GPU(s) and {request.cpus:g} CPU(s) "
-                f"within {wait_s:g} s; {cluster.describe_pool(request.pool)}. Fix: add or free nodes of the pool, "
-                "or lower its GPUs"
-            )
-        actor = _Host.options(
-            num_cpus=0,
-            num_gpus=request.gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        ).remote(factory, args)
+        group = HostGroup.reserve(cluster, request, nodes=1, per_node=1, wait_s=wait_s, name=name)
         try:
-            place = ray.get(actor.place.remote())
-        except Exception:
-            ray.kill(actor)
-            remove_placement_group(group)
+            hosted = group.host(0, factory, args, name)
+        except BaseException:
+            group.close()
             raise
-        return cls(actor, group, place, name)
+        hosted.group = group
+        return hosted
 
     def stream(self, method: str, *args: Any, log_sink) -> StreamCall:
         return StreamCall(self, method, args, log_sink)
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        return ray.get(self.actor.call.remote(method, *args), timeout=timeout)
+        """The object's `method(*args)`: its value, its own exception, or HostLost (marked lost) when the actor
+        or its node died."""
+        try:
+            return _get(self.actor.call.remote(method, *args), self.name, timeout)
+        except HostLost as exc:
+            self.mark_lost(str(exc))
+            raise
+
+    def revive(self, timeout_s: float) -> NodePlace:
+        """Wait until Ray has built a lost object again (see HostGroup.host's `restarts`) and return where it runs
+        now; HostLost when it will not be (no restarts left) or is not within `timeout_s`.
+
+        Until the cluster has declared the dead node dead (its health checks, seconds), every call is refused as
+        "temporarily unavailable"; each refusal ends one try, so this retries until Ray has rescheduled the slot
+        on a live node of the pool and restarted the object there."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.place = ray.get(self.actor.place.remote(), timeout=max(left, 0.0))
+                self._lost = None
+                return self.place
+            except ray.exceptions.ActorUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    raise HostLost(f"{self.name}: not back within {timeout_s:g} s: {_first_line(exc)}") from None
+                time.sleep(REVIVE_PAUSE_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                raise HostLost(f"{self.name}: not coming back: {_first_line(exc)}") from None
 
     def mark_lost(self, why: str) -> None:
         self._lost = self._lost or why
@@ -188,7 +291,7 @@ class Hosted:
         return self._lost
 
     def close(self, timeout: float, *args: Any) -> None:
-        """The object's `close(*args)` (bounded by `timeout`), then the actor and its placement group end."""
+        """The object's `close(*args)` (bounded by `timeout`), then the actor (and the group it owns) end."""
         if self._lost is None:
             try:
                 self.call("close", *args, timeout=timeout)
@@ -198,7 +301,5 @@ class Hosted:
             ray.kill(self.actor)
         except Exception as exc:  # noqa: BLE001 - already gone
             log.debug("%s: actor already gone: %s", self.name, exc)
-        try:
-            remove_placement_group(self.group)
-        except Exception as exc:  # noqa: BLE001 - already removed
-            log.debug("%s: placement group already removed: %s", self.name, exc)
+        if self.group is not None:
+            self.group.close()

@@ -631,7 +631,8 @@ class RolloutConfig:
     # Multi-turn, tool-using episodes instead of single completions (forge_core.envs); off by default.
     env: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     # vLLM engine options. Data parallel: num_engines engines, each in its own process with its own cores
-    # (CPU) or tensor_parallel_size GPUs; tensor parallel is vLLM's own.
+    # (CPU) or tensor_parallel_size GPUs; tensor parallel is vLLM's own. With launch.placement=pool each engine
+    # is a Ray actor, num_engines / launch.rollout.nnodes of them on each rollout node.
     num_engines: int = 1
     tensor_parallel_size: int = 1
     # KV cache per engine in GiB (vLLM's kv_cache_memory_bytes). null = on GPU vLLM sizes it from
@@ -1065,8 +1066,10 @@ class LaunchConfig:
     # Where stage attempts run. "local": on the machine that runs the flow (its own worker launch, or the
     # flow's long-lived processes). "pool": on the Ray cluster (launch.ray_address; forge_core.compute): each
     # attempt is a placement group of nnodes nodes labelled forgeflow.pool=<launch.<stage>.pool>, one torchrun
-    # node per Ray node (forge_core.run.cluster_runner); with a flow lifetime the run's engines or trainer job
-    # run in a Ray actor on a node of their pool (forge_core.run.resident). Not part of any key.
+    # node per Ray node (forge_core.run.cluster_runner); the rollout engines are Ray actors on launch.rollout's
+    # nodes (forge_core.rollout.actor_engines) and rollout/evaluate run in the flow's task process; with a flow
+    # lifetime the trainer job runs in a Ray actor on a node of GRPO's pool (forge_core.run.resident). Not part
+    # of any key.
     placement: Literal["local", "pool"] = "local"
     # placement=pool: the Ray cluster to join (`auto`: the one this host belongs to, `host:port`, or
     # `ray://host:port`); null = an embedded Ray started by the flow on this machine (loopback only, token
@@ -1169,12 +1172,20 @@ class RunConfig:
                 "trainer job runs on one node (a Ray node of its pool with launch.placement=pool); set "
                 "grpo.trainer_lifetime=stage for multi-node GRPO"
             )
+        engines_on_cluster = self.launch.placement == "pool"
         for stage, resources in self.launch.stage_resources().items():
+            if stage == "rollout" and engines_on_cluster:
+                continue  # _engine_placement_errors
             if resources.nnodes != 1 and not _distributed(stage):
-                errors.append(
-                    f"launch.{stage}.nnodes={resources.nnodes}: {stage} runs on one node (rollout and evaluate "
-                    "scale with rollout.num_engines engines on it); set it to 1"
+                where = (
+                    "evaluate samples with the rollout engines, which launch.rollout places"
+                    if stage == "evaluate" and engines_on_cluster
+                    else "rollout and evaluate scale with rollout.num_engines engines on it, or with "
+                    "launch.placement=pool across launch.rollout.nnodes nodes"
                 )
+                errors.append(f"launch.{stage}.nnodes={resources.nnodes}: {stage} runs on one node ({where}); set it to 1")
+        if engines_on_cluster:
+            errors += self._engine_placement_errors()
         env = self.rollout.env
         if env.enabled and env.max_total_tokens > self.model.max_seq_len:
             errors.append(
@@ -1193,3 +1204,25 @@ class RunConfig:
                 f"(rollout.prompts_per_iteration * group_size = {samples})"
             )
         return errors
+
+    def _engine_placement_errors(self) -> list[str]:
+        """launch.placement=pool: rollout.num_engines engine actors on launch.rollout.nnodes nodes, the same number
+        on each, launch.rollout.gpus_per_node GPUs per node shared out among them (forge_core.rollout.actor_engines)."""
+        engines, nodes, gpus = self.rollout.num_engines, self.launch.rollout.nnodes, self.launch.rollout.gpus_per_node
+        if nodes < 1 or engines % nodes:
+            problem = (
+                f"launch.rollout.nnodes={nodes}: the rollout engines are spread evenly over the rollout nodes, so it "
+                f"must divide rollout.num_engines={engines}; e.g. launch.rollout.nnodes=1, or rollout.num_engines="
+                f"{max(nodes, 1) * -(-engines // max(nodes, 1))}"
+            )
+            return [problem]
+        per_node = engines // nodes
+        tensor_parallel = self.rollout.tensor_parallel_size
+        if gpus and gpus != per_node * tensor_parallel:
+            problem = (
+                f"launch.rollout.gpus_per_node={gpus}: each node runs {per_node} engine(s) of "
+                f"rollout.tensor_parallel_size={tensor_parallel} GPU(s) (rollout.num_engines={engines} over "
+                f"launch.rollout.nnodes={nodes}); set it to {per_node * tensor_parallel}, or 0 for engines on CPU"
+            )
+            return [problem]
+        return []

@@ -27,11 +27,11 @@ from forge_core.config import RunConfig
 from forge_core.envs import Environment, environment_from_config, environment_json, episode_metrics
 from forge_core.rewards import RewardSet
 from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate, score_evaluation
-from forge_core.rollout.lifetime import stage_generator
 from forge_core.rollout.prompts import prompts_from_table
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import evaluation_sampling
 from forge_core.rollout.types import Prompt
+from forge_core.run.engines import stage_engines
 from forge_core.run.rollout import Generation, engine_metrics, generate_samples, read_prompt_split
 from forge_core.run.scaffold import StageContext
 
@@ -121,7 +121,7 @@ def run(ctx: StageContext) -> None:
     """Evaluate the policy on the held-out split and commit the `eval` artifact (module docstring)."""
     plan = plan_evaluation(ctx)
     try:
-        with stage_generator(plan.cfg, plan.policy, seed=plan.cfg.seed) as generator:
+        with stage_engines(plan.cfg, plan.policy, seed=plan.cfg.seed) as generator:
             run_evaluation(plan, generator)
     finally:
         release_policy(plan.policy)  # the cache may prune it again (an engine service keeps its own lease)

@@ -1,22 +1,23 @@
 """The flow lifetimes' runners: the run's long-lived engines and trainer job on the flow's machine
-(launch.placement=local), or in a Ray actor on a node of their stage's pool (pool).
+(launch.placement=local); with pool, the trainer job in a Ray actor on a node of GRPO's pool (the engines are
+Ray actors of their own there: forge_core.rollout.actor_engines, and the engine-client stages run in the task's
+process: forge_core.run.runners).
 
-    runner = flow_lifetime_runner(cfg, "rollout", resources)   # usually: forge_core.run.runners.runner_for
+    runner = flow_lifetime_runner(cfg, "grpo", resources)      # usually: forge_core.run.runners.runner_for
     result = runner.run(plan, log, cancel)                     # the runner interface, as always
 
 Local placement: the flow process's FlowResources hold the engine services and the trainer job
-(TaskProcessRunner, TrainerJobRunner). Pool placement: the first stage of a kind (`Stage.flow_runner`:
-"task_process" for rollout and evaluate, "trainer_job" for GRPO) starts a **resident**: a hosted object
-(forge_core.compute.actors) on a node of its pool, holding that stage's GPUs (`launch.<stage>.gpus_per_node`),
-which does what the flow process does with local placement: it holds a FlowResources of its own and runs each
-order through the same local runner, so the engines and the trainer job run on that node and are started,
-reused, restarted and stopped by exactly the local code. An order is a Ray call (`run(spec_uri)`) whose log
-lines stream back while it runs; a stop is another call. The resident is owned by the flow process (Ray ends it
-when that process dies, and its engines and trainer job end with it through their owner watchdogs); the run's
-FlowResources ends it at the flow's end (its own FlowResources closed first) and on failure or cancel. A
-resident lost during an order (its actor or node died) makes the attempt RETRYABLE, and the retry starts a new
+(TaskProcessRunner, TrainerJobRunner). Pool placement: the first GRPO stage with `grpo.trainer_lifetime: flow`
+starts the **trainer resident**: a hosted object (forge_core.compute.actors) on a node of GRPO's pool, holding
+its GPUs (`launch.grpo.gpus_per_node`), which does what the flow process does with local placement: it holds a
+FlowResources of its own and runs each order through the same local runner, so the trainer job runs on that node
+and is started, reused, restarted and stopped by exactly the local code. An order is a Ray call
+(`run(spec_uri)`) whose log lines stream back while it runs; a stop is another call. The resident is owned by the
+flow process (Ray ends it when that process dies, and its trainer job ends with it through its owner watchdog);
+the run's FlowResources ends it at the flow's end (its own FlowResources closed first) and on failure or cancel.
+A resident lost during an order (its actor or node died) makes the attempt RETRYABLE, and the retry starts a new
 resident on whichever node the cluster gives then. What its stages commit records `placement` with
-`resident: engines|trainer`, the pool and the Ray node.
+`resident: trainer`, the pool and the Ray node.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from forge_core.storage.manifest import PLACEMENT_ENV
 log = logging.getLogger(__name__)
 
 # Names for people (logs, manifests) of what a resident hosts, by Stage.flow_runner.
-RESIDENT_NAMES = {"task_process": "engines", "trainer_job": "trainer"}
+RESIDENT_NAMES = {"trainer_job": "trainer"}
 # A resident's normal end: its trainer job finishes its order and its engines shut down.
 NORMAL_STOP_S = 90.0
 FAILING_STOP_S = 30.0
@@ -60,12 +61,12 @@ class ResidentGone(RetryableStageError):
 
 
 def flow_lifetime_runner(cfg: RunConfig, stage: str, resources: FlowResources) -> Runner:
-    """The runner of a stage whose lifetime setting is "flow": the local flow runner, or with launch.placement=
-    pool an order to the run's resident on the stage's pool (module docstring)."""
+    """The runner of a stage served by the flow's own processes: the local flow runner (the engine-client stages
+    also with launch.placement=pool), or with pool an order to the run's trainer resident (module docstring)."""
     kind = stage_named(stage).flow_runner
     assert kind in FLOW_RUNNERS, f"{stage}: no flow runner {kind!r}"
-    if cfg.launch.placement != "pool":
-        return FLOW_RUNNERS[kind](cfg, stage, resources)
+    if cfg.launch.placement != "pool" or kind == TaskProcessRunner.serves:
+        return FLOW_RUNNERS[kind](cfg, stage, resources)  # with pool its engines are Ray actors of their own
     return ResidentRunner(cfg, stage, resources)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -68,6 +68,12 @@ class FlowResources:
         # With launch.placement=pool: {(flow runner, pool): its resident (forge_core.compute.actors.Hosted)},
         # guarded by `lock`, on the run's Ray cluster (`cluster()`).
         self.residents: dict[tuple[str, str], Any] = {}
+        # With launch.placement=pool: the engine actors in use (forge_core.rollout.actor_engines.EngineActors):
+        # the run's own (`flow_engines`, rollout.engine_lifetime=flow) and those of stages running now.
+        # Guarded by `engines_lock`.
+        self.flow_engines: Any = None
+        self.stage_engines: set[Any] = set()
+        self.engines_lock = threading.Lock()
         self._cluster: ComputeCluster | None = None
         self._cluster_lock = threading.Lock()
 
@@ -95,6 +101,43 @@ class FlowResources:
                     )
             return self._cluster
 
+    @contextlib.contextmanager
+    def engine_actors(self, seed: int) -> Iterator[Any]:
+        """The engine actors a stage samples with (forge_core.run.engines): the run's, started by the first stage
+        that asks and kept (rollout.engine_lifetime=flow), or the stage's own, ended with the block (stage)."""
+        from forge_core.rollout.actor_engines import EngineActors  # imports Ray: only a pool run pays for it
+
+        if self.cfg.rollout.engine_lifetime == "flow":
+            with self.engines_lock:
+                engines = self.flow_engines
+            if engines is None:  # started outside the lock: a stop must not wait out the placement wait
+                started = EngineActors.start(self.cluster(), self.cfg, seed)
+                with self.engines_lock:
+                    self.flow_engines = self.flow_engines or started
+                    engines = self.flow_engines
+                if engines is not started:
+                    started.close()  # another stage was first
+            yield engines
+            return
+        engines = EngineActors.start(self.cluster(), self.cfg, seed)
+        with self.engines_lock:
+            self.stage_engines.add(engines)
+        try:
+            yield engines
+        finally:
+            with self.engines_lock:
+                self.stage_engines.discard(engines)
+            engines.close()
+
+    def serves(self, stage: Stage) -> bool:
+        """Whether the flow's own processes serve `stage` (forge_core.run.runners): its lifetime setting is "flow",
+        or it is an engine client (flow_runner "task_process") and the engines are Ray actors (launch.placement=
+        pool), where a launch of its own would only relay between the flow and its engines."""
+        if stage.flow_runner is None:
+            return False
+        engines_on_cluster = self.cfg.launch.placement == "pool" and stage.flow_runner == "task_process"
+        return self.lifetime(stage) == "flow" or engines_on_cluster
+
     def lifetime(self, stage: Stage) -> str:
         """"stage" or "flow": the stage's lifetime setting in this run's config ("stage" when it has none)."""
         return section_to_dict(self.cfg, stage.lifetime_key) if stage.lifetime_key else "stage"
@@ -110,9 +153,22 @@ class FlowResources:
         return pids
 
     def stop_engines(self, grace_s: float = STOP_GRACE_S) -> list[int]:
-        """Stop the run's engine services (each gets `grace_s` after its shutdown request) and remove their
-        state folder; returns their pids. Nothing when there are none."""
-        return stop_flow_engines(self.cfg, grace_s)
+        """Stop the run's engines: its engine services on this machine (each gets `grace_s` after its shutdown
+        request; their state folder is removed) and its engine actors on the Ray cluster (each gets `grace_s` to
+        shut vLLM down); returns their pids. Nothing when there are none."""
+        with self.engines_lock:
+            actors = [a for a in (self.flow_engines, *self.stage_engines) if a is not None]
+            self.flow_engines, self.stage_engines = None, set()
+        pids = [engine.pid for engines in actors for engine in engines.slots if engine is not None]
+        closing = [
+            threading.Thread(target=engines.close, args=(grace_s,), name="forge-close-engines") for engines in actors
+        ]
+        for thread in closing:
+            thread.start()
+        pids += stop_flow_engines(self.cfg, grace_s)
+        for thread in closing:
+            thread.join()
+        return pids
 
     def abort(self, reason: str) -> None:
         """End everything at once: every launch of this process (gangs on the cluster too), the residents on the
@@ -148,18 +204,18 @@ class FlowResources:
 
     def _stop(self, failing: bool) -> None:
         residents = self.stop_residents(failing)
-        with self._cluster_lock:
+        engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else STOP_GRACE_S)
+        with self._cluster_lock:  # last: the residents and engine actors above are ended through it
             cluster, self._cluster = self._cluster, None
         if cluster is not None:
             cluster.close()
         if residents:
             self.log_line(f"stopped the run's residents: {', '.join(residents)}")
         trainers = self.stop_trainer(0.0 if failing else STOP_TIMEOUT_S)
-        engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else STOP_GRACE_S)
         if trainers:
             self.log_line(f"stopped the run's GRPO trainer job: pids {trainers}")
         if engines:
-            self.log_line(f"stopped the run's rollout engine services: pids {engines}")
+            self.log_line(f"stopped the run's rollout engines: pids {engines}")
 
     def __enter__(self) -> Self:
         return self

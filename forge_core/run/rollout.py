@@ -52,12 +52,12 @@ from forge_core.envs import (
 )
 from forge_core.rewards import RewardSet, sample_context
 from forge_core.rollout.dynamic import DynamicSampling
-from forge_core.rollout.lifetime import stage_generator
 from forge_core.rollout.prompts import check_prompt_table, iteration_indices, prompts_from_table
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
 from forge_core.rollout.types import Prompt, Sample
+from forge_core.run.engines import stage_engines
 from forge_core.run.scaffold import StageContext
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
@@ -309,7 +309,7 @@ def run(ctx: StageContext) -> None:
     """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring)."""
     plan = plan_rollout(ctx)
     try:
-        with stage_generator(plan.cfg, plan.policy, seed=plan.seed) as generator:
+        with stage_engines(plan.cfg, plan.policy, seed=plan.seed) as generator:
             run_rollout(plan, generator)
     finally:
         release_policy(plan.policy)  # the cache may prune it again (an engine service keeps its own lease)

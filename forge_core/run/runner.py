@@ -160,12 +160,12 @@ class FlowProcessRunner(Runner):
 
     def __init__(self, cfg: RunConfig, stage: str, resources: FlowResources) -> None:
         record = stage_named(stage)
-        lifetime = resources.lifetime(record)
-        if record.flow_runner != self.serves or lifetime != "flow":
+        if record.flow_runner != self.serves or not resources.serves(record):
+            lifetime = resources.lifetime(record)
             raise ValueError(
                 f"stage {stage!r} with {record.lifetime_key or 'no lifetime setting'}={lifetime!r}: {self.where} "
-                f"serves the stages whose record says flow_runner={self.serves!r} with that setting 'flow'; "
-                "launch it instead"
+                f"serves the stages whose record says flow_runner={self.serves!r} with that setting 'flow' (the "
+                "engine clients also with launch.placement=pool); launch it instead"
             )
         super().__init__(cfg, stage)
         self.flow_resources = resources

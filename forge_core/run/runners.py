@@ -3,15 +3,18 @@
     runner = runner_for(cfg, "grpo")          # LaunchRunner | ClusterRunner | TaskProcessRunner | TrainerJobRunner
     result = runner.run(plan, log, cancel)    # forge_core.run.runner: the interface, deadline, classification
 
-A stage whose registry record names a lifetime setting (`Stage.lifetime_key`: `rollout.engine_lifetime` for
-rollout and evaluate, `grpo.trainer_lifetime` for GRPO) and whose setting is "flow" is served by the flow run's
-long-lived process named by `Stage.flow_runner` (its FlowResources: forge_core.run.resources): a thread of the
-task's process talking to the flow's engines, or an order to the flow's trainer job; with `launch.placement:
-pool` that process runs in the run's resident on a Ray node of the stage's pool (forge_core.run.resident). Every
-other stage, and every stage with "stage", gets its own worker launch: here (LaunchRunner), or with pool as a
-gang on the Ray cluster (forge_core.run.cluster_runner.ClusterRunner). The lifetimes stay where they were
-(`rollout.*`, `grpo.*`) rather than moving under `launch.<stage>`: they belong to the shared process, not to one
-stage (one engine lifetime serves both rollout and evaluate, which must agree), and existing configs keep working.
+A stage whose registry record names a flow runner (`Stage.flow_runner`) may be served by the flow run's own
+processes instead of a worker launch of its own:
+- the engine-client stages (rollout, evaluate: "task_process") run on a thread of the task's process when the
+  run's engines are long-lived (`rollout.engine_lifetime: flow`) or live on the Ray cluster (`launch.placement:
+  pool`: engine actors on the rollout pool's nodes, forge_core.run.engines), where a worker launch would only
+  relay between the flow and its engines;
+- GRPO ("trainer_job") is an order to the run's trainer job with `grpo.trainer_lifetime: flow`; with pool the
+  job runs in the run's trainer resident on a Ray node of its pool (forge_core.run.resident).
+Every other stage gets its own worker launch: here (LaunchRunner), or with pool as a gang on the Ray cluster
+(forge_core.run.cluster_runner.ClusterRunner). The lifetimes stay where they were (`rollout.*`, `grpo.*`) rather
+than moving under `launch.<stage>`: they belong to the shared process, not to one stage (one engine lifetime
+serves both rollout and evaluate, which must agree), and existing configs keep working.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def runner_for(cfg: RunConfig, stage: str) -> Runner:
     record = stage_named(stage)
     if record.flow_runner is not None:
         resources = FlowResources.of(cfg)
-        if resources.lifetime(record) == "flow":
+        if resources.serves(record):
             return flow_lifetime_runner(cfg, stage, resources)
     if cfg.launch.placement == "pool":
         return ClusterRunner(cfg, stage)

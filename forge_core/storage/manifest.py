@@ -14,11 +14,14 @@ files at the artifact root; they are still read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -37,8 +40,27 @@ TEMP_MARKER = ".forge-tmp-"
 PLACEMENT_ENV = "FORGE_PLACEMENT"
 
 
-def placement_from_env() -> dict | None:
-    """The placement record FORGE_PLACEMENT holds, None when unset; ValueError naming it when not a JSON object."""
+# A placement record for the commits of one stage that runs on a thread of a process serving several (a stage
+# whose engines are Ray actors: forge_core.run.engines); it wins over FORGE_PLACEMENT.
+_stage_placement: ContextVar[dict | None] = ContextVar("forge_stage_placement", default=None)
+
+
+@contextlib.contextmanager
+def placement_scope(record: dict) -> Iterator[None]:
+    """Record `record` as the placement of what this thread (this context) commits inside the block."""
+    token = _stage_placement.set(record)
+    try:
+        yield
+    finally:
+        _stage_placement.reset(token)
+
+
+def current_placement() -> dict | None:
+    """The placement record of what is committed now: the block's (`placement_scope`), else FORGE_PLACEMENT's;
+    None when there is none; ValueError naming FORGE_PLACEMENT when it is not a JSON object."""
+    scoped = _stage_placement.get()
+    if scoped is not None:
+        return scoped
     raw = os.environ.get(PLACEMENT_ENV)
     if not raw:
         return None

@@ -38,9 +38,9 @@ from forge_core.storage.manifest import (
     FileEntry,
     InputRef,
     Manifest,
+    current_placement,
     is_attempt_id,
     new_attempt_id,
-    placement_from_env,
     utc_now_iso,
 )
 from forge_core.storage.streams import HashingWriter
@@ -287,7 +287,7 @@ class ArtifactWriter:
             committed_at=utc_now_iso(),
             metrics=_finite_or_text(metrics),
             attempt=self.attempt,
-            placement=placement_from_env(),
+            placement=current_placement(),
         )
         try:
             data = manifest.to_json_bytes()

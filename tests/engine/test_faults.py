@@ -15,6 +15,12 @@ def test_parse_several_faults():
     ]
 
 
+def test_hang_engine_names_an_engine_index():
+    assert parse_faults("hang_engine:1") == [Fault("hang_engine", rank=1)]
+    with pytest.raises(ValueError, match="hang_engine:<index>"):
+        parse_faults("hang_engine:x")
+
+
 @pytest.mark.parametrize("spec", ["kill:1:3", "kill_rank:one:3", "kill_rank:1"])
 def test_bad_fault_specs_name_the_entry(spec):
     with pytest.raises(ValueError, match="expected <action>:<rank>:<step>"):

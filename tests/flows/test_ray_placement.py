@@ -30,6 +30,7 @@ ON_POOL = [
     *(f"launch.{stage}.pool={POOL}" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
 ]
 TWO_NODE_SFT = ["launch.sft.nnodes=2", "launch.sft.nproc_per_node=1"]
+TWO_ENGINES_ON_TWO_NODES = ["rollout.num_engines=2", "launch.rollout.nnodes=2"]
 FLOW_LIFETIMES = ["rollout.engine_lifetime=flow", "grpo.trainer_lifetime=flow"]
 
 
@@ -45,7 +46,7 @@ def manifest_of(store: ObjectStore, uri: str):
 def pool_run(prefect_api, ray_cluster, tmp_path_factory) -> tuple[dict, list[str]]:
     root = tmp_path_factory.mktemp("ray-pool")
     overrides = [f"storage.root=file://{root}/store", f"logging.dir={root}/runs",
-                 *ON_POOL, *TWO_NODE_SFT, *FLOW_LIFETIMES]
+                 *ON_POOL, *TWO_NODE_SFT, *TWO_ENGINES_ON_TWO_NODES, *FLOW_LIFETIMES]
     return post_train(CONFIG, overrides), overrides
 
 
@@ -65,14 +66,22 @@ def test_the_pipeline_runs_on_the_pool_and_its_manifests_name_the_ray_nodes(pool
     assert placement["committed_by"]["node_rank"] == 0
     (data,) = by_kind["data"]
     assert data.placement["pool"] == POOL and len(data.placement["nodes"]) == 1
-    for kind, resident in (("rollouts", "engines"), ("grpo", "trainer"), ("eval", "engines")):
-        for manifest in by_kind[kind]:
-            assert manifest.placement["resident"] == resident, (kind, manifest.placement)
-            assert manifest.placement["nodes"][0]["node_id"] in pool_ids
-    engines = {m.placement["nodes"][0]["node_id"] for m in by_kind["rollouts"] + by_kind["eval"]}
-    assert len(engines) == 1, "rollout and evaluate were not served by one engines resident"
+    for manifest in by_kind["grpo"]:
+        assert manifest.placement["resident"] == "trainer", manifest.placement
+        assert manifest.placement["nodes"][0]["node_id"] in pool_ids
+    # Rollouts and evals: sampled by the run's two engine actors, one on each of two nodes of the pool.
+    engine_sets = set()
+    for manifest in by_kind["rollouts"] + by_kind["eval"]:
+        placement = manifest.placement
+        assert placement["served_by"] == "engines" and placement["pool"] == POOL, placement
+        engine_sets.add(tuple((n["node_rank"], n["node_id"]) for n in placement["nodes"]))
+    (engines,) = engine_sets  # the flow's engines served every rollout and evaluation
+    assert [rank for rank, _ in engines] == [0, 1] and len({node for _, node in engines}) == 2, engines
+    assert {node for _, node in engines} <= pool_ids
     rows = summary["placement"]
-    assert {row["pool"] for row in rows} == {POOL} and any("engines resident" in row["ray node"] for row in rows)
+    assert {row["pool"] for row in rows} == {POOL}
+    assert any("trainer resident" in row["ray node"] for row in rows)
+    assert any("(engine 1)" in row["ray node"] for row in rows)
 
 
 def test_after_the_flow_nothing_of_it_is_left_on_the_cluster(pool_run, ray_cluster):

@@ -85,9 +85,11 @@ def _wait_for(path, what: str) -> None:
         ("wait_for_engines", [], TaskProcessRunner),
         ("wait_for_engines", ["rollout.engine_lifetime=stage"], LaunchRunner),
         ("sft", ["launch.placement=pool"], ClusterRunner),  # on the Ray cluster: a gang ...
-        ("rollout", ["launch.placement=pool", "rollout.engine_lifetime=stage"], ClusterRunner),
-        ("rollout", ["launch.placement=pool"], ResidentRunner),  # ... or an order to the run's resident
-        ("grpo", ["launch.placement=pool"], ResidentRunner),
+        ("grpo", ["launch.placement=pool", "grpo.trainer_lifetime=stage"], ClusterRunner),
+        ("grpo", ["launch.placement=pool"], ResidentRunner),  # ... or an order to the run's trainer resident;
+        ("rollout", ["launch.placement=pool", "rollout.engine_lifetime=stage"], TaskProcessRunner),  # engine actors
+        ("rollout", ["launch.placement=pool"], TaskProcessRunner),
+        ("evaluate", ["launch.placement=pool", "rollout.engine_lifetime=stage"], TaskProcessRunner),
     ],
 )
 def test_the_runner_is_chosen_from_the_stage_record_and_its_lifetime_setting(tmp_path, stage, overrides, expected):

