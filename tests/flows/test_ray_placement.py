@@ -6,6 +6,7 @@ Every wait waits for an event under a generous bound; none depends on how fast t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -125,6 +126,26 @@ def sft_group_nodes() -> list[str] | None:
         if table["name"] == "forgeflow-sft" and table["state"] == "CREATED":
             return [table["bundles_to_node_id"][k] for k in sorted(table["bundles_to_node_id"])]
     return None
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Each SFT step's training loss, from the run's metrics.jsonl (written by rank 0, wherever it ran)."""
+    lines = (run_dir / "tiny-test-sft" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line]
+    return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
+
+
+def test_two_nodes_of_one_rank_train_sft_like_one_node_of_two_ranks(pool_run, tmp_path):
+    """The same SFT (world size 2) as 2 Ray nodes x 1 rank (the pool run) and as 1 local node x 2 ranks: every
+    step's loss within 1e-6."""
+    _, pool_overrides = pool_run
+    local = [f"storage.root=file://{tmp_path}/store", f"logging.dir={tmp_path}/runs", "launch.sft.nproc_per_node=2"]
+    manifest = store_of(local).read_manifest(prepare_and_sft(CONFIG, local))
+    assert "pool" not in (manifest.placement or {}), manifest.placement
+    pool_runs = Path(next(o for o in pool_overrides if o.startswith("logging.dir=")).split("=", 1)[1])
+    on_pool, here = step_losses(pool_runs), step_losses(tmp_path / "runs")
+    assert sorted(on_pool) == sorted(here) == list(range(1, manifest.metrics["steps"] + 1))
+    assert all(abs(on_pool[step] - here[step]) <= 1e-6 for step in here), (on_pool, here)
 
 
 def test_a_node_lost_mid_sft_is_retried_on_a_spare_and_resumes_to_the_same_result(
