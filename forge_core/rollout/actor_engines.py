@@ -142,15 +142,15 @@ class HostedEngine:
         return self._call("generate", list(prompts), sampling, seed, self.policy_version)
 
     def serve(self, stage_uri: str) -> float:
-        info = self._call("serve", stage_uri)
-        self.policy_version = info["policy_version"]
-        self.reload_s = float(info["reload_s"])
-        return self.reload_s
+        """Serve the policy of `stage_uri`, fetched from the store on the engine's node; the reload seconds."""
+        return self._loaded(self._call("serve", stage_uri))
 
     def reload(self, policy_dir, policy_version: str) -> float:
         """Serve `policy_version` from `policy_dir`, a folder the engine's node sees (the same machine, or a shared
         file system; a stage uses `serve`, which fetches from the store on the node)."""
-        info = self._call("reload", str(policy_dir), policy_version)
+        return self._loaded(self._call("reload", str(policy_dir), policy_version))
+
+    def _loaded(self, info: dict) -> float:
         self.policy_version = info["policy_version"]
         self.reload_s = float(info["reload_s"])
         return self.reload_s
@@ -164,8 +164,7 @@ class EngineActors:
     take turns; a stage whose engines another stage has since moved to other weights gets PolicyVersionMismatch
     (retryable), as with the flow's engine services."""
 
-    def __init__(self, cluster: ComputeCluster, cfg: RunConfig, seed: int, group: HostGroup) -> None:
-        self.cluster = cluster
+    def __init__(self, cfg: RunConfig, seed: int, group: HostGroup) -> None:
         self.cfg = cfg
         self.seed = seed
         self.group = group
@@ -185,7 +184,7 @@ class EngineActors:
             cluster, request, nodes=resources.nnodes, per_node=per_node, wait_s=cfg.launch.pool_wait_s,
             name=f"engines-{resources.pool}",
         )  # fmt: skip
-        return cls(cluster, cfg, seed, group)
+        return cls(cfg, seed, group)
 
     def serve(self, policy: PolicyRef) -> EngineRouter:
         """Every engine serving `policy` (a lost or missing one started anew in its slot, a live one reloaded),

@@ -1,4 +1,4 @@
-"""The rollout engines as Ray actors (launch.placement=pool): two engines on two nodes of the session's cluster
+"""The rollout engines as Ray actors (launch.placement=pool): two engines on two nodes of the pytest run's cluster
 (tests/ray_cluster.py, raylets on 127.0.0.1), real vLLM, the policy fetched by each engine from the store.
 
 Every wait waits for an event under a generous bound; none depends on how fast the machine is.
