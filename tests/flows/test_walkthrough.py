@@ -1,6 +1,6 @@
 """docs/own-model-and-data.md runs as written: its `walkthrough` blocks are the files this test writes into an
 empty folder and the commands it runs there, one after another, as a user would (`forgeflow` and `python` of
-this venv on PATH, the session's Prefect API): data and a tiny random Qwen2 made by the doc's own scripts, a
+this venv on PATH, the pytest run's Prefect API): data and a tiny random Qwen2 made by the doc's own scripts, a
 user reward function, validate, run, export, and transformers loading the exported model. ~2 minutes.
 """
 
