@@ -11,7 +11,7 @@ seed, each run on a fresh local store so that every stage really runs) twice:
 
 - pool: every stage on pool gpu-a of the cluster: stage-lifetime stages as gangs (a placement group and a node
   agent per node), the rollout engines as engine actors on nodes of the pool (rollout and evaluate in the task's
-  process), the flow-lifetime trainer job in the trainer resident (an actor on a node of the pool);
+  process), the flow-lifetime trainer as the run's trainer group (a rank actor on a node of the pool);
 - local: every stage on the flow's machine, as the embedded default runs it.
 
 The pool run goes first, so that whatever a first run pays (cold file caches) counts against the cluster.

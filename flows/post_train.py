@@ -118,7 +118,7 @@ def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
     process on this machine left running."""
     cfg = flow_config(config, overrides, flow_run.get_id())
     # Paths, checkpoint, pools, wandb, rewards on the data; this host for local placement (with placement=pool
-    # each resident checks its own node instead).
+    # each node's actors check their own node instead).
     check_run(cfg)
     install_sigterm_handler()
     end_orphaned_launches()
@@ -157,7 +157,7 @@ def kill_launches(flow, flow_run, state) -> None:
     except ValueError:
         return  # the flow failed on its config before it could start anything
     reason = f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}"
-    # The launches here, the gangs on the Ray cluster (forge_core.launch.add_stop), the residents.
+    # The launches here, the gangs on the Ray cluster (forge_core.launch.add_stop), the trainer group, the engines.
     FlowResources.of(cfg).abort(reason)
 
 

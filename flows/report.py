@@ -139,9 +139,9 @@ def _placed(manifest: Manifest) -> dict | None:
 
 
 def _node_name(placement: dict, node: dict) -> str:
-    """A Ray node as the tables show it: its id, and what ran there for the stage (a resident, an engine)."""
-    if placement.get("resident"):
-        role = f" ({placement['resident']} resident)"
+    """A Ray node as the tables show it: its id, and what ran there for the stage (the trainer group, an engine)."""
+    if placement.get("served_by") == "trainer":
+        role = " (trainer group)"
     elif placement.get("served_by") == "engines":
         role = f" (engine {node.get('node_rank')})"
     else:
@@ -161,8 +161,8 @@ def where_it_ran(manifest: Manifest) -> str:
 
 
 def placement_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
-    """Where every stage ran, one row per node: stage, pool, node rank, Ray node id (with the resident that ran
-    it, if one did), host, GPUs. Stages that ran on the flow's machine get one row with pool "local"."""
+    """Where every stage ran, one row per node: stage, pool, node rank, Ray node id (with the trainer group or
+    the engine that ran it, if one did), host, GPUs. Stages that ran on the flow's machine get one row with pool "local"."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)

@@ -66,7 +66,8 @@ OPERATIONAL_KEYS = (
 )
 
 # What a stage with a long-lived ("flow") lifetime is served by: a thread of the task's process talking to the
-# flow's engine services, or an order to the flow's long-lived trainer job (forge_core.run.runners).
+# flow's engines, or an order to the flow's long-lived trainer (its trainer job, or with launch.placement=pool
+# its trainer group on the Ray cluster; forge_core.run.runners).
 FlowRunner = Literal["task_process", "trainer_job"]
 
 

@@ -21,6 +21,9 @@ from forge_core.compute.cluster import (
 
 POOL = "gpu-a"
 POOL_NODES = 3
+# Room on a node for an engine actor and a trainer rank at once (the flow-lifetime engines hold their nodes while
+# GRPO trains).
+POOL_NODE_CPUS = 2
 STAGE_FRAGMENTS = ("forge_core.run", "forge_core.rollout", "forge_core.rewards", "torch.distributed.run")
 
 
@@ -33,7 +36,7 @@ class RayTestCluster:
         self.token_path = token_path
 
     def add_pool_node(self):
-        return self.raylets.add_node(num_cpus=1, num_gpus=1, labels={POOL_LABEL: POOL})
+        return self.raylets.add_node(num_cpus=POOL_NODE_CPUS, num_gpus=1, labels={POOL_LABEL: POOL})
 
     def node_with_id(self, node_id: str):
         return next(n for n in self.raylets.list_all_nodes() if n.node_id == node_id)
@@ -93,7 +96,7 @@ def start_ray_cluster(tmp_path_factory):
         head_node_args={"num_cpus": 1, "include_dashboard": False, "labels": {POOL_LABEL: "head"}},
     )
     for _ in range(POOL_NODES):
-        raylets.add_node(num_cpus=1, num_gpus=1, labels={POOL_LABEL: POOL})
+        raylets.add_node(num_cpus=POOL_NODE_CPUS, num_gpus=1, labels={POOL_LABEL: POOL})
     raylets.wait_for_nodes()
     compute = connect(raylets.address)
     try:

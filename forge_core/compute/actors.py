@@ -1,4 +1,4 @@
-"""Long-lived objects hosted on nodes of a pool: the run's engines, its trainer resident.
+"""Long-lived objects hosted on nodes of a pool: the run's engines, its trainer ranks.
 
     host = Hosted.start(cluster, HostRequest(pool="gpu-a", gpus=1), MyObject, args, wait_s=60, name="trainer")
     call = host.stream("run", spec_uri)          # the object's run(spec_uri, log=...) on its node

@@ -186,6 +186,8 @@ def connect(
         token_path = private_token_file()
         apply_environment(embedded_environment(token_path))
         context = ray.init(
+            # "local": a new cluster; with no address Ray would join the newest one started on this machine.
+            address="local",
             include_dashboard=dashboard,
             dashboard_host="127.0.0.1",
             num_cpus=num_cpus,

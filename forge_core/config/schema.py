@@ -924,7 +924,9 @@ class GRPOConfig:
     # "flow" (the fast path): the first GRPO task of a flow run starts one torchrun job that trains every
     # iteration in order (forge_core.run.trainer_job), saving torchrun + interpreter + import start-up per
     # iteration; each iteration is still a task that waits on its committed artifact, and a retry restarts
-    # the job. Needs launch.grpo.nnodes=1. "stage": every GRPO iteration launches its own torchrun job.
+    # the job. Needs launch.grpo.nnodes=1, except with launch.placement=pool, where the trainer is a Ray actor
+    # per rank on launch.grpo.nnodes nodes (forge_core.run.trainer_group). "stage": every GRPO iteration
+    # launches its own torchrun job.
     # Same results; not part of the artifacts' key.
     trainer_lifetime: Literal["stage", "flow"] = "flow"
     # How rollouts and training interleave. Policy index v: SFT = 0, after GRPO iteration k (0-based) = k+1;
@@ -1068,8 +1070,8 @@ class LaunchConfig:
     # attempt is a placement group of nnodes nodes labelled forgeflow.pool=<launch.<stage>.pool>, one torchrun
     # node per Ray node (forge_core.run.cluster_runner); the rollout engines are Ray actors on launch.rollout's
     # nodes (forge_core.rollout.actor_engines) and rollout/evaluate run in the flow's task process; with a flow
-    # lifetime the trainer job runs in a Ray actor on a node of GRPO's pool (forge_core.run.resident). Not part
-    # of any key.
+    # lifetime the GRPO trainer is a Ray actor per rank on launch.grpo's nodes, kept for the whole run
+    # (forge_core.run.trainer_group). Not part of any key.
     placement: Literal["local", "pool"] = "local"
     # placement=pool: the Ray cluster to join (`auto`: the one this host belongs to, `host:port`, or
     # `ray://host:port`); null = an embedded Ray started by the flow on this machine (loopback only, token
@@ -1166,12 +1168,7 @@ class RunConfig:
                 f"rollout.sampling.group_size={self.rollout.sampling.group_size}: GRPO needs >= 2 samples per "
                 "prompt to compute a group baseline"
             )
-        if self.grpo.trainer_lifetime == "flow" and self.launch.grpo.nnodes != 1:
-            errors.append(
-                f"grpo.trainer_lifetime='flow' with launch.grpo.nnodes={self.launch.grpo.nnodes}: the long-lived "
-                "trainer job runs on one node (a Ray node of its pool with launch.placement=pool); set "
-                "grpo.trainer_lifetime=stage for multi-node GRPO"
-            )
+        errors += self._trainer_lifetime_errors()
         engines_on_cluster = self.launch.placement == "pool"
         for stage, resources in self.launch.stage_resources().items():
             if stage == "rollout" and engines_on_cluster:
@@ -1204,6 +1201,28 @@ class RunConfig:
                 f"(rollout.prompts_per_iteration * group_size = {samples})"
             )
         return errors
+
+    def _trainer_lifetime_errors(self) -> list[str]:
+        """grpo.trainer_lifetime=flow: the local trainer job is one torchrun node; on the cluster the trainer group
+        has launch.grpo.gpus_per_node / nproc_per_node GPUs per rank actor (forge_core.run.trainer_group)."""
+        grpo = self.launch.grpo
+        if self.grpo.trainer_lifetime != "flow":
+            return []
+        if self.launch.placement == "local" and grpo.nnodes != 1:
+            problem = (
+                f"grpo.trainer_lifetime='flow' with launch.grpo.nnodes={grpo.nnodes}: the local trainer job runs on "
+                "one node; set launch.placement=pool (a trainer group across nodes of the Ray cluster) or "
+                "grpo.trainer_lifetime=stage"
+            )
+            return [problem]
+        if self.launch.placement == "pool" and grpo.gpus_per_node % grpo.nproc_per_node:
+            problem = (
+                f"launch.grpo.gpus_per_node={grpo.gpus_per_node}: each of the trainer group's "
+                f"launch.grpo.nproc_per_node={grpo.nproc_per_node} ranks per node holds the same number of GPUs, so "
+                f"it must be a multiple of nproc_per_node; e.g. {grpo.nproc_per_node}, or 0 for training on CPU"
+            )
+            return [problem]
+        return []
 
     def _engine_placement_errors(self) -> list[str]:
         """launch.placement=pool: rollout.num_engines engine actors on launch.rollout.nnodes nodes, the same number

@@ -195,6 +195,12 @@ class EngineActors:
 
     def _serve_slot(self, index: int, policy: PolicyRef) -> None:
         engine = self.slots[index]
+        if engine is not None and engine.host.lost() is None and not engine.failed:
+            try:
+                engine.serve(policy.stage_uri)
+                return
+            except EngineLost:
+                pass  # its actor, node or vLLM died since it last answered (e.g. between stages): healed below
         if engine is not None and engine.failed:
             log.warning("%s: its vLLM died (%s); starting a new engine in its place", engine.name, engine.failed)
             engine.host.close(0.0)
@@ -202,12 +208,11 @@ class EngineActors:
         if engine is None:
             self.slots[index] = self._start_engine(index, policy)
             return
-        if engine.host.lost() is not None:
-            lost = engine.host.lost()
-            place = engine.host.revive(self.cfg.launch.pool_wait_s)  # HostLost (retryable) when it is not back
-            log.info("%s was lost (%s); Ray restarted it on node %s (%s)", engine.name, lost, place.node_id[:8],
-                     place.address)  # fmt: skip
-            engine.refresh(engine.host.call("describe"))
+        lost = engine.host.lost()
+        place = engine.host.revive(self.cfg.launch.pool_wait_s)  # HostLost (retryable) when it is not back
+        log.info("%s was lost (%s); Ray restarted it on node %s (%s)", engine.name, lost, place.node_id[:8],
+                 place.address)  # fmt: skip
+        engine.refresh(engine.host.call("describe"))
         engine.serve(policy.stage_uri)
 
     def _start_engine(self, index: int, policy: PolicyRef) -> HostedEngine:

@@ -1,4 +1,4 @@
-"""The flow run's long-lived processes — its rollout engine services and its GRPO trainer job — and their end.
+"""The flow run's long-lived processes — its rollout engines and its GRPO trainer — and their end.
 
     with FlowResources.of(cfg, log=logger.info) as resources:     # a flow: everything ends with the block
         ...                                                       # runners find it: FlowResources.of(cfg)
@@ -8,8 +8,9 @@ One object per flow run (keyed by the run's engine state folder, which is per `l
 forge_core.rollout.lifetime.engine_state_dir), found by every runner that needs it through the config it
 holds. The first rollout/evaluate stage with `rollout.engine_lifetime: flow` starts the engine services (in
 the run's state folder: forge_core.rollout.lifetime.stage_generator); the first GRPO stage with
-`grpo.trainer_lifetime: flow` starts the trainer job (forge_core.run.trainer_job), which this object holds.
-Nothing else would stop them, so the flow ends them here, and only here:
+`grpo.trainer_lifetime: flow` starts the trainer job (forge_core.run.trainer_job), or with `launch.placement:
+pool` the trainer group and the engine actors on the Ray cluster (forge_core.run.trainer_group,
+forge_core.run.engines), which this object holds. Nothing else would stop them, so the flow ends them here, and only here:
 
 - `close(failing=False)` (the block's normal end): the trainer job finishes its current order and exits on a
   stop order (up to STOP_TIMEOUT_S, then the launcher ends it), the engines get STOP_GRACE_S;
@@ -21,8 +22,8 @@ Nothing else would stop them, so the flow ends them here, and only here:
 
 Bounds (Prefect 3.7's process worker SIGKILLs a cancelled flow run 30 s after its SIGTERM: prefect/runner/
 _cancellation_manager.py, grace_seconds = 30.0): terminate_all_live takes at most max(launch.*.kill_grace_s) +
-10 s (20 s by default), the engines at most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s: ~25 s in all; the residents on
-a Ray cluster close meanwhile, each bounded by RESIDENT_STOP_S[True]. Whatever a
+10 s (20 s by default), the engines at most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s: ~25 s in all; a trainer group on
+a Ray cluster is ended meanwhile (its actors killed at once). Whatever a
 SIGKILL still catches ends itself within ~2 s through its owner watchdog (forge_core.launch.owner), the one
 place owner watching lives (launched workers, the trainer job, the engine services and reward workers alike).
 """
@@ -45,8 +46,6 @@ from forge_core.stages import Stage
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0  # the trainer job's time to finish its current order at a flow's normal end
-# A resident's time to close its own engines and trainer job: {failing: seconds}.
-RESIDENT_STOP_S = {False: STOP_TIMEOUT_S + 30.0, True: 20.0}
 ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
 
 
@@ -63,11 +62,11 @@ class FlowResources:
         self.cfg = cfg
         self.key = key
         self.log_line = log_line or log.info
-        self.lock = threading.Lock()  # guards the trainer job slot (forge_core.run.trainer_job)
+        self.lock = threading.Lock()  # guards the trainer slots (forge_core.run.trainer_job, .trainer_group)
         self.trainer_job: Any = None  # a forge_core.run.trainer_job.TrainerJob while one runs
-        # With launch.placement=pool: {(flow runner, pool): its resident (forge_core.compute.actors.Hosted)},
-        # guarded by `lock`, on the run's Ray cluster (`cluster()`).
-        self.residents: dict[tuple[str, str], Any] = {}
+        # With launch.placement=pool: the run's trainer group on the Ray cluster (forge_core.run.trainer_group.
+        # TrainerGroup), guarded by `lock`.
+        self.trainer_group: Any = None
         # With launch.placement=pool: the engine actors in use (forge_core.rollout.actor_engines.EngineActors):
         # the run's own (`flow_engines`, rollout.engine_lifetime=flow) and those of stages running now.
         # Guarded by `engines_lock`.
@@ -171,12 +170,12 @@ class FlowResources:
         return pids
 
     def abort(self, reason: str) -> None:
-        """End everything at once: every launch of this process (gangs on the cluster too), the residents on the
-        cluster (at the same time), the trainer job, the engines (bounded)."""
-        residents = threading.Thread(target=self.stop_residents, args=(True,), name="forge-abort-residents")
-        residents.start()
+        """End everything at once: every launch of this process (gangs on the cluster too), the trainer group on
+        the cluster (at the same time), the trainer job, the engines (bounded)."""
+        group = threading.Thread(target=self.stop_trainer_group, args=(True,), name="forge-abort-trainer-group")
+        group.start()
         terminate_all_live(reason=reason)
-        residents.join()
+        group.join()
         self._stop(failing=True)
 
     def close(self, failing: bool = False) -> None:
@@ -186,31 +185,25 @@ class FlowResources:
             if _active.get(self.key) is self:
                 del _active[self.key]
 
-    def stop_residents(self, failing: bool) -> list[str]:
-        """End the run's residents on the pools' nodes (forge_core.run.resident): each closes its engines and
-        trainer job first (bounded), then its actor ends; returns their names."""
+    def stop_trainer_group(self, failing: bool) -> str:
+        """End the run's trainer group on the cluster, if there is one (forge_core.run.trainer_group: at a normal
+        end its ranks leave their process group first, bounded); returns where it ran ("" when none)."""
         with self.lock:
-            residents, self.residents = list(self.residents.values()), {}
-        # In parallel: a failing flow has Prefect's grace (30 s) for all of them together.
-        closing = [
-            threading.Thread(target=r.close, args=(RESIDENT_STOP_S[failing], failing), name=f"forge-close-{r.name}")
-            for r in residents
-        ]
-        for thread in closing:
-            thread.start()
-        for thread in closing:
-            thread.join()
-        return [resident.name for resident in residents]
+            group, self.trainer_group = self.trainer_group, None
+        if group is None:
+            return ""
+        group.close(failing)
+        return group.describe()
 
     def _stop(self, failing: bool) -> None:
-        residents = self.stop_residents(failing)
+        trainer_group = self.stop_trainer_group(failing)
         engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else STOP_GRACE_S)
-        with self._cluster_lock:  # last: the residents and engine actors above are ended through it
+        with self._cluster_lock:  # last: the trainer group and engine actors above are ended through it
             cluster, self._cluster = self._cluster, None
         if cluster is not None:
             cluster.close()
-        if residents:
-            self.log_line(f"stopped the run's residents: {', '.join(residents)}")
+        if trainer_group:
+            self.log_line(f"stopped the run's trainer group ({trainer_group})")
         trainers = self.stop_trainer(0.0 if failing else STOP_TIMEOUT_S)
         if trainers:
             self.log_line(f"stopped the run's GRPO trainer job: pids {trainers}")

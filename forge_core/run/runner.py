@@ -16,8 +16,8 @@ Ray cluster) as well as here. Implementations:
 - `TrainerJobRunner` (forge_core.run.trainer_job): an order to the flow's long-lived trainer job;
 - `ClusterRunner` (forge_core.run.cluster_runner): with launch.placement=pool, the same launch as a gang on
   the Ray cluster, one torchrun node per Ray node of the stage's pool;
-- `ResidentRunner` (forge_core.run.resident): with launch.placement=pool and a flow lifetime, an order (a Ray
-  call) to the run's resident on a node of the stage's pool, which runs it with one of the two runners above.
+- `TrainerGroupRunner` (forge_core.run.trainer_group): with launch.placement=pool and a flow-lifetime trainer,
+  an order (a Ray call on every rank) to the run's trainer group, one actor per rank on the nodes of its pool.
 
 Each starts an `Attempt`; `Runner.run` supervises it the same way for all of them:
 

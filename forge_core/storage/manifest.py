@@ -3,7 +3,7 @@
 Fields: format_version, kind, stage, key, attempt, files {rel: {size, sha256}}, schema {table_rel: arrow
 schema string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at,
 metrics, placement (where a stage run on the Ray cluster ran: forge_core.run.cluster_runner and
-forge_core.run.resident put its record into the workers' environment as FORGE_PLACEMENT; null, or only the
+forge_core.run.trainer_group put its record into the workers' environment as FORGE_PLACEMENT; null, or only the
 GPUs of its launch, when the stage ran on the flow's machine; optional when read).
 
 Layout (format 2): every writer (attempt) writes its files under its own prefix `<uri>/_attempts/<attempt>/`,
@@ -35,7 +35,7 @@ _ATTEMPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
 TEMP_MARKER = ".forge-tmp-"
 # A JSON object: where the process writing artifacts runs when a stage runs on the Ray cluster (pool, nodes with
-# their Ray node ids, hosts and GPUs; forge_core.run.cluster_runner, forge_core.run.resident), or the GPUs of a
+# their Ray node ids, hosts and GPUs; forge_core.run.cluster_runner, forge_core.run.trainer_group), or the GPUs of a
 # local launch (forge_core.launch.devices); recorded in every manifest it writes.
 PLACEMENT_ENV = "FORGE_PLACEMENT"
 

@@ -96,3 +96,26 @@ def test_the_embedded_token_is_private_and_a_shared_folder_is_refused(tmp_path):
     shared.chmod(0o755)
     with pytest.raises(ValueError, match="lets other users reach"):
         private_token_file(shared)
+
+
+EMBEDDED = textwrap.dedent(
+    """
+    from forge_core.compute.cluster import connect
+    cluster = connect(None)
+    print("embedded", cluster.embedded, cluster.address)
+    cluster.close()
+    """
+)
+
+
+def test_the_embedded_cluster_is_a_new_one_while_another_runs_on_this_machine(ray_cluster):
+    """With no address Ray itself would join the newest cluster started on the machine (here the session's):
+    the embedded start makes a cluster of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_PATH_ENV, TOKEN_ENV, AUTH_MODE_ENV, "RAY_ADDRESS")}
+    out = subprocess.run(
+        [sys.executable, "-c", EMBEDDED], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("embedded ")]
+    _, embedded, address = line.split()
+    assert embedded == "True" and address != ray_cluster.compute.address, (line, ray_cluster.compute.address)

@@ -297,3 +297,21 @@ def test_config_error_survives_pickling():
         load_config(None, ["seed=x"])
     clone = pickle.loads(pickle.dumps(exc_info.value))
     assert clone.errors == exc_info.value.errors and str(clone) == str(exc_info.value)
+
+
+def test_a_flow_lifetime_trainer_spans_nodes_only_on_the_cluster():
+    multi_node = ["grpo.trainer_lifetime=flow", "launch.grpo.nnodes=2", "launch.grpo.rdzv_endpoint=127.0.0.1:29500"]
+    with pytest.raises(ConfigError) as exc_info:
+        load_config(None, multi_node)
+    assert any(
+        e.startswith("grpo.trainer_lifetime='flow' with launch.grpo.nnodes=2: the local trainer job runs on one node")
+        for e in problems(exc_info)
+    ), problems(exc_info)
+    on_pool = [*multi_node[:2], "launch.placement=pool", "launch.grpo.nproc_per_node=2"]
+    assert load_config(None, on_pool).launch.grpo.nnodes == 2  # a trainer group across two Ray nodes
+    with pytest.raises(ConfigError) as exc_info:
+        load_config(None, [*on_pool, "launch.grpo.gpus_per_node=3"])
+    assert any(
+        e.startswith("launch.grpo.gpus_per_node=3: each of the trainer group's launch.grpo.nproc_per_node=2 ranks")
+        for e in problems(exc_info)
+    ), problems(exc_info)

@@ -32,7 +32,10 @@ ON_POOL = [
 ]
 TWO_NODE_SFT = ["launch.sft.nnodes=2", "launch.sft.nproc_per_node=1"]
 TWO_ENGINES_ON_TWO_NODES = ["rollout.num_engines=2", "launch.rollout.nnodes=2"]
+TWO_NODE_TRAINER = ["launch.grpo.nnodes=2", "launch.grpo.nproc_per_node=1", "grpo.iterations=2"]
 FLOW_LIFETIMES = ["rollout.engine_lifetime=flow", "grpo.trainer_lifetime=flow"]
+# Partial credit, so rewards vary inside a group and GRPO really takes optimizer steps on the tiny SFT policy.
+VARIED_REWARDS = 'rollout.rewards=[{"name": "per_digit", "weight": 1.0}, {"name": "answer_format", "weight": 0.5}]'
 
 
 def store_of(overrides: list[str]) -> ObjectStore:
@@ -47,7 +50,7 @@ def manifest_of(store: ObjectStore, uri: str):
 def pool_run(prefect_api, ray_cluster, tmp_path_factory) -> tuple[dict, list[str]]:
     root = tmp_path_factory.mktemp("ray-pool")
     overrides = [f"storage.root=file://{root}/store", f"logging.dir={root}/runs",
-                 *ON_POOL, *TWO_NODE_SFT, *TWO_ENGINES_ON_TWO_NODES, *FLOW_LIFETIMES]
+                 *ON_POOL, *TWO_NODE_SFT, *TWO_ENGINES_ON_TWO_NODES, *TWO_NODE_TRAINER, *FLOW_LIFETIMES, VARIED_REWARDS]
     return post_train(CONFIG, overrides), overrides
 
 
@@ -64,12 +67,20 @@ def test_the_pipeline_runs_on_the_pool_and_its_manifests_name_the_ray_nodes(pool
     assert [n["node_rank"] for n in placement["nodes"]] == [0, 1], placement
     assert len({n["node_id"] for n in placement["nodes"]}) == 2, "both SFT nodes on one Ray node"
     assert {n["node_id"] for n in placement["nodes"]} <= pool_ids
-    assert placement["committed_by"]["node_rank"] == 0
+    # torchrun's c10d rendezvous gives out global ranks in join order: rank 0, which commits, is on either node.
+    assert placement["committed_by"] in placement["nodes"], placement
     (data,) = by_kind["data"]
     assert data.placement["pool"] == POOL and len(data.placement["nodes"]) == 1
+    # GRPO: every iteration trained by the run's one trainer group, a rank actor on each of two nodes.
+    trainer_nodes = set()
     for manifest in by_kind["grpo"]:
-        assert manifest.placement["resident"] == "trainer", manifest.placement
-        assert manifest.placement["nodes"][0]["node_id"] in pool_ids
+        placement = manifest.placement
+        assert placement["served_by"] == "trainer" and placement["pool"] == POOL, placement
+        assert placement["ranks"] == [{"rank": 0, "node_rank": 0}, {"rank": 1, "node_rank": 1}], placement
+        assert manifest.metrics["world_size"] == 2 and manifest.metrics["train/steps"] > 0, manifest.metrics
+        trainer_nodes.add(tuple(n["node_id"] for n in placement["nodes"]))
+    (trainer,) = trainer_nodes
+    assert len(by_kind["grpo"]) >= 2 and len(set(trainer)) == 2 and set(trainer) <= pool_ids, trainer
     # Rollouts and evals: sampled by the run's two engine actors, one on each of two nodes of the pool.
     engine_sets = set()
     for manifest in by_kind["rollouts"] + by_kind["eval"]:
@@ -81,7 +92,7 @@ def test_the_pipeline_runs_on_the_pool_and_its_manifests_name_the_ray_nodes(pool
     assert {node for _, node in engines} <= pool_ids
     rows = summary["placement"]
     assert {row["pool"] for row in rows} == {POOL}
-    assert any("trainer resident" in row["ray node"] for row in rows)
+    assert sum("(trainer group)" in row["ray node"] for row in rows) == 2 * len(by_kind["grpo"])
     assert any("(engine 1)" in row["ray node"] for row in rows)
 
 
@@ -208,3 +219,55 @@ def test_cancelling_the_flow_ends_every_rank_actor_and_group(ray_cluster, prefec
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
     assert ray_cluster.live_actors() == []
 
+
+
+def trainer_group_nodes() -> list[str] | None:
+    """The Ray node of each rank's bundle of the run's trainer group while it is placed."""
+    import ray
+
+    for table in ray.util.placement_group_table().values():
+        if table["name"] == "forgeflow-grpo-trainer" and table["state"] == "CREATED":
+            return [table["bundles_to_node_id"][k] for k in sorted(table["bundles_to_node_id"])]
+    return None
+
+
+def test_a_trainer_rank_node_lost_mid_grpo_is_retried_by_a_new_group_that_resumes(
+    ray_cluster, prefect_api, tmp_path, monkeypatch
+):
+    """Trainer rank 1 (node 1 of the run's trainer group) hangs after GRPO step 2; its Ray node is then removed
+    outright. The order fails retryably, the whole group is ended, and the task's retry places a new group on
+    the nodes that are left, which resumes from the step-1 checkpoint; the run completes and nothing of it is
+    left on the cluster."""
+    import ray
+
+    marker = tmp_path / "fault-once"
+    monkeypatch.setenv(FAULT_ENV, "hang_rank:1:2@grpo")
+    monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
+    removed: list[str] = []
+
+    def remove_rank_1_node() -> None:
+        wait_for("the hang at GRPO step 2", marker.exists)
+        node_1 = wait_for("the trainer group's placement group", trainer_group_nodes)[1]
+        ray_cluster.raylets.remove_node(ray_cluster.node_with_id(node_1), allow_graceful=False)
+        removed.append(node_1)
+
+    remover = threading.Thread(target=remove_rank_1_node, daemon=True)
+    remover.start()
+    overrides = [f"storage.root=file://{tmp_path}/store", f"logging.dir={tmp_path}/runs", *ON_POOL,
+                 *TWO_ENGINES_ON_TWO_NODES, *TWO_NODE_TRAINER, *FLOW_LIFETIMES, VARIED_REWARDS, "grpo.iterations=1",
+                 "launch.grpo.retries=1", "name=trainer-node-lost"]
+    try:
+        summary = post_train(CONFIG, overrides)
+    finally:
+        remover.join(BOUND_S)
+        ray_cluster.add_pool_node()  # the pool's size for the tests after this one
+    assert removed, "the node was never removed"
+
+    store = store_of(overrides)
+    (grpo,) = [m for m in (store.read_manifest(r["artifact"]) for r in summary["stages"]) if m.kind == "grpo"]
+    assert grpo.metrics["resumed_from_step"] == 1, grpo.metrics
+    nodes = [n["node_id"] for n in grpo.placement["nodes"]]
+    assert grpo.placement["served_by"] == "trainer" and len(set(nodes)) == 2 and removed[0] not in nodes, nodes
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []
+    assert wait_for("no stage process left", lambda: not ray_cluster.stage_processes())

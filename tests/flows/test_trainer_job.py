@@ -10,7 +10,9 @@ reward that varies within groups (so GRPO really updates the policy):
   with flow lifetime: the same committed policies, bitwise, and the same step metrics;
 - flow lifetime with a rank SIGKILLed mid-iteration: the task's retry starts a new job, which resumes from
   the in-stage checkpoint, and the policies are again the same, bitwise;
-- a user error inside the job fails the stage FATAL with the worker's message and leaves no job running.
+- a user error inside the job fails the stage FATAL with the worker's message and leaves no job running;
+- the same iterations by the trainer group on the session's Ray cluster (tests/ray_cluster.py: one rank actor on
+  each of two nodes): the same policies, bitwise, also when a rank is SIGKILLed and a new group resumes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,10 +37,12 @@ from forge_core.launch import Outcome, live_handles
 from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.run.plan import plan_stage
 from forge_core.run.resources import FlowResources
+from forge_core.run.runner import Cancel
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
 from forge_core.storage import ObjectStore
 from tasks import train_grpo
+from tests.ray_cluster import POOL
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +167,7 @@ def grpo_chain(config_json: str, sft_uri: str, rollouts: list[str], retries: int
     return out
 
 
-def _chain_on_copy(source: FlowRun, root: Path, lifetime: str, retries: int = 0):
+def _chain_on_copy(source: FlowRun, root: Path, lifetime: str, retries: int = 0, extra: tuple[str, ...] = ()):
     """The source run's two GRPO iterations again, on its own SFT policy and rollouts, in a copy of its store."""
     store = _copy_store(source, root)
     cfg = load_config(
@@ -172,6 +177,7 @@ def _chain_on_copy(source: FlowRun, root: Path, lifetime: str, retries: int = 0)
             f"logging.dir={root}/runs",
             *COMMON,
             f"grpo.trainer_lifetime={lifetime}",
+            *extra,
         ],
     )
     rollouts = [
@@ -276,3 +282,98 @@ def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path)
     assert not run.store.is_committed(plan.output_uri)
     assert FlowResources.of(cfg).stop_trainer() == []  # the job ended with the failed order: nothing to stop
     assert processes_with_launch_id(result.launch_id) == []
+
+
+# ---- the same iterations by the trainer group on the Ray cluster (launch.placement=pool) ---------------------------
+
+ON_TWO_POOL_NODES = [
+    "launch.placement=pool",
+    "launch.pool_wait_s=600",
+    f"launch.grpo.pool={POOL}",
+    "launch.grpo.nnodes=2",
+    "launch.grpo.nproc_per_node=1",  # world size 2, as the local job's 1 node x 2 ranks: the same artifacts' keys
+]
+
+
+def test_trainer_group_on_two_nodes_commits_the_same_policies(flow_lifetime_run, ray_cluster, prefect_api, tmp_path):
+    """The two iterations as orders to a trainer group of one rank on each of two Ray nodes: bitwise the policies
+    and step metrics of the local job's 1 node x 2 ranks; one group served both, and nothing is left of it."""
+    import ray
+
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    store, state = _chain_on_copy(flow_run, tmp_path / "group", "flow", extra=ON_TWO_POOL_NODES)
+    assert state.is_completed(), state.message
+    placements = []
+    for iteration, (uri, _) in enumerate(state.result()):
+        reference = flow_run.grpo_uri(iteration)
+        assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
+        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
+        placements.append(store.read_manifest(uri).placement)
+    assert placements[0]["served_by"] == "trainer" and placements[0] == placements[1], placements
+    assert len({node["node_id"] for node in placements[0]["nodes"]}) == 2, placements[0]
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []
+
+
+def test_trainer_group_rank_killed_is_retried_by_a_new_group_which_resumes(
+    flow_lifetime_run, ray_cluster, prefect_api, tmp_path, monkeypatch
+):
+    """Rank 1's actor SIGKILLs itself after iteration 0's step 2: the order fails retryably, the retry places a
+    new group, which resumes from step 1 and commits the uninterrupted policies, bitwise."""
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("FORGE_FAULT", "kill_rank:1:2@grpo")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
+    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1, extra=ON_TWO_POOL_NODES)
+    assert state.is_completed(), state.message
+    assert marker.exists()
+    runs = settled_task_runs(state.state_details.flow_run_id, count=2)
+    assert sorted(run.run_count for run in runs) == [1, 2], runs  # iteration 0 was retried once
+    results = state.result()
+    assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
+    for iteration, (uri, _) in enumerate(results):
+        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
+    assert ray_cluster.live_actors() == []
+
+
+def test_trainer_group_stopped_while_a_rank_hangs_names_it_and_leaves_nothing(
+    flow_lifetime_run, ray_cluster, tmp_path, monkeypatch
+):
+    """Rank 1 hangs after step 1 while rank 0 goes on to the step's checkpoint and waits for it there; a cancel
+    (as a lost lease or the flow's cancel would send) ends the whole group, the result names rank 1 from the
+    ranks' heartbeats, and no actor or placement group is left."""
+    import ray
+
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("FORGE_FAULT", "hang_rank:1:1@grpo")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
+    store = _copy_store(flow_run, tmp_path / "hung")
+    overrides = [f"storage.root={store.root}", f"logging.dir={tmp_path}/runs", *COMMON, "grpo.trainer_lifetime=flow"]
+    cfg = load_config(CONFIG, [*overrides, *ON_TWO_POOL_NODES])
+    rollouts_uri = flow_run.store.read_manifest(flow_run.grpo_uri(0)).inputs["rollouts"].uri
+    inputs = {"policy": store.list_committed("sft")[0], "rollouts": rollouts_uri.replace(flow_run.store.root, store.root)}
+    plan = plan_stage(cfg, store, "grpo", inputs=inputs, params={"iteration": 0})
+    write_spec(store, plan.spec)
+    cancel = Cancel()
+
+    def cancel_once_hung() -> None:
+        deadline = time.monotonic() + FLOW_TIMEOUT_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cancel.request("cancelled by the test")
+
+    canceller = threading.Thread(target=cancel_once_hung, daemon=True)
+    canceller.start()
+    with FlowResources.of(cfg) as resources:
+        result = runner_for(cfg, "grpo").run(plan, lambda line: None, cancel)
+        assert resources.trainer_group is None  # the stopped group was ended and forgotten
+    canceller.join()
+    assert marker.exists() and result.outcome is Outcome.CANCELLED, result
+    assert result.stall.startswith("rank 1 made no progress since step 1"), result.stall
+    assert not store.is_committed(plan.output_uri)
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []

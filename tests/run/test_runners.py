@@ -19,11 +19,11 @@ from forge_core.rollout.lifetime import engine_state_dir
 from forge_core.run.cluster_runner import ClusterRunner
 from forge_core.run.in_process import TaskProcessRunner
 from forge_core.run.plan import plan_stage
-from forge_core.run.resident import ResidentRunner
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Cancel, LaunchRunner
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
+from forge_core.run.trainer_group import TrainerGroupRunner
 from forge_core.run.trainer_job import TrainerJobRunner
 from forge_core.storage import ObjectStore, new_attempt_id
 from tests.run import waiting_stages  # noqa: F401 - registers wait_forever and wait_for_engines
@@ -86,7 +86,7 @@ def _wait_for(path, what: str) -> None:
         ("wait_for_engines", ["rollout.engine_lifetime=stage"], LaunchRunner),
         ("sft", ["launch.placement=pool"], ClusterRunner),  # on the Ray cluster: a gang ...
         ("grpo", ["launch.placement=pool", "grpo.trainer_lifetime=stage"], ClusterRunner),
-        ("grpo", ["launch.placement=pool"], ResidentRunner),  # ... or an order to the run's trainer resident;
+        ("grpo", ["launch.placement=pool"], TrainerGroupRunner),  # ... or an order to the run's trainer group;
         ("rollout", ["launch.placement=pool", "rollout.engine_lifetime=stage"], TaskProcessRunner),  # engine actors
         ("rollout", ["launch.placement=pool"], TaskProcessRunner),
         ("evaluate", ["launch.placement=pool", "rollout.engine_lifetime=stage"], TaskProcessRunner),

@@ -1,0 +1,377 @@
+"""The flow-lifetime GRPO trainer on the Ray cluster (`grpo.trainer_lifetime: flow`, `launch.placement: pool`):
+one actor per rank on `launch.grpo.nnodes` nodes of GRPO's pool, one process group for the whole flow run.
+
+    runner = runner_for(cfg, "grpo")        # a TrainerGroupRunner: each GRPO stage is an order to the group
+    result = runner.run(plan, log, cancel)  # the runner interface: deadline, cancel, classification
+
+The first GRPO stage of a flow run places the group: a placement group of `nnodes` bundles (STRICT_SPREAD),
+each holding `nproc_per_node` rank actors (forge_core.compute.actors.HostGroup) with `gpus_per_node /
+nproc_per_node` GPUs each, which Ray assigns (each rank sees only its own, so its LOCAL_RANK is 0 on a GPU
+node). Rank 0's node hosts the rendezvous on a free port; every rank joins it once, with torch's env://
+variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and keeps its process group, imports and process for
+every later iteration. An order is the stage's spec URI, run by every rank at once through the worker scaffold
+(forge_core.run.scaffold.run_spec: the same body as a GRPO launch, forge_core.run.grpo.train, which commits the
+iteration's artifact on rank 0 and resumes from its newest in-stage checkpoint). Rank 0's log lines, and the
+others' warnings, reach the stage's log while it runs.
+
+Failures: a rank whose actor or node died makes the attempt RETRYABLE, naming it; a rank's own exception is
+classified as a worker's would be (a user error FATAL with its fix). Either way, and on a deadline or a cancel,
+the whole group is ended (a rank may be waiting in a collective that will never complete), and the next order
+places a new group on whatever nodes the pool has then. Past the deadline the result names the rank that made
+no progress, from the ranks' heartbeats (forge_core.launch.heartbeat). The actors are owned by the flow process:
+Ray ends them when it dies. What a GRPO stage commits records `placement` with `served_by: trainer`, the pool,
+each node and each rank's node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from forge_core.compute.actors import Hosted, HostGroup, HostLost, HostRequest
+from forge_core.compute.cluster import ComputeCluster
+from forge_core.config import RunConfig
+from forge_core.config.schema import ResourceConfig
+from forge_core.engine import destroy_distributed, init_distributed
+from forge_core.engine.preflight import preflight
+from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from forge_core.launch import LaunchResult, Outcome
+from forge_core.launch.classify import exception_result
+from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, read_heartbeats, stall_note
+from forge_core.run.plan import StagePlan
+from forge_core.run.resources import FlowResources
+from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
+from forge_core.run.scaffold import run_spec, worker_process_setup
+from forge_core.run.spec import read_spec
+from forge_core.stages import stage_named
+from forge_core.storage.manifest import PLACEMENT_ENV
+
+log = logging.getLogger(__name__)
+
+# How long the ranks may take to join the group's rendezvous once all are placed.
+RENDEZVOUS_S = 300.0
+# A rank's time to answer a heartbeat question or to leave its process group at a normal end.
+RANK_CALL_S = 10.0
+CLOSE_S = 30.0
+
+
+# ---- on the node -------------------------------------------------------------------------------------------------
+
+
+class TrainerRank:
+    """One rank of the trainer group, in its actor on its node (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, fault_env: dict[str, str]) -> None:
+        os.environ.update(fault_env)  # a Ray node's processes have that node's environment, not the flow's
+        worker_process_setup("grpo")
+        preflight(cfg, ["grpo"], checks=())  # this node can train (GPUs, torch build)
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.heartbeat_dir = tempfile.mkdtemp(prefix=f"forge-trainer-rank{rank}-")
+        os.environ[HEARTBEAT_DIR_ENV] = self.heartbeat_dir
+        self.dist: Any = None
+
+    def free_port(self, address: str) -> int:
+        """A free port on this node's `address`, for the group's rendezvous (rank 0 only)."""
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+            return probe.getsockname()[1]
+
+    def join(self, master: str, port: int, local_rank: int, placement: dict) -> None:
+        """Join the group's process group (every rank at once; blocks until all have joined)."""
+        os.environ.update(
+            {
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(local_rank),
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+                PLACEMENT_ENV: json.dumps(placement, sort_keys=True),
+            }
+        )
+        self.dist = init_distributed(self.cfg.training.device)
+
+    def run(self, spec_uri: str, log: LogSink) -> None:
+        """Run one order: the GRPO stage `spec_uri` names, on this rank (module docstring)."""
+        started = time.perf_counter()
+        spec = read_spec(spec_uri, self.cfg.storage)
+        if stage_named(spec.stage).flow_runner != TrainerGroupRunner.serves:
+            raise ValueError(f"{spec_uri}: a {spec.stage} stage, which the trainer group does not run")
+        with _forwarded_records(log, self.rank):
+            run_spec(spec, process_group=self.dist, started=started)
+
+    def heartbeat(self) -> Heartbeat | None:
+        return read_heartbeats(self.heartbeat_dir).get(self.rank)
+
+    def close(self) -> None:
+        destroy_distributed()
+        shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _forwarded_records(sink: LogSink, rank: int):
+    """While the block runs: the process's `forge_core` records go to `sink` (rank 0's from INFO, the other
+    ranks' from WARNING, prefixed with their rank), as a launch's output lines would."""
+    handler = logging.Handler(logging.INFO if rank == 0 else logging.WARNING)
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
+    handler.emit = lambda record: sink(handler.format(record))  # type: ignore[method-assign]
+    logger = logging.getLogger("forge_core")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+# ---- on the flow's side ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupShape:
+    """What a group was placed for: a later order with other launch settings gets a new group."""
+
+    pool: str | None
+    nnodes: int
+    nproc_per_node: int
+    gpus_per_node: int
+    device: str
+
+    @classmethod
+    def of(cls, cfg: RunConfig, cluster: ComputeCluster) -> GroupShape:
+        resources: ResourceConfig = cfg.launch.grpo
+        pool = None if cluster.embedded else resources.pool
+        return cls(pool, resources.nnodes, resources.nproc_per_node, resources.gpus_per_node, cfg.training.device)
+
+
+class TrainerGroup:
+    """The run's trainer ranks on their nodes (module docstring)."""
+
+    def __init__(self, shape: GroupShape, group: HostGroup, ranks: list[Hosted], placement: dict) -> None:
+        self.shape = shape
+        self.group = group
+        self.ranks = ranks
+        self.placement = placement
+
+    @classmethod
+    def start(cls, cluster: ComputeCluster, cfg: RunConfig, log_line: LogSink) -> TrainerGroup:
+        """Place the ranks (PlacementUnavailable after launch.pool_wait_s), build them and join them into one
+        process group."""
+        shape = GroupShape.of(cfg, cluster)
+        nodes, per_node = shape.nnodes, shape.nproc_per_node
+        request = HostRequest(shape.pool, gpus=shape.gpus_per_node // per_node)
+        log_line(
+            f"grpo: placing the run's trainer group, {nodes} node(s) x {per_node} rank(s) (up to "
+            f"launch.pool_wait_s={cfg.launch.pool_wait_s:g} s)"
+        )
+        group = HostGroup.reserve(cluster, request, nodes, per_node, cfg.launch.pool_wait_s, "grpo-trainer")
+        ranks: list[Hosted] = []
+        try:
+            faults = {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
+            world = nodes * per_node
+            with ThreadPoolExecutor(world, thread_name_prefix="forge-trainer-start") as pool:
+                ranks = list(
+                    pool.map(
+                        lambda k: group.host(k, TrainerRank, (cfg, k, world, faults), f"trainer rank {k}"),
+                        range(world),
+                    )
+                )
+            placement = _placement_record(cfg, shape, ranks)
+            master = ranks[0].place.address
+            port = ranks[0].call("free_port", master)
+            local_rank = (lambda k: 0) if request.gpus else (lambda k: k % per_node)
+            with ThreadPoolExecutor(world, thread_name_prefix="forge-trainer-join") as pool:
+                joins = [
+                    pool.submit(rank.call, "join", master, port, local_rank(k), placement, timeout=RENDEZVOUS_S)
+                    for k, rank in enumerate(ranks)
+                ]
+                for joined in joins:
+                    joined.result()
+        except BaseException:
+            _end(ranks, group, failing=True)
+            raise
+        trainer = cls(shape, group, ranks, placement)
+        log_line(f"grpo: the run's trainer group runs on {trainer.describe()}, rendezvous {master}:{port}")
+        return trainer
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"node {n['node_rank']} on {n['node_id'][:8]} ({n['host']})" for n in self.placement["nodes"]
+        )
+
+    def lost(self) -> str | None:
+        """Why a rank is gone (its actor or node died), None while all are alive."""
+        return next((why for rank in self.ranks if (why := rank.lost()) is not None), None)
+
+    def probe(self) -> tuple[dict[int, Heartbeat], dict[int, str]]:
+        """Ask every rank at once (each bounded by RANK_CALL_S): the last heartbeat of each that answered, and why
+        each one whose actor or node died is gone. A rank that is only slow to answer is in neither."""
+
+        def ask(k: int) -> tuple[int, Heartbeat | None, str | None]:
+            rank = self.ranks[k]
+            if rank.lost() is not None:
+                return k, None, rank.lost()
+            try:
+                return k, rank.call("heartbeat", timeout=RANK_CALL_S), None
+            except HostLost as exc:
+                return k, None, str(exc)
+            except Exception:  # noqa: BLE001 - no answer in time: not known to be gone
+                return k, None, None
+
+        with ThreadPoolExecutor(len(self.ranks), thread_name_prefix="forge-trainer-probe") as pool:
+            answers = list(pool.map(ask, range(len(self.ranks))))
+        beats = {k: beat for k, beat, _ in answers if beat is not None}
+        return beats, {k: why for k, _, why in answers if why is not None}
+
+    def stall(self, event: str) -> str:
+        """Which rank stopped making progress, from the live ranks' heartbeats (forge_core.launch.heartbeat)."""
+        beats, _ = self.probe()
+        return stall_note(beats, range(len(self.ranks)), time.time(), event, when_level=False)
+
+    def close(self, failing: bool) -> None:
+        """End every rank (at a normal end each first leaves its process group) and give the nodes back."""
+        _end(self.ranks, self.group, failing)
+
+
+def _end(ranks: list[Hosted], group: HostGroup, failing: bool) -> None:
+    """End `ranks` and give `group` back. A failing group's ranks may sit in a collective that never completes,
+    so they are ended at once; at a normal end each first leaves its process group (CLOSE_S)."""
+
+    def end(rank: Hosted) -> None:
+        if failing:
+            rank.mark_lost("ended with its group")  # no close call: ended at once
+        rank.close(CLOSE_S)
+
+    if ranks:
+        with ThreadPoolExecutor(len(ranks), thread_name_prefix="forge-trainer-close") as pool:
+            list(pool.map(end, ranks))
+    group.close()
+
+
+def _placement_record(cfg: RunConfig, shape: GroupShape, ranks: list[Hosted]) -> dict:
+    per_node = shape.nproc_per_node
+    nodes = []
+    for node_rank in range(shape.nnodes):
+        on_node = ranks[node_rank * per_node : (node_rank + 1) * per_node]
+        place = on_node[0].place
+        gpus = [gpu for rank in on_node for gpu in rank.place.gpu_ids]
+        nodes.append({"node_rank": node_rank, "node_id": place.node_id, "host": place.address, "gpus": gpus})
+    return {
+        "placement": "ray",
+        "pool": cfg.launch.grpo.pool,
+        "served_by": "trainer",
+        "nodes": nodes,
+        "ranks": [{"rank": k, "node_rank": k // per_node} for k in range(len(ranks))],
+        "committed_by": nodes[0],
+        "flow_run": cfg.launch.run_id,
+    }
+
+
+def ensure_trainer_group(resources: FlowResources, log_line: LogSink) -> TrainerGroup:
+    """The run's live trainer group, placed now when there is none (or the one there has other launch settings
+    or lost a rank). Placed outside the slot's lock: a stop must not wait out the placement wait."""
+    cfg = resources.cfg
+    cluster = resources.cluster()
+    shape = GroupShape.of(cfg, cluster)
+    with resources.lock:
+        trainer = resources.trainer_group
+        if trainer is not None and trainer.shape == shape and trainer.lost() is None:
+            return trainer
+        resources.trainer_group = None
+    if trainer is not None:
+        trainer.close(failing=True)
+    started = TrainerGroup.start(cluster, cfg, log_line)
+    with resources.lock:
+        if resources.trainer_group is None:
+            resources.trainer_group = started
+            return started
+        winner = resources.trainer_group
+    started.close(failing=False)  # another stage was first
+    return winner
+
+
+def forget_trainer_group(resources: FlowResources, trainer: TrainerGroup) -> None:
+    """End `trainer` at once and take it out of the run's slot (a failed, stopped or cancelled order)."""
+    with resources.lock:
+        if resources.trainer_group is trainer:
+            resources.trainer_group = None
+    trainer.close(failing=True)
+
+
+class TrainerGroupRunner(FlowProcessRunner):
+    """A GRPO stage as an order to the run's trainer group (module docstring)."""
+
+    serves = "trainer_job"
+
+    @property
+    def where(self) -> str:  # type: ignore[override]
+        return f"the run's trainer group on pool {self.resources.pool!r}"
+
+    def start(self, plan: StagePlan, log: LogSink) -> Attempt:
+        trainer = ensure_trainer_group(self.flow_resources, log)
+        return _Order(trainer, plan, log, self.flow_resources)
+
+
+class _Order:
+    """One stage's order to the group: a streamed `run` call on every rank."""
+
+    launch_id = ""
+
+    def __init__(self, trainer: TrainerGroup, plan: StagePlan, log: LogSink, resources: FlowResources) -> None:
+        self.trainer = trainer
+        self.plan = plan
+        self._resources = resources
+        self._started = time.monotonic()
+        self._calls = [rank.stream("run", plan.spec_uri, log_sink=log) for rank in trainer.ranks]
+
+    def wait(self, timeout: float) -> LaunchResult | None:
+        until = time.monotonic() + timeout
+        pending = list(enumerate(self._calls))
+        while pending:
+            k, call = pending[0]
+            try:
+                done, _ = call.wait(max(0.0, until - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - the rank's loss, or its own error, classified below
+                return self._failed(k, exc)
+            if not done:
+                return self._first_failure()
+            pending.pop(0)
+        return LaunchResult(Outcome.SUCCESS, 0, "committed by the run's trainer group")
+
+    def _first_failure(self) -> LaunchResult | None:
+        """A rank that already failed while an earlier one still runs (the others may wait for it forever)."""
+        for k, call in enumerate(self._calls):
+            try:
+                call.wait(0.0)
+            except Exception as exc:  # noqa: BLE001 - classified in _failed
+                return self._failed(k, exc)
+        return None
+
+    def _failed(self, k: int, exc: BaseException) -> LaunchResult:
+        """The order's result once rank `k`'s call ended with `exc`. A rank's own error may follow from a peer
+        that died (its collective broke), so the group is probed first: a rank whose actor or node is gone makes
+        the attempt RETRYABLE, naming it; otherwise `exc` is classified as a worker's would be."""
+        _, gone = self.trainer.probe()
+        forget_trainer_group(self._resources, self.trainer)
+        if gone:
+            names = "; ".join(f"rank {j}: {why}" for j, why in sorted(gone.items()))
+            after = "" if k in gone else f" (rank {k} then failed: {type(exc).__name__})"
+            reason = f"grpo: the trainer group lost a rank during the order (its actor or node died): {names}{after}"
+            return LaunchResult(Outcome.RETRYABLE, None, reason)
+        return exception_result(f"grpo (trainer rank {k})", exc, time.monotonic() - self._started)
+
+    def stop(self, reason: str) -> LaunchResult:
+        """End the group (a rank may be in a collective that never completes); the result names a stalled rank."""
+        stall = self.trainer.stall("the group was stopped")
+        forget_trainer_group(self._resources, self.trainer)
+        return LaunchResult(Outcome.CANCELLED, None, reason, stall=stall)
