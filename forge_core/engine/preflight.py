@@ -16,8 +16,9 @@ own process, and a stage worker for its own stage (before torchrun starts ranks)
   `training.mixed_precision: bf16` unless `training.device: cpu` says so deliberately;
 - vLLM stages (the registry's `scoring` ones: rollout, evaluate): `rollout.dtype` bfloat16 or float16.
 A usable GPU is a CUDA build of torch that sees a device (and, for vLLM stages, the CUDA build of vLLM).
-Ranks or engines that need more devices than the host shows are reported too, as is wandb `online` without a
-key (rank 0 of every training stage would fail at its first log).
+Ranks or engines that need more devices than the host shows are reported too, as is GRPO asking for more GPUs
+than the flow's long-lived engines leave it, and wandb `online` without a key (rank 0 of every training stage
+would fail at its first log).
 """
 
 from __future__ import annotations
@@ -147,6 +148,26 @@ def _stage_gpu_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[s
     if stage_named(stage).scoring:
         problems += _vllm_problems(cfg, stage, host)
     return problems
+
+
+def _flow_engine_share_problems(cfg: RunConfig, stages: list[str], host: HostDevices) -> list[str]:
+    """Local placement with the flow's long-lived engines: they keep launch.rollout.gpus_per_node GPUs of this
+    host from the first rollout or evaluation to the flow's end, so GRPO trains on what is left."""
+    engines, trainer = cfg.launch.rollout.gpus_per_node, cfg.launch.grpo.gpus_per_node
+    shared = cfg.launch.placement == "local" and cfg.rollout.engine_lifetime == "flow"
+    if not shared or not {"rollout", "grpo"} <= set(stages) or host.device_count == 0:
+        return []
+    if engines + trainer <= host.device_count:
+        return []
+    left = host.device_count - engines
+    return [
+        (
+            f"launch.grpo.gpus_per_node={trainer}: the flow's engines (rollout.engine_lifetime=flow) keep "
+            f"launch.rollout.gpus_per_node={engines} of this host's {host.device_count} GPU(s) while GRPO trains, "
+            f"so GRPO would wait for GPUs that never free up; give GRPO at most {max(left, 0)} (launch.grpo."
+            "gpus_per_node and nproc_per_node), fewer to the engines, or set rollout.engine_lifetime=stage"
+        )
+    ]
 
 
 def _slot_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[str]:
@@ -385,6 +406,7 @@ def preflight_problems(
         host = host or HostDevices.probe()
         for stage in stages:
             problems += _stage_gpu_problems(cfg, stage, host)
+        problems += _flow_engine_share_problems(cfg, stages, host)
     if any(stage_named(stage).distributed for stage in stages):
         problems += wandb_key_problems(cfg)
     for check in checks:

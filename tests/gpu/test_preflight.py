@@ -174,3 +174,21 @@ def test_groups_created_after_the_default_one_get_the_deadline_timeout():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.split()[-1]) == 4261 + 60  # the deadline plus PROCESS_GROUP_TIMEOUT_MARGIN_S
+
+
+def test_grpo_gets_only_the_gpus_the_flow_engines_leave(no_wandb_key, monkeypatch):
+    eight = HostDevices(**{**GPU_HOST.__dict__, "device_count": 8, "visible_devices": None})
+    asks = ["launch.rollout.gpus_per_node=1", "launch.grpo.gpus_per_node=8", "launch.grpo.nproc_per_node=8"]
+    problems = preflight_problems(load_config(None, asks), ("rollout", "grpo"), eight, checks=())
+    assert any(
+        p.startswith("launch.grpo.gpus_per_node=8: the flow's engines (rollout.engine_lifetime=flow) keep "
+                     "launch.rollout.gpus_per_node=1 of this host's 8 GPU(s)") and "give GRPO at most 7" in p
+        for p in problems
+    ), problems
+    for fine in (["launch.grpo.gpus_per_node=7", "launch.grpo.nproc_per_node=7"], ["rollout.engine_lifetime=stage"]):
+        problems = preflight_problems(load_config(None, [*asks, *fine]), ("rollout", "grpo"), eight, checks=())
+        assert not any("the flow's engines" in p for p in problems), (fine, problems)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # the example logs online
+    shipped = load_config("configs/qwen3_1_7b_gsm8k.yaml")
+    problems = preflight_problems(shipped, ("sft", "rollout", "evaluate", "grpo"), eight, checks=())
+    assert problems == [], problems  # the shipped 8-GPU example fits one 8-GPU node
