@@ -5,7 +5,7 @@ flow's machine (launch.placement=local), on the demo pipeline, in one run.
     python -m bench.stage_dispatch --config configs/tiny_test.yaml sft.steps=4     # a smoke run
 
 One process: a simulated 3-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head and three
-nodes labelled forgeflow.pool=gpu-a, one CPU each, every port on 127.0.0.1, token authentication; one node is what
+nodes labelled forgeflow.pool=gpu-a, two CPUs each, every port on 127.0.0.1, token authentication; one node is what
 one raylet with its workers is), Prefect's local API in a private home, and the same pipeline (same config, same
 seed, each run on a fresh local store so that every stage really runs) twice:
 
@@ -45,6 +45,8 @@ PIPELINE_TARGET = "<=1.15"
 DEFAULT_CONFIG = "configs/demo_cpu.yaml"
 POOL = "gpu-a"
 POOL_NODES = 3
+# CPUs each simulated node reports: the demo's trainer group holds one per rank (launch.grpo.nproc_per_node=2).
+NODE_CPUS = 2
 STAGES = ("prepare", "sft", "rollout", "grpo", "evaluate")
 
 
@@ -71,7 +73,7 @@ def start_cluster(folder: Path):
     started = time.monotonic()
     raylets = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(POOL_NODES):
-        raylets.add_node(num_cpus=1, labels={POOL_LABEL: POOL})
+        raylets.add_node(num_cpus=NODE_CPUS, labels={POOL_LABEL: POOL})
     raylets.wait_for_nodes()
     compute = connect(raylets.address)
     return raylets, compute, time.monotonic() - started
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": args.config,
         "overrides": args.overrides,
         "order": "pool first, then local (a first run's cold caches count against the cluster)",
-        "cluster": f"ray.cluster_utils: a head and {POOL_NODES} nodes of pool {POOL} (1 CPU each), on 127.0.0.1",
+        "cluster": f"ray.cluster_utils: a head and {POOL_NODES} nodes of pool {POOL} ({NODE_CPUS} CPUs each), on 127.0.0.1",
         "cpu_count": os.cpu_count(),
     }
     write_result(

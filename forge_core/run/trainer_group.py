@@ -47,6 +47,7 @@ from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
 from forge_core.launch import LaunchResult, Outcome
 from forge_core.launch.classify import exception_result
 from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, read_heartbeats, stall_note
+from forge_core.launch.spec import DEADLINE_ENV
 from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
@@ -97,6 +98,9 @@ class TrainerRank:
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
                 PLACEMENT_ENV: json.dumps(placement, sort_keys=True),
+                # Collectives time out after an order's deadline (each starts within an order): the runner's
+                # deadline ends a hung order first, naming the rank (forge_core.engine.distributed).
+                DEADLINE_ENV: str(self.cfg.launch.grpo.deadline_s),
             }
         )
         self.dist = init_distributed(self.cfg.training.device)
