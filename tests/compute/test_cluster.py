@@ -109,7 +109,7 @@ EMBEDDED = textwrap.dedent(
 
 
 def test_the_embedded_cluster_is_a_new_one_while_another_runs_on_this_machine(ray_cluster):
-    """With no address Ray itself would join the newest cluster started on the machine (here the session's):
+    """With no address Ray itself would join the newest cluster started on the machine (here the tests' one):
     the embedded start makes a cluster of its own."""
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_PATH_ENV, TOKEN_ENV, AUTH_MODE_ENV, "RAY_ADDRESS")}
     out = subprocess.run(

@@ -129,14 +129,33 @@ def wait_for(what: str, condition, bound_s: float = BOUND_S):
     raise AssertionError(f"never saw {what} within {bound_s:g} s")
 
 
-def sft_group_nodes() -> list[str] | None:
-    """The Ray node of each bundle of the SFT attempt's placement group while it is placed."""
+def placed_nodes(group: str):
+    """A callable: the Ray node of each bundle of placement group `forgeflow-<group>` while it is placed."""
     import ray
 
-    for table in ray.util.placement_group_table().values():
-        if table["name"] == "forgeflow-sft" and table["state"] == "CREATED":
-            return [table["bundles_to_node_id"][k] for k in sorted(table["bundles_to_node_id"])]
-    return None
+    def nodes() -> list[str] | None:
+        for table in ray.util.placement_group_table().values():
+            if table["name"] == f"forgeflow-{group}" and table["state"] == "CREATED":
+                return [table["bundles_to_node_id"][k] for k in sorted(table["bundles_to_node_id"])]
+        return None
+
+    return nodes
+
+
+def remove_node_1_once_hung(ray_cluster, marker: Path, group: str) -> tuple[threading.Thread, list[str]]:
+    """A started thread that, once the hang fault has fired (its marker exists), removes the Ray node of bundle 1
+    of the placement group `forgeflow-<group>` outright; the list gets the removed node's id."""
+    removed: list[str] = []
+
+    def remove() -> None:
+        wait_for("the hang fault", marker.exists)
+        node_1 = wait_for(f"the {group} placement group", placed_nodes(group))[1]
+        ray_cluster.raylets.remove_node(ray_cluster.node_with_id(node_1), allow_graceful=False)
+        removed.append(node_1)
+
+    remover = threading.Thread(target=remove, daemon=True)
+    remover.start()
+    return remover, removed
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
@@ -168,16 +187,7 @@ def test_a_node_lost_mid_sft_is_retried_on_a_spare_and_resumes_to_the_same_resul
     marker = tmp_path / "fault-once"
     monkeypatch.setenv(FAULT_ENV, "hang_rank:1:3@sft")
     monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
-    removed: list[str] = []
-
-    def remove_node_1() -> None:
-        wait_for("the hang at SFT step 3", marker.exists)
-        node_1 = wait_for("the SFT attempt's placement group", sft_group_nodes)[1]
-        ray_cluster.raylets.remove_node(ray_cluster.node_with_id(node_1), allow_graceful=False)
-        removed.append(node_1)
-
-    remover = threading.Thread(target=remove_node_1, daemon=True)
-    remover.start()
+    remover, removed = remove_node_1_once_hung(ray_cluster, marker, "sft")
     overrides = sft_overrides(tmp_path, "launch.sft.retries=1")
     sft_uri = prepare_and_sft(CONFIG, overrides)
     remover.join(BOUND_S)
@@ -221,16 +231,6 @@ def test_cancelling_the_flow_ends_every_rank_actor_and_group(ray_cluster, prefec
 
 
 
-def trainer_group_nodes() -> list[str] | None:
-    """The Ray node of each rank's bundle of the run's trainer group while it is placed."""
-    import ray
-
-    for table in ray.util.placement_group_table().values():
-        if table["name"] == "forgeflow-grpo-trainer" and table["state"] == "CREATED":
-            return [table["bundles_to_node_id"][k] for k in sorted(table["bundles_to_node_id"])]
-    return None
-
-
 def test_a_trainer_rank_node_lost_mid_grpo_is_retried_by_a_new_group_that_resumes(
     ray_cluster, prefect_api, tmp_path, monkeypatch
 ):
@@ -243,16 +243,7 @@ def test_a_trainer_rank_node_lost_mid_grpo_is_retried_by_a_new_group_that_resume
     marker = tmp_path / "fault-once"
     monkeypatch.setenv(FAULT_ENV, "hang_rank:1:2@grpo")
     monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
-    removed: list[str] = []
-
-    def remove_rank_1_node() -> None:
-        wait_for("the hang at GRPO step 2", marker.exists)
-        node_1 = wait_for("the trainer group's placement group", trainer_group_nodes)[1]
-        ray_cluster.raylets.remove_node(ray_cluster.node_with_id(node_1), allow_graceful=False)
-        removed.append(node_1)
-
-    remover = threading.Thread(target=remove_rank_1_node, daemon=True)
-    remover.start()
+    remover, removed = remove_node_1_once_hung(ray_cluster, marker, "grpo-trainer")
     overrides = [f"storage.root=file://{tmp_path}/store", f"logging.dir={tmp_path}/runs", *ON_POOL,
                  *TWO_ENGINES_ON_TWO_NODES, *TWO_NODE_TRAINER, *FLOW_LIFETIMES, VARIED_REWARDS, "grpo.iterations=1",
                  "launch.grpo.retries=1", "name=trainer-node-lost"]

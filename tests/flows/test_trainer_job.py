@@ -11,7 +11,7 @@ reward that varies within groups (so GRPO really updates the policy):
 - flow lifetime with a rank SIGKILLed mid-iteration: the task's retry starts a new job, which resumes from
   the in-stage checkpoint, and the policies are again the same, bitwise;
 - a user error inside the job fails the stage FATAL with the worker's message and leaves no job running;
-- the same iterations by the trainer group on the session's Ray cluster (tests/ray_cluster.py: one rank actor on
+- the same iterations by the trainer group on the test run's Ray cluster (tests/ray_cluster.py: one rank actor on
   each of two nodes): the same policies, bitwise, also when a rank is SIGKILLed and a new group resumes.
 """
 
@@ -240,12 +240,19 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
 def test_killed_rank_restarts_the_job_which_resumes(flow_lifetime_run, prefect_api, tmp_path, monkeypatch):
     flow_run = flow_lifetime_run
     assert flow_run.returncode == 0, flow_run.log[-4000:]
-    marker = tmp_path / "fault-fired"
     # Rank 1 SIGKILLs itself after iteration 0's step 2, before that step's checkpoint: the retry's new job
     # must resume from step 1, commit, and then serve iteration 1 too.
+    _assert_killed_rank_resumes_bitwise(flow_run, tmp_path, monkeypatch)
+    assert live_handles() == []
+
+
+def _assert_killed_rank_resumes_bitwise(flow_run: FlowRun, tmp_path: Path, monkeypatch, extra=()) -> None:
+    """Rank 1 SIGKILLed after iteration 0's step 2: iteration 0 is retried once, resumes from step 1, and both
+    iterations commit the uninterrupted run's policies, bitwise."""
+    marker = tmp_path / "fault-fired"
     monkeypatch.setenv("FORGE_FAULT", "kill_rank:1:2@grpo")
     monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
-    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1)
+    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1, extra=extra)
     assert state.is_completed(), state.message
     assert marker.exists()
     runs = settled_task_runs(state.state_details.flow_run_id, count=2)
@@ -254,7 +261,6 @@ def test_killed_rank_restarts_the_job_which_resumes(flow_lifetime_run, prefect_a
     assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
     for iteration, (uri, _) in enumerate(results):
         assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
-    assert live_handles() == []
 
 
 def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path):
@@ -323,18 +329,7 @@ def test_trainer_group_rank_killed_is_retried_by_a_new_group_which_resumes(
     new group, which resumes from step 1 and commits the uninterrupted policies, bitwise."""
     flow_run = flow_lifetime_run
     assert flow_run.returncode == 0, flow_run.log[-4000:]
-    marker = tmp_path / "fault-fired"
-    monkeypatch.setenv("FORGE_FAULT", "kill_rank:1:2@grpo")
-    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
-    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1, extra=ON_TWO_POOL_NODES)
-    assert state.is_completed(), state.message
-    assert marker.exists()
-    runs = settled_task_runs(state.state_details.flow_run_id, count=2)
-    assert sorted(run.run_count for run in runs) == [1, 2], runs  # iteration 0 was retried once
-    results = state.result()
-    assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
-    for iteration, (uri, _) in enumerate(results):
-        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
+    _assert_killed_rank_resumes_bitwise(flow_run, tmp_path, monkeypatch, extra=ON_TWO_POOL_NODES)
     assert ray_cluster.live_actors() == []
 
 
