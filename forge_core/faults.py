@@ -76,6 +76,12 @@ class Fault:
         return self.stage is None or self.stage == stage
 
 
+def fault_environment() -> dict[str, str]:
+    """The FORGE_FAULT settings of this process, for a process that does not inherit its environment (a Ray
+    node's processes have that node's)."""
+    return {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
+
+
 def set_current_stage(stage: str) -> None:
     """Called once by a stage worker (`python -m forge_core.run <stage>`): faults with `@<stage>` fire here
     and in the processes it starts."""

@@ -85,6 +85,13 @@ class GangRequest:
         return [{POOL_LABEL: self.pool}] * self.nnodes if self.pool else None
 
 
+def free_port(address: str) -> int:
+    """A port free now on this machine's `address` (a rendezvous store's, on the node that hosts it)."""
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
 @dataclass(frozen=True)
 class NodePlace:
     """Where node rank `node_rank` of an attempt ran."""
@@ -93,6 +100,11 @@ class NodePlace:
     node_id: str
     address: str
     gpu_ids: tuple[str, ...] = ()
+
+    def record(self, node_rank: int | None = None) -> dict:
+        """This node as a manifest's `placement` lists it (`node_rank` overrides its own)."""
+        rank = self.node_rank if node_rank is None else node_rank
+        return {"node_rank": rank, "node_id": self.node_id, "host": self.address, "gpus": list(self.gpu_ids)}
 
 
 def release_ray_thread_cap() -> None:
@@ -117,9 +129,7 @@ class NodeAgent:
         return NodePlace(-1, context.get_node_id(), ray.util.get_node_ip_address(), gpu_ids)
 
     def free_port(self) -> int:
-        with socket.socket() as probe:
-            probe.bind((ray.util.get_node_ip_address(), 0))
-            return probe.getsockname()[1]
+        return free_port(ray.util.get_node_ip_address())
 
     def run(self, spec: LaunchSpec) -> Iterator[list[str] | LaunchResult]:
         """Start `spec` with the launcher; yield its log lines in batches, then its LaunchResult."""

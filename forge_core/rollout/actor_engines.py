@@ -37,7 +37,7 @@ from forge_core.compute.cluster import ComputeCluster
 from forge_core.config import RunConfig
 from forge_core.config.schema import SamplingConfig
 from forge_core.engine.preflight import preflight
-from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV, maybe_hang_engine
+from forge_core.faults import fault_environment, maybe_hang_engine
 from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.generator import Generator
 from forge_core.rollout.protocol import EngineLost, PolicyVersionMismatch
@@ -218,8 +218,7 @@ class EngineActors:
     def _start_engine(self, index: int, policy: PolicyRef) -> HostedEngine:
         started = time.monotonic()
         name = f"engine-{index}"
-        faults = {var: os.environ[var] for var in (FAULT_ENV, FAULT_ONCE_ENV) if var in os.environ}
-        args = (self.cfg, policy.stage_uri, self.seed, index, faults)
+        args = (self.cfg, policy.stage_uri, self.seed, index, fault_environment())
         host = self.group.host(index, EngineHost, args, name, restarts=ENGINE_RESTARTS)
         engine = HostedEngine(host, index, host.call("describe"))
         log.info(
@@ -230,12 +229,7 @@ class EngineActors:
 
     def placement(self) -> dict:
         """Where the engines ran, as manifests record it: the pool and one entry per engine (its Ray node)."""
-        nodes = [
-            {"node_rank": engine.index, "node_id": engine.host.place.node_id, "host": engine.host.place.address,
-             "gpus": list(engine.host.place.gpu_ids)}
-            for engine in self.slots
-            if engine is not None
-        ]  # fmt: skip
+        nodes = [engine.host.place.record(engine.index) for engine in self.slots if engine is not None]
         return {"placement": "ray", "pool": self.pool, "served_by": "engines", "nodes": nodes,
                 "flow_run": self.cfg.launch.run_id}  # fmt: skip
 

@@ -18,11 +18,10 @@ node its rank, Ray node id, address and GPUs.
 from __future__ import annotations
 
 import json
-import os
 
 from forge_core.compute.gang import Gang, GangRequest, NodePlace
 from forge_core.config import RunConfig
-from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from forge_core.faults import fault_environment
 from forge_core.launch import LaunchResult, add_stop
 from forge_core.run.plan import StagePlan, launch_spec_for
 from forge_core.run.resources import FlowResources
@@ -32,9 +31,7 @@ from forge_core.storage.manifest import PLACEMENT_ENV
 
 def placement_record(pool: str | None, attempt: str, places: list[NodePlace], node_rank: int) -> dict:
     """What a manifest committed by node `node_rank` of an attempt records under `placement`."""
-    nodes = [
-        {"node_rank": p.node_rank, "node_id": p.node_id, "host": p.address, "gpus": list(p.gpu_ids)} for p in places
-    ]
+    nodes = [place.record() for place in places]
     return {
         "placement": "ray",
         "pool": pool or "",
@@ -64,11 +61,10 @@ class ClusterRunner(Runner):
 
         # A Ray node's processes have that node's environment, not this one's: what a launch must see from
         # here travels in its spec (the launch spec's own settings, and the test faults a flow was given).
-        faults = {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
         gang = Gang(
             cluster,
             request,
-            launch_spec_for(plan, self.cfg, extra_env=faults),
+            launch_spec_for(plan, self.cfg, extra_env=fault_environment()),
             log,
             wait_s=self.cfg.launch.pool_wait_s,
             name=plan.stage,

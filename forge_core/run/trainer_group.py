@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,11 +38,12 @@ from typing import Any
 
 from forge_core.compute.actors import Hosted, HostGroup, HostLost, HostRequest
 from forge_core.compute.cluster import ComputeCluster
+from forge_core.compute.gang import free_port
 from forge_core.config import RunConfig
 from forge_core.config.schema import ResourceConfig
 from forge_core.engine import destroy_distributed, init_distributed
 from forge_core.engine.preflight import preflight
-from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from forge_core.faults import fault_environment
 from forge_core.launch import LaunchResult, Outcome
 from forge_core.launch.classify import exception_result
 from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, read_heartbeats, stall_note
@@ -84,9 +84,7 @@ class TrainerRank:
 
     def free_port(self, address: str) -> int:
         """A free port on this node's `address`, for the group's rendezvous (rank 0 only)."""
-        with socket.socket() as probe:
-            probe.bind((address, 0))
-            return probe.getsockname()[1]
+        return free_port(address)
 
     def join(self, master: str, port: int, local_rank: int, placement: dict) -> None:
         """Join the group's process group (every rank at once; blocks until all have joined)."""
@@ -181,7 +179,7 @@ class TrainerGroup:
         group = HostGroup.reserve(cluster, request, nodes, per_node, cfg.launch.pool_wait_s, "grpo-trainer")
         ranks: list[Hosted] = []
         try:
-            faults = {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
+            faults = fault_environment()
             world = nodes * per_node
             with ThreadPoolExecutor(world, thread_name_prefix="forge-trainer-start") as pool:
                 ranks = list(
@@ -267,9 +265,8 @@ def _placement_record(cfg: RunConfig, shape: GroupShape, ranks: list[Hosted]) ->
     nodes = []
     for node_rank in range(shape.nnodes):
         on_node = ranks[node_rank * per_node : (node_rank + 1) * per_node]
-        place = on_node[0].place
         gpus = [gpu for rank in on_node for gpu in rank.place.gpu_ids]
-        nodes.append({"node_rank": node_rank, "node_id": place.node_id, "host": place.address, "gpus": gpus})
+        nodes.append({**on_node[0].place.record(node_rank), "gpus": gpus})
     return {
         "placement": "ray",
         "pool": cfg.launch.grpo.pool,
