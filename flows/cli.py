@@ -4,7 +4,7 @@ forgeflow run configs/demo_cpu.yaml sft.steps=100 grpo.iterations=2   # run the 
 forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a config, its inputs and pools
 forgeflow status [--config my.yaml] [storage.root=...]                 # recent runs, artifacts (last run's store)
 forgeflow export last ./my-model [--push-to-hub me/my-model]           # a trained policy as an HF folder
-forgeflow pools create gpu-a --gpus 8                                   # a process work pool and its GPU limit
+forgeflow pools create forgeflow                                         # a process work pool for the deployment
 """
 
 from __future__ import annotations
@@ -75,11 +75,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_pools_create(args: argparse.Namespace) -> int:
-    if args.gpus < 0:
-        raise ValueError(f"--gpus={args.gpus}: must be >= 0 (0 = a CPU pool without a GPU limit)")
     from flows.pools import create_pool
 
-    asyncio.run(create_pool(args.name, args.gpus))
+    asyncio.run(create_pool(args.name))
     return 0
 
 
@@ -130,15 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("overrides", nargs="*", help="key=value overrides, e.g. logging.dir=/runs")
     export.set_defaults(handler=_cmd_export)
 
-    pools = sub.add_parser("pools", help="work pools and their GPU concurrency limits")
+    pools = sub.add_parser("pools", help="Prefect work pools for the flow's deployment")
     pools_sub = pools.add_subparsers(dest="pools_command", required=True)
     create = pools_sub.add_parser(
         "create",
-        help="create a process work pool (for the flow's deployment) and its GPU limit (the GPUs of stages run "
-        "on the flow's machine, launch.placement=local); on the Ray cluster a pool is a node label instead",
+        help="create a process work pool for the flow's deployment (the stages' pools are Ray node labels)",
     )
     create.add_argument("name")
-    create.add_argument("--gpus", type=int, default=0, help="GPUs in the pool (concurrency limit)")
     create.set_defaults(handler=_cmd_pools_create)
     return parser
 

@@ -1,7 +1,5 @@
-"""Work pools as forgeflow uses them (`forgeflow pools create`): a process pool for the flow's deployment and its
-GPU limit, the capacity of the GPUs the stages take on the flow's machine (launch.placement=local). On the Ray
-cluster (placement=pool) a pool is the label forgeflow.pool=<pool> of its nodes and Ray accounts their GPUs.
-"""
+"""Work pools as forgeflow uses them (`forgeflow pools create`): a process pool for the flow's deployment. The
+stages' pools are Ray's (the label forgeflow.pool=<pool> of their nodes; Ray accounts their GPUs)."""
 
 from __future__ import annotations
 
@@ -25,28 +23,8 @@ async def ensure_work_pool(client, name: str) -> None:
         print(f"work pool {name!r} exists (type {POOL_TYPE})")
 
 
-async def ensure_gpu_limit(client, name: str, gpus: int) -> None:
-    """The pool's GPU capacity as a global concurrency limit of the same name, set to exactly `gpus`."""
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        existing = await client.read_global_concurrency_limit_by_name(name)
-    except ObjectNotFound:
-        await client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=gpus))
-        print(f"global concurrency limit {name!r} = {gpus} GPUs created")
-        return
-    if existing.limit == gpus:
-        print(f"global concurrency limit {name!r} = {gpus} GPUs exists")
-        return
-    await client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=gpus))
-    print(f"global concurrency limit {name!r} changed from {existing.limit} to {gpus} GPUs")
-
-
-async def create_pool(name: str, gpus: int) -> None:
+async def create_pool(name: str) -> None:
     from prefect.client.orchestration import get_client
 
     async with get_client() as client:
         await ensure_work_pool(client, name)
-        if gpus > 0:
-            await ensure_gpu_limit(client, name, gpus)

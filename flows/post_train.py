@@ -15,9 +15,10 @@ After `grpo.max_no_signal_iterations` GRPO iterations in a row without learning 
 last policy and stops, completed: the summary's `stopped` says why and what to change (every entry point's
 ending prints it: flows.report.finish_run).
 
-The config is loaded and validated once, here; the tasks get the RunConfig object. The run's long-lived
-engines and trainer job (the default lifetimes) belong to its FlowResources (forge_core.run.resources), which
-ends them when the flow ends, fails or is cancelled.
+The config is loaded and validated once, here; the tasks get the RunConfig object. Every stage runs on the run's
+Ray cluster (`launch.ray_address`, or an embedded one the first stage starts). The run's connection to it, its
+engine actors and its trainer group (the default lifetimes) belong to its FlowResources
+(forge_core.run.resources), which ends them when the flow ends, fails or is cancelled.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ from flows.report import (
 from forge_core.config import RunConfig, load_config
 from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
-from forge_core.rollout.lifetime import with_run_id
 from forge_core.run.plan import LAUNCHER_BACKSTOP_S
-from forge_core.run.resources import FlowResources
+from forge_core.run.resources import FlowResources, with_run_id
 from forge_core.storage import ObjectStore
 from forge_core.trainers.staleness import rollouts_to_start
 from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
@@ -107,7 +107,7 @@ class StageTasks:
 
 def flow_config(config: str, overrides: list[str] | None, run_id: str | None) -> RunConfig:
     """The flow's resolved config, tagged with its flow run id (`launch.run_id`: its own engines and trainer
-    job, never another run's; forge_core.rollout.lifetime)."""
+    group, never another run's; forge_core.run.resources)."""
     return with_run_id(load_config(config, list(overrides or [])), run_id)
 
 
@@ -117,8 +117,8 @@ def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
     SIGTERM (a worker's cancel) take the launched process trees down with the flow, and end what a dead flow
     process on this machine left running."""
     cfg = flow_config(config, overrides, flow_run.get_id())
-    # Paths, checkpoint, pools, wandb, rewards on the data; this host for local placement (with placement=pool
-    # each node's actors check their own node instead).
+    # Paths, checkpoint, wandb, rewards on the data; this host when the run's Ray cluster is embedded (on a joined
+    # cluster each node's actors check their own node instead).
     check_run(cfg)
     install_sigterm_handler()
     end_orphaned_launches()
@@ -147,8 +147,8 @@ def sweep_crashed_attempts(cfg: RunConfig) -> list[str]:
 
 
 def kill_launches(flow, flow_run, state) -> None:
-    """Cancellation/crash hook: take down every process tree this flow run launched (its trainer job too), and
-    its rollout engines, within Prefect's grace (forge_core.run.resources.FlowResources.abort)."""
+    """Cancellation/crash hook: take down every gang this flow run placed, its trainer group and its rollout
+    engines, within Prefect's grace (forge_core.run.resources.FlowResources.abort)."""
     parameters = flow_run.parameters or {}
     try:
         cfg = flow_config(
@@ -162,7 +162,7 @@ def kill_launches(flow, flow_run, state) -> None:
 
 
 def flow_resources(cfg: RunConfig) -> FlowResources:
-    """The run's long-lived engines and trainer job, ended with the flow (`with flow_resources(cfg): ...`);
+    """The run's Ray cluster, engine actors and trainer group, ended with the flow (`with flow_resources(cfg): ...`);
     what they stop is logged to the flow run."""
     return FlowResources.of(cfg, log_line=get_run_logger().info)
 

@@ -1,8 +1,8 @@
 """The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
 and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a model the vLLM engine
 of the rollout and evaluate stages can run (forge_core.rollout.engine), a dry run of the rewards on the data's
-reference answers (forge_core.rewards.dry_run), the Prefect pools with their GPU limits, and a Prefect API that is
-not open to the network without credentials.
+reference answers (forge_core.rewards.dry_run), and a Prefect API that is not open to the network without
+credentials.
 Every problem at once, each with its fix (a PreflightError).
 
     check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
@@ -11,7 +11,6 @@ Every problem at once, each with its fix (a PreflightError).
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from urllib.parse import urlparse
 
@@ -27,53 +26,6 @@ from forge_core.engine.preflight import (
 from forge_core.rewards.dry_run import reward_problems
 from forge_core.rollout.engine import engine_model_problems
 from forge_core.stages import stage_named, stage_names
-
-
-def _gpu_stages(cfg: RunConfig) -> dict[str, tuple[str, int]]:
-    """{stage: (pool, GPUs one attempt occupies)} for the stages that take GPU capacity from their pool."""
-    wanted = {}
-    for stage in stage_names():
-        resources = cfg.launch.for_stage(stage)
-        if resources.gpus_per_node > 0:
-            wanted[stage] = (resources.pool, resources.gpus_per_node * resources.nnodes)
-    return wanted
-
-
-async def _pool_problems(cfg: RunConfig) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    problems = []
-    async with get_client() as client:
-        for stage, (pool, gpus) in _gpu_stages(cfg).items():
-            fix = (
-                f"create it with `forgeflow pools create {pool} --gpus N` (N >= {gpus}), or on a CPU host set "
-                f"launch.{stage}.gpus_per_node=0"
-            )
-            try:
-                limit = await client.read_global_concurrency_limit_by_name(pool)
-            except ObjectNotFound:
-                problems.append(
-                    f"launch.{stage}.pool={pool!r} with launch.{stage}.gpus_per_node="
-                    f"{cfg.launch.for_stage(stage).gpus_per_node}: Prefect has no concurrency limit {pool!r} (the "
-                    f"pool's GPU capacity), so the stage would fail when it starts; {fix}"
-                )
-                continue
-            if limit.limit < gpus:
-                problems.append(
-                    f"launch.{stage}: one attempt takes {gpus} GPUs of pool {pool!r}, whose concurrency limit is "
-                    f"only {limit.limit}, so it would wait forever; raise it with `forgeflow pools create {pool} "
-                    f"--gpus {gpus}` or lower launch.{stage}.gpus_per_node"
-                )
-    return problems
-
-
-def pool_problems(cfg: RunConfig) -> list[str]:
-    """With launch.placement=local, every stage's pool has the Prefect concurrency limit (its GPU capacity) that
-    its GPUs take, large enough. On the Ray cluster (pool) Ray accounts the GPUs: nothing to check here."""
-    if cfg.launch.placement == "pool" or not _gpu_stages(cfg):
-        return []  # nothing takes Prefect pool capacity: no Prefect API needed (none is started for it)
-    return asyncio.run(_pool_problems(cfg))
 
 
 def open_api_problem(api_url: str | None, auth_string: str | None, api_key: str | None) -> str | None:
@@ -139,10 +91,10 @@ def conditional_write_problems(cfg: RunConfig) -> list[str]:
 
 def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
     """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
-    stage runs on this host (launch.placement=pool without `here`)."""
-    local = here or getattr(cfg.launch, "placement", "local") == "local"
+    stage runs on this host (a joined cluster, launch.ray_address set, without `here`)."""
+    local = here or cfg.launch.ray_address is None  # the embedded cluster is this host
     checks = (
-        input_problems, engine_problems, wandb_key_problems, pool_problems, reward_problems, prefect_api_problems,
+        input_problems, engine_problems, wandb_key_problems, reward_problems, prefect_api_problems,
         conditional_write_problems,
     )  # fmt: skip
     return preflight(cfg, stage_names() if local else [], checks=checks)

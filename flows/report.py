@@ -132,8 +132,8 @@ def _warning(manifest: Manifest) -> str:
 
 
 def _placed(manifest: Manifest) -> dict | None:
-    """The placement record of a stage run on the Ray cluster; None for one that ran on the flow's machine (whose
-    record, if any, holds only the GPUs its launch was given: forge_core.launch.devices)."""
+    """The placement record of a stage run on the Ray cluster; None for a manifest without one (written by a
+    worker started by hand, or by an earlier version)."""
     placement = manifest.placement
     return placement if placement and "pool" in placement else None
 
@@ -150,27 +150,26 @@ def _node_name(placement: dict, node: dict) -> str:
 
 
 def where_it_ran(manifest: Manifest) -> str:
-    """`local (<host>)` (with its GPUs, if it was given any), or for a stage run on the Ray cluster
-    `<pool>: <Ray node>[, <Ray node>...]` in node-rank order."""
+    """`<pool>: <Ray node>[, <Ray node>...]` in node-rank order (`ray` for any node of the cluster), or
+    `local (<host>)` for a manifest without a placement record (a worker started by hand)."""
     placement = _placed(manifest)
     if not placement:
-        devices = (manifest.placement or {}).get("devices")
-        return f"local ({manifest.host}{', GPUs ' + ','.join(devices) if devices else ''})"
+        return f"local ({manifest.host})"
     nodes = ", ".join(_node_name(placement, node) for node in placement.get("nodes", []))
     return f"{placement.get('pool') or 'ray'}: {nodes}"
 
 
 def placement_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
     """Where every stage ran, one row per node: stage, pool, node rank, Ray node id (with the trainer group or
-    the engine that ran it, if one did), host, GPUs. Stages that ran on the flow's machine get one row with pool "local"."""
+    the engine that ran it, if one did), host, GPUs. A manifest without a placement record (a worker started by
+    hand) gets one row with pool "local"."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
         placement = _placed(manifest)
         if not placement:
-            devices = (manifest.placement or {}).get("devices") or []
             rows.append({"stage": record.label, "pool": "local", "node": 0, "ray node": "", "host": manifest.host,
-                         "gpus": ",".join(devices)})
+                         "gpus": ""})
             continue
         for node in placement.get("nodes", []):
             rows.append(

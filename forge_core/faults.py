@@ -9,7 +9,7 @@
                                             samples have completed in it (0: as soon as the first requests are
                                             queued, i.e. mid-generation); an in-process engine dies with the
                                             worker
-      hang_engine:<index>                   engine <index> of the run's engine actors (launch.placement=pool)
+      hang_engine:<index>                   engine <index> of the run's engine actors
                                             hangs in its first generate request (node-loss drills)
       storage_outage:<seconds>[:<match>]    from the first storage call whose description contains <match>
                                             (default: any call), every storage call of the process fails with a

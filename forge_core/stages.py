@@ -52,7 +52,6 @@ STAGE_MODULES_ENV = "FORGE_STAGE_MODULES"
 # what it samples (every request is seeded on its own).
 OPERATIONAL_KEYS = (
     "rollout.engine_lifetime",
-    "rollout.engine_state_dir",
     "rollout.gpu_memory_utilization",
     "rollout.kv_cache_gib",
     "rollout.reward_timeout_s",
@@ -66,9 +65,8 @@ OPERATIONAL_KEYS = (
 )
 
 # What a stage with a long-lived ("flow") lifetime is served by: a thread of the task's process talking to the
-# flow's engines, or an order to the flow's long-lived trainer (its trainer job, or with launch.placement=pool
-# its trainer group on the Ray cluster; forge_core.run.runners).
-FlowRunner = Literal["task_process", "trainer_job"]
+# flow's engine actors, or an order to the flow's trainer group on the Ray cluster (forge_core.run.runners).
+FlowRunner = Literal["task_process", "trainer_group"]
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         distributed=True,
         produces_policy=True,
         lifetime_key="grpo.trainer_lifetime",
-        flow_runner="trainer_job",
+        flow_runner="trainer_group",
         params=("iteration",),
         description="one GRPO update on a committed rollout batch under torchrun",
     ),

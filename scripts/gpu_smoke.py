@@ -143,8 +143,8 @@ GPU = Profile(
     enforce_eager=False,
     logprob_bound=0.1,
     flow_overrides=(
-        # One GPU for every stage, one at a time: no pool limit is needed (gpus_per_node stays 0, which only
-        # sizes the Prefect pool's concurrency) and the trainer job and the engine service share the GPU.
+        # One GPU for every stage: gpus_per_node stays 0, so Ray leaves the GPU visible to every actor (it only
+        # sets CUDA_VISIBLE_DEVICES for actors given GPUs) and the trainer group and the engine actor share it.
         "training.device=cuda",
         "training.mixed_precision=bf16",
         "rollout.gpu_memory_utilization=0.3",
@@ -556,7 +556,7 @@ class Smoke:
     def rollout(self) -> dict:
         self.require_vllm()
         self.release_trainer()
-        from forge_core.rollout import EngineOptions, open_generator, prompts_from_table
+        from forge_core.rollout import EngineOptions, Generator, prompts_from_table
 
         table = self.store.reader(self.data_uri).read_table("rl_prompts.parquet")
         self.prompts = prompts_from_table(table.slice(0, self.profile.prompts))
@@ -568,7 +568,7 @@ class Smoke:
             in_process=self.profile.engine_in_process,
             seed=self.cfg.seed,
         )
-        self.generator = open_generator(self.policy_dir, options, 1, policy_version="smoke-0")
+        self.generator = Generator(self.policy_dir, options, policy_version="smoke-0")
         start = time.perf_counter()
         self.samples = self.generator.generate(self.prompts, self.cfg.rollout.sampling, seed=self.cfg.seed)
         generate_s = time.perf_counter() - start

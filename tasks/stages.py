@@ -1,9 +1,9 @@
 """Prefect tasks, one per pipeline stage, and one generic task for any stage of the registry.
 
 Each task: plan the stage (content-addressed output), return at once if that output is committed (a re-run
-after a failure resumes at the failed stage), otherwise write the spec, take the pool's capacity, run the
-stage through its runner (forge_core.run.runners.runner_for: its own worker launch, the task's process, the
-flow's trainer job, or with launch.placement=pool node runs on its pool's workers: tasks/placement.py), verify
+after a failure resumes at the failed stage), otherwise write the spec, run the stage on the Ray cluster through
+its runner (forge_core.run.runners.runner_for: its own worker launch as a gang, the task's process with the
+run's engine actors, or the flow's trainer group), verify
 the committed output and publish UI artifacts. The typed RunConfig comes in as the flow validated it (a task
 parameter is an in-process object; the tasks cache nothing); only URIs go out, never tensors or tables.
 
@@ -30,7 +30,6 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
-from prefect.concurrency.sync import concurrency
 from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 from tqdm import tqdm
@@ -137,8 +136,8 @@ def run_stage(
     """Plan, skip-if-committed, take the output key's lease, run, verify. Returns the committed output URI.
 
     `runner` runs the planned stage (spec written) and returns its LaunchResult; by default the stage's own
-    (forge_core.run.runners.runner_for): its own worker launch, or, with the flow lifetimes, this process
-    (rollout/evaluate on the flow's engines) or the flow's trainer job (GRPO).
+    (forge_core.run.runners.runner_for): its own worker launch as a gang on the Ray cluster, this process
+    (rollout/evaluate with the run's engine actors) or, with a flow lifetime, the flow's trainer group (GRPO).
 
     Two runs of one config at the same stage (two deployment runs, a retry next to a zombie): the first takes
     the lease on the output key (forge_core.storage.lease) and computes; the other waits without holding pool
@@ -208,20 +207,12 @@ def run_stage(
 def _run_planned(
     plan: StagePlan, cfg: RunConfig, store: ObjectStore, runner: Runner, logger, cancel: Cancel
 ) -> LaunchResult:
-    """Write the attempt's spec, take the pool's capacity and run it with a progress reporter."""
+    """Write the attempt's spec and run it with a progress reporter."""
     write_spec(store, plan.spec)
-    resources = cfg.launch.for_stage(plan.stage)
-    gpus = resources.gpus_per_node * resources.nnodes
     attempt = plan.spec.attempt
     logger.info("%s: running in %s -> %s (attempt %s)", plan.stage, runner.where, plan.output_uri, attempt)
     reporter = _ProgressReporter(plan, logger)
     try:
-        if gpus > 0 and cfg.launch.placement == "local":
-            # The pool's capacity here is a global concurrency limit (`forgeflow pools create`); strict so a
-            # missing limit is an error instead of an unbounded oversubscription of the GPUs. On the Ray
-            # cluster (placement=pool) Ray accounts the GPUs of each placement group.
-            with concurrency(resources.pool, occupy=gpus, strict=True):
-                return runner.run(plan, reporter, cancel)
         return runner.run(plan, reporter, cancel)
     finally:
         reporter.close()
@@ -280,7 +271,7 @@ def generate_rollouts(
 @_stage_task(name="train_grpo")
 def train_grpo(cfg: RunConfig, policy_uri: str, rollouts_uri: str, iteration: int) -> str:
     """One GRPO update on a committed rollout batch under torchrun: its own launch, or an order to the flow
-    run's long-lived trainer job with `grpo.trainer_lifetime: flow` (forge_core.run.runners chooses)."""
+    run's trainer group with `grpo.trainer_lifetime: flow` (forge_core.run.runners chooses)."""
     return run_stage(
         cfg, "grpo", inputs={"policy": policy_uri, "rollouts": rollouts_uri}, params={"iteration": iteration}
     )

@@ -5,7 +5,9 @@
 - `s3_store`: an ObjectStore on a fresh bucket of that server, one bucket per test.
 - `file_store`: an ObjectStore on a fresh local folder.
 - `ray_cluster` (session): a real Ray cluster of several raylets on 127.0.0.1 (tests/ray_cluster.py), started
-  after the fake AWS credentials are in the environment, so that every Ray worker has them.
+  after the fake AWS credentials are in the environment, so that every Ray worker has them. The suites that run
+  stages (STAGE_SUITES) join it before each test, so every stage this process runs computes on it (a flow
+  run joins the cluster its process is connected to) instead of starting an embedded Ray of its own.
 
 Areas add their own fixtures in tests/<area>/conftest.py.
 """
@@ -169,8 +171,14 @@ def file_store(tmp_path):
 
 
 # Suites not yet seen passing as part of the whole suite: `make test` leaves them out, `make test-all` runs
-# them. Empty since session 2 verified flows, deploy, faults and security; a new late suite may go here.
+# them; a new late suite may go here.
 UNVERIFIED_SUITES: tuple[str, ...] = ()
+# Suites whose tests run stages, which run on a Ray cluster: the session's (module docstring).
+STAGE_SUITES = tuple(
+    f"tests/{area}/"
+    for area in ("bench", "deploy", "envs", "faults", "flows", "gpu", "integration", "models", "rollout", "run",
+                 "security", "trainers")
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -186,3 +194,11 @@ def ray_cluster(tmp_path_factory, fake_aws_env):
     from tests.ray_cluster import start_ray_cluster
 
     yield from start_ray_cluster(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _stages_on_the_session_cluster(request) -> None:
+    root = str(request.config.rootpath)
+    rel = str(request.node.path)[len(root) + 1 :]
+    if rel.startswith(STAGE_SUITES):
+        request.getfixturevalue("ray_cluster")

@@ -25,8 +25,8 @@ final name only once complete.
 The cache is bounded: at most `$FORGE_POLICY_CACHE_MAX_POLICIES` folders (default 8) and
 `$FORGE_POLICY_CACHE_MAX_GB` GB (default 50) in all. After each download the least recently used folders
 (last fetched or served) are removed until both bounds hold, except folders in use: a process using a cached
-policy holds a shared lock on `<cache>/<hash>.lock` (`fetch_policy` until `release_policy`; an engine service
-for the policy it serves: `PolicyLease`), and pruning removes a folder only under an exclusive lock, so never
+policy holds a shared lock on `<cache>/<hash>.lock` (`fetch_policy` until `release_policy`; an engine actor
+for the policy it serves), and pruning removes a folder only under an exclusive lock, so never
 from under a reader. A download that finds the disk full prunes every unused folder, tries once more, then
 fails fatally naming the cache folder and these settings (a full disk is not worth a retry).
 """
@@ -254,7 +254,7 @@ def _remove_if_unused(folder: Path) -> bool:
     lock = _lock_path(folder)
     fd = _lock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     if fd is None:
-        return False  # a stage or an engine service uses it
+        return False  # a stage or an engine actor uses it
     try:
         trash = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.trash")
         os.replace(folder, trash)  # gone from its name at once: nobody fetches a half-removed folder

@@ -13,7 +13,8 @@
 
 A host is a Ray actor in a bundle of a placement group on a node of the pool (the bundle holds the GPUs the
 object's work needs; Ray sets the actor's CUDA_VISIBLE_DEVICES to them), owned by the process that started it:
-Ray ends it when that process dies. The object is built on the node from an importable class and arguments;
+Ray ends it when that process dies. The object is built on the node from an importable class and arguments
+(its constructor's exception reaches the caller as itself; a restarted actor builds it again at its first call);
 `stream` calls a method that takes a `log` keyword (a callable that takes one line) and sends its lines back
 while it runs; `call` calls a method and returns its value (the method's own exception when it raised,
 HostLost when the actor or its node died). Methods run on the actor's threads, so `call` works while a
@@ -60,7 +61,21 @@ class HostRequest:
 class _Host:
     def __init__(self, factory: type, args: tuple) -> None:
         release_ray_thread_cap()
-        self._object = factory(*args)
+        self._factory, self._args = factory, args
+        self._built: Any = None
+
+    @property
+    def _object(self) -> Any:
+        # Built at the first call, not in __init__: Ray keeps only the text of an error raised while an actor is
+        # created (ActorDiedError), while a call's error reaches the caller as itself (a user's ValueError stays
+        # fatal). A restarted actor builds its object again at its first call.
+        if self._built is None:
+            self._built = self._factory(*self._args)
+        return self._built
+
+    def build(self) -> None:
+        """Build the object now (its constructor's exception reaches the caller as itself)."""
+        assert self._object is not None
 
     def place(self) -> NodePlace:
         gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
@@ -189,6 +204,7 @@ class HostGroup:
             ),
         ).remote(factory, args)
         try:
+            _get(actor.build.remote(), name)
             place = _get(actor.place.remote(), name)
         except BaseException:
             ray.kill(actor)

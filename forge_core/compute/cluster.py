@@ -26,13 +26,16 @@ Joining a cluster uses the caller's environment as Ray documents it (`RAY_AUTH_M
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import secrets
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,6 +185,43 @@ def connect(
         current = ray.get_runtime_context().gcs_address
         return ComputeCluster(address=current, embedded=False, start_s=0.0, owned=False)
     started = time.monotonic()
+    with _sigterm_handler_kept():
+        cluster = _init(address, num_cpus=num_cpus, num_gpus=num_gpus, dashboard=dashboard, labels=labels)
+    cluster.start_s = time.monotonic() - started
+    log.info(
+        "%s Ray cluster at %s in %.1f s",
+        "started an embedded" if cluster.embedded else "joined the",
+        cluster.address,
+        cluster.start_s,
+    )
+    return cluster
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Keep this process's SIGTERM handler across `ray.init`, which replaces it (on the main thread) with one that
+    only exits: the flow's own handler ends the run's launches first, then calls the one before it (Prefect's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _init(
+    address: str | None,
+    *,
+    num_cpus: int | None,
+    num_gpus: int | None,
+    dashboard: bool,
+    labels: dict[str, str] | None,
+) -> ComputeCluster:
+    import ray
+
     if address is None:
         token_path = private_token_file()
         apply_environment(embedded_environment(token_path))
@@ -202,19 +242,12 @@ def connect(
         token_path = None
         context = ray.init(address=address, log_to_driver=False, configure_logging=False)
         embedded = False
-    cluster = ComputeCluster(
+    return ComputeCluster(
         address=context.address_info.get("gcs_address") or address or "",
         embedded=embedded,
-        start_s=time.monotonic() - started,
+        start_s=0.0,
         token_path=token_path,
     )
-    log.info(
-        "%s Ray cluster at %s in %.1f s",
-        "started an embedded" if embedded else "joined the",
-        cluster.address,
-        cluster.start_s,
-    )
-    return cluster
 
 
 @dataclass(frozen=True)

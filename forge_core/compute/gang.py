@@ -304,7 +304,7 @@ class Gang:
             env.update(self.node_env(self.placement, node.rank))
         if node.place.gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(node.place.gpu_ids)
-        return dataclasses.replace(spec, env=env, gpus=0)
+        return dataclasses.replace(spec, env=env)
 
     def _relay(self, node: _Node, spec: LaunchSpec) -> None:
         prefix = f"[node{node.rank}] " if self.request.nnodes > 1 else ""

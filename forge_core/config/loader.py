@@ -461,8 +461,21 @@ def _report(walk: _Walk, key: str, value: Any, expected: str, fix: str, show_typ
     return _INVALID
 
 
+# Keys configs of earlier versions may still carry, with what took their place.
+RETIRED_KEYS = {
+    "launch.placement": "every stage runs on the run's Ray cluster now (launch.ray_address, an embedded one when "
+    "null; launch.<stage>.pool picks labelled nodes); delete the key",
+    "rollout.engine_state_dir": "the rollout engines are Ray actors and keep no state folder; delete the key",
+    "rdzv_endpoint": "the pipeline arranges every rendezvous on the Ray cluster (one torchrun node per Ray node of "
+    "the stage's pool); delete the key",
+}
+
+
 def _unknown_key_message(section: str, name: Any, value: Any, hints: Mapping[str, Any]) -> str:
     key = join_key(section, str(name))
+    retired = RETIRED_KEYS.get(key) or (RETIRED_KEYS.get(str(name)) if section.startswith("launch.") else None)
+    if retired:
+        return f"{key}={shown(value)}: no longer a setting; {retired}"
     close = difflib.get_close_matches(str(name), list(hints), n=1, cutoff=0.6)
     elsewhere = [p for p in all_key_paths() if p.rsplit(".", 1)[-1] == name and p != key]
     if close:

@@ -12,7 +12,6 @@ Run from YAML:  `cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50", "se
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -630,9 +629,9 @@ class RolloutConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     # Multi-turn, tool-using episodes instead of single completions (forge_core.envs); off by default.
     env: EnvironmentConfig = field(default_factory=EnvironmentConfig)
-    # vLLM engine options. Data parallel: num_engines engines, each in its own process with its own cores
-    # (CPU) or tensor_parallel_size GPUs; tensor parallel is vLLM's own. With launch.placement=pool each engine
-    # is a Ray actor, num_engines / launch.rollout.nnodes of them on each rollout node.
+    # vLLM engine options. Data parallel: num_engines engines, each a Ray actor with its own cores (CPU) or
+    # tensor_parallel_size GPUs, num_engines / launch.rollout.nnodes of them on each rollout node; tensor
+    # parallel is vLLM's own.
     num_engines: int = 1
     tensor_parallel_size: int = 1
     # KV cache per engine in GiB (vLLM's kv_cache_memory_bytes). null = on GPU vLLM sizes it from
@@ -662,17 +661,11 @@ class RolloutConfig:
     # seconds instead of tens of seconds on CPU, no scheduler process competing for the cores.
     engine_in_process: bool = True
     # How long a vLLM engine lives. "flow" (the fast path): the rollout and evaluate stages share the flow
-    # run's long-lived engine services (forge_core.rollout.service; num_engines of them, prompts re-routed from
-    # a dead one to the live ones) that load each new policy in place (milliseconds instead of an engine
-    # start-up), and run in their task's process as thin clients; the flow stops them at its end. "stage": each
-    # rollout/evaluate stage is a worker process that starts its own engine and stops it when it ends.
+    # run's engine actors (forge_core.rollout.actor_engines; prompts re-routed from a dead one to the live ones),
+    # which load each new policy in place (milliseconds instead of an engine start-up); the flow stops them at
+    # its end. "stage": each rollout/evaluate stage starts its own engine actors and stops them when it ends.
     # Samples do not depend on it (per-prompt seeds), so it is not part of the rollout artifacts' key.
     engine_lifetime: Literal["stage", "flow"] = "flow"
-    # Folder of the flow's engine services (Unix socket, key, log; made mode 0700); each flow run gets its own
-    # run-<hash> folder inside it. null = a folder under the temp dir keyed by run name, storage root, working
-    # directory and flow run (forge_core.rollout.lifetime). Not part of the artifacts' key either. Its socket
-    # path must fit a Unix socket (107 bytes).
-    engine_state_dir: str | None = None
     # Seconds one call of a reward function may take. Rewards are scored in reward_workers worker processes
     # (forge_core.rewards.isolation): a call past this, or one that crashes its worker (segfault, os._exit),
     # is tried once more in a fresh worker, then the sample gets reward 0 and the stage's metrics count it
@@ -695,8 +688,6 @@ class RolloutConfig:
                 f"rollout.worker_env_allow: {bad_names} are not environment variable names; list names like "
                 "HF_HOME"
             )
-        if self.engine_state_dir is not None:
-            errors += _engine_state_dir_errors(self.engine_state_dir, self.num_engines)
         if self.engine_in_process and self.tensor_parallel_size != 1:
             errors.append(
                 f"rollout.engine_in_process=true: needs rollout.tensor_parallel_size=1 (got "
@@ -736,36 +727,6 @@ class RolloutConfig:
                 "('0-3|4-7' for two tensor-parallel workers)"
             )
         return errors
-
-
-# The limit of a Unix socket path on Linux (108 bytes with the terminating NUL).
-_UNIX_SOCKET_PATH_MAX = 107
-
-
-# The flow run's own folder inside a configured engine_state_dir (forge_core.rollout.lifetime.engine_state_dir).
-_RUN_FOLDER_NAME = "/run-0123456789"
-
-
-def _longest_engine_socket_name(num_engines: int) -> str:
-    """The longest socket path under a configured engine_state_dir (the run's folder, then the service names
-    of forge_core.rollout.service.engine_names: `rollout` for one engine, `engine-0..N-1` for several)."""
-    return _RUN_FOLDER_NAME + ("/rollout.sock" if num_engines <= 1 else f"/engine-{num_engines - 1}.sock")
-
-
-def _engine_state_dir_errors(state_dir: str, num_engines: int) -> list[str]:
-    if not state_dir.strip():
-        return ["rollout.engine_state_dir='': give a folder for the engine service, or null for the default"]
-    folder = os.path.abspath(os.path.expanduser(state_dir))
-    socket_bytes = len(os.fsencode(folder)) + len(_longest_engine_socket_name(num_engines))
-    if socket_bytes > _UNIX_SOCKET_PATH_MAX:
-        return [
-            (
-                f"rollout.engine_state_dir={state_dir!r}: the engine's socket path would be {socket_bytes} "
-                f"bytes, more than a Unix socket allows ({_UNIX_SOCKET_PATH_MAX}); choose a shorter folder "
-                "or null"
-            )
-        ]
-    return []
 
 
 @dataclass
@@ -921,11 +882,10 @@ class GRPOConfig:
     micro_batch_size: int = 64
     # In-stage checkpoint every N optimizer steps (and always after the last one).
     checkpoint_every: int = 16
-    # "flow" (the fast path): the first GRPO task of a flow run starts one torchrun job that trains every
-    # iteration in order (forge_core.run.trainer_job), saving torchrun + interpreter + import start-up per
-    # iteration; each iteration is still a task that waits on its committed artifact, and a retry restarts
-    # the job. Needs launch.grpo.nnodes=1, except with launch.placement=pool, where the trainer is a Ray actor
-    # per rank on launch.grpo.nnodes nodes (forge_core.run.trainer_group). "stage": every GRPO iteration
+    # "flow" (the fast path): the first GRPO task of a flow run places a trainer group, a Ray actor per rank
+    # on launch.grpo.nnodes nodes (forge_core.run.trainer_group), that trains every iteration in order, saving
+    # torchrun + interpreter + import + process-group start-up per iteration; each iteration is still a task
+    # that waits on its committed artifact, and a retry places a new group. "stage": every GRPO iteration
     # launches its own torchrun job.
     # Same results; not part of the artifacts' key.
     trainer_lifetime: Literal["stage", "flow"] = "flow"
@@ -1020,14 +980,13 @@ class EvalConfig:
 class ResourceConfig:
     """Where and how big a stage runs."""
 
-    pool: str = "local-cpu"
+    # The Ray nodes the stage runs on: those labelled forgeflow.pool=<pool> (`ray start --labels
+    # forgeflow.pool=gpu-a`); null = any node of the cluster. The embedded cluster's one node serves every pool.
+    pool: str | None = None
+    # Nodes of the pool, one torchrun node each (the pipeline arranges the rendezvous on node 0's Ray node).
     nnodes: int = 1
     nproc_per_node: int = 1
     gpus_per_node: int = 0
-    # Rendezvous endpoint (host:port) for a multi-node stage whose other nodes you start yourself
-    # (launch.placement=local); None = standalone single node, or with launch.placement=pool the pipeline
-    # arranges the rendezvous at run time (on a free port of node 0's Ray node).
-    rdzv_endpoint: str | None = None
     deadline_s: float = 3600.0
     retries: int = 2
     # On deadline/cancel the launcher SIGTERMs the whole process tree, waits this long, then SIGKILLs.
@@ -1062,23 +1021,19 @@ class LaunchConfig:
     grpo: ResourceConfig = field(default_factory=lambda: ResourceConfig(nproc_per_node=2))
     evaluate: ResourceConfig = field(default_factory=ResourceConfig)
     # The flow run these stages belong to; the flows set it (the Prefect flow run id), leave it null. It keys
-    # the run's engine and trainer state folders, so concurrent runs of one config never share an engine or a
-    # trainer job (forge_core.rollout.lifetime); null = a fresh id per process. Not part of any key.
+    # the run's long-lived parts, so concurrent runs of one config never share an engine or a trainer group
+    # (forge_core.run.resources); null = a fresh id per process. Not part of any key.
     run_id: str | None = None
-    # Where stage attempts run. "local": on the machine that runs the flow (its own worker launch, or the
-    # flow's long-lived processes). "pool": on the Ray cluster (launch.ray_address; forge_core.compute): each
-    # attempt is a placement group of nnodes nodes labelled forgeflow.pool=<launch.<stage>.pool>, one torchrun
-    # node per Ray node (forge_core.run.cluster_runner); the rollout engines are Ray actors on launch.rollout's
-    # nodes (forge_core.rollout.actor_engines) and rollout/evaluate run in the flow's task process; with a flow
-    # lifetime the GRPO trainer is a Ray actor per rank on launch.grpo's nodes, kept for the whole run
-    # (forge_core.run.trainer_group). Not part of any key.
-    placement: Literal["local", "pool"] = "local"
-    # placement=pool: the Ray cluster to join (`auto`: the one this host belongs to, `host:port`, or
-    # `ray://host:port`); null = an embedded Ray started by the flow on this machine (loopback only, token
-    # authentication), whose one node serves every pool. Not part of any key.
+    # Every stage runs on a Ray cluster (forge_core.compute): each attempt is a placement group of nnodes nodes
+    # of launch.<stage>.pool, one torchrun node per Ray node (forge_core.run.cluster_runner); the rollout engines
+    # are Ray actors on launch.rollout's nodes (forge_core.rollout.actor_engines) and rollout/evaluate run in the
+    # flow's task process; with a flow lifetime the GRPO trainer is a Ray actor per rank on launch.grpo's nodes,
+    # kept for the whole run (forge_core.run.trainer_group). The cluster to join (`auto`: the one this host
+    # belongs to, `host:port`, or `ray://host:port`); null = an embedded Ray started by the flow on this machine
+    # (loopback only, token authentication), whose one node serves every pool. Not part of any key.
     ray_address: str | None = None
-    # placement=pool: how long an attempt waits for its placement group (enough free nodes of its pool with
-    # the GPUs it asks) before it fails, retryably, with what the stage asked and what the pool has.
+    # How long an attempt waits for its placement group (enough free nodes of its pool with the GPUs it asks)
+    # before it fails, retryably, with what the stage asked and what the pool has.
     pool_wait_s: float = 300.0
 
     def for_stage(self, stage: str) -> ResourceConfig:
@@ -1093,24 +1048,8 @@ class LaunchConfig:
 
     def check(self) -> list[str]:
         errors = []
-        if self.placement not in ("local", "pool"):
-            errors.append(f"placement={self.placement!r}: must be 'local' or 'pool'")
         if self.pool_wait_s <= 0:
             errors.append(f"pool_wait_s={self.pool_wait_s}: must be > 0 seconds")
-        for stage, resources in self.stage_resources().items():
-            if not _distributed(stage):
-                continue  # RunConfig.check: one node only
-            if resources.nnodes > 1 and self.placement == "local" and not resources.rdzv_endpoint:
-                errors.append(
-                    f"{stage}.nnodes={resources.nnodes}: multi-node needs rdzv_endpoint=host:port (and nodes "
-                    "1..N-1 started by you), or launch.placement=pool (the pipeline places one torchrun node per "
-                    "Ray node of the stage's pool and arranges the rendezvous)"
-                )
-            if self.placement == "pool" and resources.rdzv_endpoint:
-                errors.append(
-                    f"{stage}.rdzv_endpoint={resources.rdzv_endpoint!r}: with launch.placement=pool the pipeline "
-                    "arranges the rendezvous at run time on the nodes it picks; remove it"
-                )
         return errors
 
 
@@ -1169,20 +1108,17 @@ class RunConfig:
                 "prompt to compute a group baseline"
             )
         errors += self._trainer_lifetime_errors()
-        engines_on_cluster = self.launch.placement == "pool"
         for stage, resources in self.launch.stage_resources().items():
-            if stage == "rollout" and engines_on_cluster:
+            if stage == "rollout":
                 continue  # _engine_placement_errors
             if resources.nnodes != 1 and not _distributed(stage):
                 where = (
                     "evaluate samples with the rollout engines, which launch.rollout places"
-                    if stage == "evaluate" and engines_on_cluster
-                    else "rollout and evaluate scale with rollout.num_engines engines on it, or with "
-                    "launch.placement=pool across launch.rollout.nnodes nodes"
+                    if stage == "evaluate"
+                    else "it scales with the rollout engines across launch.rollout.nnodes nodes"
                 )
                 errors.append(f"launch.{stage}.nnodes={resources.nnodes}: {stage} runs on one node ({where}); set it to 1")
-        if engines_on_cluster:
-            errors += self._engine_placement_errors()
+        errors += self._engine_placement_errors()
         env = self.rollout.env
         if env.enabled and env.max_total_tokens > self.model.max_seq_len:
             errors.append(
@@ -1203,19 +1139,12 @@ class RunConfig:
         return errors
 
     def _trainer_lifetime_errors(self) -> list[str]:
-        """grpo.trainer_lifetime=flow: the local trainer job is one torchrun node; on the cluster the trainer group
-        has launch.grpo.gpus_per_node / nproc_per_node GPUs per rank actor (forge_core.run.trainer_group)."""
+        """grpo.trainer_lifetime=flow: the trainer group has launch.grpo.gpus_per_node / nproc_per_node GPUs per rank
+        actor (forge_core.run.trainer_group)."""
         grpo = self.launch.grpo
         if self.grpo.trainer_lifetime != "flow":
             return []
-        if self.launch.placement == "local" and grpo.nnodes != 1:
-            problem = (
-                f"grpo.trainer_lifetime='flow' with launch.grpo.nnodes={grpo.nnodes}: the local trainer job runs on "
-                "one node; set launch.placement=pool (a trainer group across nodes of the Ray cluster) or "
-                "grpo.trainer_lifetime=stage"
-            )
-            return [problem]
-        if self.launch.placement == "pool" and grpo.gpus_per_node % grpo.nproc_per_node:
+        if grpo.gpus_per_node % grpo.nproc_per_node:
             problem = (
                 f"launch.grpo.gpus_per_node={grpo.gpus_per_node}: each of the trainer group's "
                 f"launch.grpo.nproc_per_node={grpo.nproc_per_node} ranks per node holds the same number of GPUs, so "
@@ -1225,7 +1154,7 @@ class RunConfig:
         return []
 
     def _engine_placement_errors(self) -> list[str]:
-        """launch.placement=pool: rollout.num_engines engine actors on launch.rollout.nnodes nodes, the same number
+        """rollout.num_engines engine actors on launch.rollout.nnodes nodes, the same number
         on each, launch.rollout.gpus_per_node GPUs per node shared out among them (forge_core.rollout.actor_engines)."""
         engines, nodes, gpus = self.rollout.num_engines, self.launch.rollout.nnodes, self.launch.rollout.gpus_per_node
         if nodes < 1 or engines % nodes:

@@ -3,7 +3,7 @@ checks what a config means anywhere; this checks whether it can run *here*: this
 GPUs on a host without a usable one is an error, never a silent run on CPU), and what the run reads and writes
 (`input_problems`: the store root, model.hf_path and whether its checkpoint fits the model settings and
 model.max_seq_len, data.tokenizer.path, data.source). Callers add checks of layers above this one through
-`checks` (flows.preflight: the reward dry run on the data, the Prefect pools and their GPU limits).
+`checks` (flows.preflight: the reward dry run on the data, the Prefect API).
 
     preflight(cfg, stages=("sft", "grpo"))       # PreflightError (a ValueError) listing every problem at once
     problems = preflight_problems(cfg, ("rollout",), HostDevices.probe())   # the same, as a list
@@ -151,10 +151,11 @@ def _stage_gpu_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[s
 
 
 def _flow_engine_share_problems(cfg: RunConfig, stages: list[str], host: HostDevices) -> list[str]:
-    """Local placement with the flow's long-lived engines: they keep launch.rollout.gpus_per_node GPUs of this
-    host from the first rollout or evaluation to the flow's end, so GRPO trains on what is left."""
+    """This host as the run's one node (the embedded cluster) with the flow's long-lived engines: they keep
+    launch.rollout.gpus_per_node GPUs of it from the first rollout or evaluation to the flow's end, so GRPO trains
+    on what is left."""
     engines, trainer = cfg.launch.rollout.gpus_per_node, cfg.launch.grpo.gpus_per_node
-    shared = cfg.launch.placement == "local" and cfg.rollout.engine_lifetime == "flow"
+    shared = cfg.launch.ray_address is None and cfg.rollout.engine_lifetime == "flow"
     if not shared or not {"rollout", "grpo"} <= set(stages) or host.device_count == 0:
         return []
     if engines + trainer <= host.device_count:

@@ -1,6 +1,6 @@
 """Multi-turn rollouts: every episode of a batch advances turn by turn in batched generate calls through the
-generation protocol (forge_core.rollout.protocol), whatever serves it (the in-process Generator, the router over
-replicas or the flow's engine services).
+generation protocol (forge_core.rollout.protocol), whatever serves it (the in-process Generator, or the router over
+the run's engine actors).
 
     batch = run_episodes(engine, prompts, env, sampling, seed, encode, EpisodeLimits(max_turns=3, max_total_tokens=256))
     batch.episodes      # sampling.group_size Episodes per prompt, prompt order then sample index

@@ -21,7 +21,7 @@ stdout and stderr separately, so a rank's prints and its logging (stderr) may in
 
 Workers wrap their `main` in `record_errors` so a rank's exception lands in its error file, together with
 its classification (`errors.classify_exception`: the one classification of a failure, used by workers, this
-launcher, the in-process runner, the trainer job and the stage tasks' retry condition alike).
+launcher, the in-process runner, the trainer group and the stage tasks' retry condition alike).
 
 Hung ranks: every launch gets `FORGE_LAUNCH_DEADLINE_S` (a worker's collectives time out later than that:
 forge_core.engine.distributed.process_group_timeout_s) and a heartbeat folder (`FORGE_HEARTBEAT_DIR`) that
@@ -37,10 +37,8 @@ Every launch is also recorded in a machine-local registry while it runs (`regist
 with `reap_orphaned_launches()`, which ends what is left of launches whose launcher died (a SIGKILLed flow
 process cannot run its own clean-up).
 
-GPUs: `LaunchSpec(gpus=N)` takes N of the host's visible devices no other launch on the host holds
-(`devices.py`: one flock per device, dropped by the kernel when its holder dies), sets the launch's
-CUDA_VISIBLE_DEVICES to them and records them in its placement record; more than the host shows is a
-ValueError, devices busy past a bounded wait a retryable `DevicesBusy`.
+GPUs: a launch sees the GPUs of the process that starts it; on the Ray cluster that is the node agent holding
+its bundle's GPUs, whose CUDA_VISIBLE_DEVICES Ray sets (forge_core.compute.gang).
 
 Signals: the first SIGTERM to the launching process ends every live launch (`terminate_all_live`: in
 parallel, SIGTERM, `kill_grace_s`, SIGKILL; bounded by the largest kill grace + 10 s); a second SIGTERM

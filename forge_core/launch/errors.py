@@ -3,8 +3,8 @@
 `classify_exception(exc)` is the only place that decides whether a failure is worth a retry. Everyone asks
 it: a worker rank when it records its exception (`record_errors`, so facts of the instance such as an
 `errno` count, not just its class), the launcher for error files that carry no recorded category
-(forge_core.launch.classify), the in-process stage runner (forge_core.run.in_process), the trainer job's
-wait loop (forge_core.run.trainer_job) and the stage tasks' retry condition (tasks/stages.py). It returns a
+(forge_core.launch.classify), the in-process stage runner (forge_core.run.in_process), the trainer
+group (forge_core.run.trainer_group) and the stage tasks' retry condition (tasks/stages.py). It returns a
 `Classification`: a `Category` and, for a fatal failure a retry cannot fix, the `fix` the user has to make.
 
 Rules, first match wins (an exception that matches none is classified by its `__cause__`, if any):

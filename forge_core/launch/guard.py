@@ -15,7 +15,7 @@ import sys
 
 import psutil
 
-from forge_core.launch.owner import Owner, owner_from_environment, watch_owner
+from forge_core.launch.owner import Owner, owners_from_environment, watch_owner
 from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.launch.spec import LAUNCH_ID_ENV
 
@@ -39,13 +39,13 @@ def end_this_launch(owner: Owner) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def guard_launched_worker() -> Owner | None:
-    """What a launched worker runs first (forge_core.run): end the launch when its owner is gone (module
-    docstring). Returns the owner, None when the process was not launched by forge_core.launch."""
-    owner = owner_from_environment()
-    if owner is None:
-        return None
-    if not owner.alive():
-        end_this_launch(owner)
-    watch_owner(owner, lambda: end_this_launch(owner), name="forge-launch-owner-watch")
-    return owner
+def guard_launched_worker() -> list[Owner]:
+    """What a launched worker runs first (forge_core.run): end the launch when one of its owners is gone (module
+    docstring). Returns the owners watched, none when the process was not launched by forge_core.launch."""
+    owners = owners_from_environment()
+    for owner in owners:
+        if not owner.alive():
+            end_this_launch(owner)
+    for owner in owners:
+        watch_owner(owner, lambda owner=owner: end_this_launch(owner), name="forge-launch-owner-watch")
+    return owners

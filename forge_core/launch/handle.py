@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from forge_core.launch import classify, registry
-from forge_core.launch.devices import DeviceLease
 from forge_core.launch.errors import Category
 from forge_core.launch.heartbeat import read_heartbeats, stall_note
 from forge_core.launch.output import LogSink, OutputPump
@@ -61,24 +60,17 @@ class LaunchHandle:
         self._heartbeat_dir = os.path.join(self._workdir, "heartbeats")
         os.mkdir(self._heartbeat_dir)
         self._started = time.monotonic()
-        self._devices: DeviceLease | None = None
         try:
-            if spec.gpus:
-                self._devices = DeviceLease.acquire(spec.gpus, holder=f"launch {self.launch_id}")
-            devices = self._devices.devices if self._devices else None
             self._proc = subprocess.Popen(
                 build_command(spec, self._log_dir),
-                env=build_env(spec, self.launch_id, self._root_error_file, self._heartbeat_dir, devices),
+                env=build_env(spec, self.launch_id, self._root_error_file, self._heartbeat_dir),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 # Our own session: a terminal's Ctrl-C or the caller's process-group signals do not hit it.
                 start_new_session=True,
-                # The tree's root holds its devices' locks too: they stay taken while it lives.
-                pass_fds=self._devices.fds if self._devices else (),
             )
         except BaseException:
-            self._release_devices()
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise
         self._tree = ProcessTree(self._proc.pid, self.launch_id)
@@ -93,10 +85,6 @@ class LaunchHandle:
         self._supervisor = threading.Thread(
             target=self._supervise, name=f"forge-launch-{self.launch_id}", daemon=True
         )
-
-    def _release_devices(self) -> None:
-        if self._devices is not None:
-            self._devices.release()
 
     def _note_in_registry(self) -> None:
         """Let a later flow run end this launch if this process dies without doing it (registry.py)."""
@@ -167,7 +155,6 @@ class LaunchHandle:
                 launch_id=self.launch_id,
             )
         finally:
-            self._release_devices()
             shutil.rmtree(self._workdir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 registry.forget_launch(self.launch_id)

@@ -1,13 +1,17 @@
-"""Who owns a launched process, and the watchdog that ends it once its owner is gone.
+"""Who owns a launched process, and the watchdog that ends it once an owner is gone.
 
 A launch's owner is the process whose death makes the launch pointless: the launcher (the flow process, for
-a stage's torchrun tree or plain worker); for an engine service, the process that bounds its life
-(forge_core.rollout.service.supervision); for a reward worker, the stage process that scores with it. The owner
+a stage's torchrun tree or plain worker: on the Ray cluster the node agent actor that runs it); for a reward
+worker, the stage process that scores with it. The owner
 is named by pid AND start time (pids are reused): `Owner(pid, create_time)`, written `<pid>:<create time>`.
 
 - The launcher puts `FORGE_LAUNCH_OWNER=<itself>` into the environment of every launch
-  (forge_core.launch.spec.build_env); other processes get theirs as `--owner <pid>:<create time>`.
-- Every stage worker rank (and the GRPO trainer job's ranks) runs `guard_launched_worker()` first thing
+  (forge_core.launch.spec.build_env); other processes get theirs as `--owner <pid>:<create time>`. A launch a
+  flow run placed on the Ray cluster also names the flow process (`FORGE_FLOW_OWNER`, with the machine's boot
+  id): the node agent that launched it outlives the flow by Ray's fate-sharing delay, and on the flow's own
+  machine (the embedded cluster) nothing should commit in that delay. On another machine the flow's pid means
+  nothing, so there the agent alone is the owner.
+- Every stage worker rank runs `guard_launched_worker()` first thing
   (forge_core.launch.guard, called by forge_core.run.__main__): a daemon thread polls the owner every `OWNER_POLL_S` and, once it is gone,
   SIGKILLs every process of the launch (its `FORGE_LAUNCH_ID`: torchrun's agent, which is an ancestor of
   the rank, the other ranks, vLLM or reward processes the rank started) and then itself. So a launch whose
@@ -37,6 +41,10 @@ from forge_core.launch.errors import RetryableStageError
 
 # Set by the launcher in every launch (forge_core.launch.spec.build_env): `<pid>:<create time>` of itself.
 OWNER_ENV = "FORGE_LAUNCH_OWNER"
+# Set in a launch's spec by the flow run that placed it (forge_core.run.cluster_runner): `<pid>:<create
+# time>@<boot id>` of the flow process.
+FLOW_OWNER_ENV = "FORGE_FLOW_OWNER"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 # How often a watchdog checks its owner: a launch outlives its owner by about this plus one process scan.
 OWNER_POLL_S = 1.0
 # psutil's create time comes from clock ticks since boot: equal for one process, up to a tick off when read
@@ -54,27 +62,32 @@ class Owner:
 
     pid: int
     create_time: float
+    boot_id: str = ""  # the machine it runs on, when it may be another's ("": this one)
 
     @classmethod
-    def this_process(cls) -> Owner:
+    def this_process(cls, with_machine: bool = False) -> Owner:
         this = psutil.Process()
-        return cls(this.pid, this.create_time())
+        return cls(this.pid, this.create_time(), machine_boot_id() if with_machine else "")
 
     @classmethod
     def parse(cls, value: str, source: str = OWNER_ENV) -> Owner:
-        """`<pid>:<create time>` as `str(owner)` writes it; ValueError naming `source` otherwise."""
-        pid, sep, create_time = value.partition(":")
+        """`<pid>:<create time>[@<boot id>]` as `str(owner)` writes it; ValueError naming `source` otherwise."""
+        process, _, boot_id = value.partition("@")
+        pid, sep, create_time = process.partition(":")
         try:
             if not sep:
                 raise ValueError("no ':'")
-            return cls(int(pid), float(create_time))
+            return cls(int(pid), float(create_time), boot_id)
         except ValueError as exc:
             raise ValueError(
-                f"{source}={value!r}: expected <pid>:<create time> as the launcher writes it ({exc})"
+                f"{source}={value!r}: expected <pid>:<create time>[@<boot id>] as the launcher writes it ({exc})"
             ) from exc
 
     def __str__(self) -> str:
-        return f"{self.pid}:{self.create_time!r}"
+        return f"{self.pid}:{self.create_time!r}" + (f"@{self.boot_id}" if self.boot_id else "")
+
+    def on_this_machine(self) -> bool:
+        return not self.boot_id or self.boot_id == machine_boot_id()
 
     def alive(self) -> bool:
         """The same process (pid and start time) still runs and is not a zombie."""
@@ -86,10 +99,24 @@ class Owner:
             return False
 
 
-def owner_from_environment() -> Owner | None:
-    """The owner the launcher named in FORGE_LAUNCH_OWNER; None for a process nobody launched."""
-    value = os.environ.get(OWNER_ENV)
-    return Owner.parse(value) if value else None
+def machine_boot_id() -> str:
+    """This machine's boot id (Linux): what tells whether a pid names a process of this machine."""
+    try:
+        with open(BOOT_ID_PATH) as boot_id:
+            return boot_id.read().strip()
+    except OSError:
+        return ""
+
+
+def owners_from_environment() -> list[Owner]:
+    """The launch's owners this process can watch: the launcher (FORGE_LAUNCH_OWNER) and the flow process that
+    placed the launch (FORGE_FLOW_OWNER) when it runs on this machine; none for a process nobody launched."""
+    owners = []
+    for name in (OWNER_ENV, FLOW_OWNER_ENV):
+        value = os.environ.get(name)
+        if value and (owner := Owner.parse(value, source=name)).on_this_machine():
+            owners.append(owner)
+    return owners
 
 
 def watch_owner(
@@ -108,13 +135,14 @@ def watch_owner(
 
 
 def check_owner_alive(uri: str = "") -> None:
-    """OwnerGone when this process was launched by an owner that is gone (the pre-commit check).
+    """OwnerGone when an owner of this process's launch is gone (the pre-commit check).
 
-    A no-op for a process without FORGE_LAUNCH_OWNER.
+    A no-op for a process nobody launched.
     """
-    owner = owner_from_environment()
-    if owner is not None and not owner.alive():
-        raise OwnerGone(
-            f"not committing {uri or 'the artifact'}: the launch's owner (pid {owner.pid}, the flow process "
-            "that launched this worker) is gone; this worker ends itself and a new flow run recomputes the stage"
-        )
+    for owner in owners_from_environment():
+        if not owner.alive():
+            raise OwnerGone(
+                f"not committing {uri or 'the artifact'}: the launch's owner (pid {owner.pid}: the flow process or "
+                "the node agent that launched this worker) is gone; this worker ends itself and a new flow run "
+                "recomputes the stage"
+            )

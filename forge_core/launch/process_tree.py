@@ -2,9 +2,8 @@
 
 torchrun starts each rank in its own session, so killpg(torchrun) misses them: the tree is tracked with
 psutil snapshots plus a scan for the launch's FORGE_LAUNCH_ID (finds processes already reparented away).
-A descendant that carries ANOTHER launch id belongs to that launch and is left alone: a service a worker
-starts to outlive it (the long-lived rollout engine, forge_core.rollout.service) has its own id and
-registry record, and whoever owns that record ends it.
+A descendant that carries ANOTHER launch id belongs to that launch and is left alone: whoever owns that
+launch's registry record ends it.
 
 The root (torchrun or the plain worker) is our child. Its exit status is read with
 waitid(WNOWAIT), which leaves the zombie for Popen to reap: if anything else reaps it first, Popen reports

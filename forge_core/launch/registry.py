@@ -50,7 +50,7 @@ def _record_path(directory: Path, launch_id: str) -> Path:
 def check_private(path: Path, what: str, writable_only: bool = False) -> None:
     """ValueError unless `path` belongs to this user and gives group/others no access (`writable_only`: no
     write access, for folders whose contents are harmless to read). Shared by every machine-local state folder
-    (launch registry, engine services, trainer jobs)."""
+    (the launch registry, the embedded Ray's token folder)."""
     info = path.stat()
     if info.st_uid != os.getuid():
         raise ValueError(

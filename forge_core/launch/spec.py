@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
 
 from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV
 from forge_core.launch.owner import OWNER_ENV, Owner
-from forge_core.storage.manifest import PLACEMENT_ENV
 
 # Set by the launcher in every child; a user value would break leftover-process search or error capture.
 LAUNCH_ID_ENV = "FORGE_LAUNCH_ID"
@@ -79,9 +77,6 @@ class LaunchSpec:
     local_addr: str | None = None
     kill_grace_s: float = 10.0
     tail_lines: int = 200
-    # GPUs this node's launch takes from the host's visible devices (forge_core.launch.devices): the launcher
-    # sets CUDA_VISIBLE_DEVICES to them and records them in the placement record; 0 = no assignment.
-    gpus: int = 0
 
     def __post_init__(self) -> None:
         errors = self.check()
@@ -116,12 +111,6 @@ class LaunchSpec:
             errors.append(f"deadline_s={self.deadline_s}: must be > 0")
         if self.kill_grace_s < 0:
             errors.append(f"kill_grace_s={self.kill_grace_s}: must be >= 0")
-        if self.gpus < 0:
-            errors.append(f"gpus={self.gpus}: must be >= 0 (launch.<stage>.gpus_per_node)")
-        if self.gpus and "CUDA_VISIBLE_DEVICES" in self.env:
-            errors.append(
-                f"gpus={self.gpus} with CUDA_VISIBLE_DEVICES in env: the launcher assigns the devices; drop one"
-            )
         if self.tail_lines < 1:
             errors.append(f"tail_lines={self.tail_lines}: must be >= 1")
         bad_values = sorted(k for k, v in self.env.items() if not isinstance(v, str))
@@ -131,33 +120,6 @@ class LaunchSpec:
         if reserved:
             errors.append(f"env keys {reserved}: set by the launcher for every launch; remove them from env")
         return errors
-
-    @classmethod
-    def from_resources(
-        cls,
-        resources,
-        module: str,
-        args: list[str],
-        *,
-        env: dict[str, str] | None = None,
-        node_rank: int = 0,
-        rank0_only_logs: bool = False,
-        torchrun: bool = True,
-    ) -> LaunchSpec:
-        """A spec from a stage's `forge_core.config.schema.ResourceConfig` (e.g. `cfg.launch.sft`)."""
-        return cls(
-            module=module,
-            args=list(args),
-            nproc_per_node=resources.nproc_per_node,
-            nnodes=resources.nnodes,
-            node_rank=node_rank,
-            rdzv_endpoint=resources.rdzv_endpoint,
-            env=dict(env or {}),
-            deadline_s=resources.deadline_s,
-            rank0_only_logs=rank0_only_logs,
-            torchrun=torchrun,
-            kill_grace_s=resources.kill_grace_s,
-        )
 
     @property
     def world_size(self) -> int:
@@ -201,16 +163,10 @@ def build_env(
     launch_id: str,
     error_file: str,
     heartbeat_dir: str | None = None,
-    devices: list[str] | None = None,
 ) -> dict[str, str]:
-    """os.environ, then the spec's env, then the launcher's own keys (validated not to clash); `devices`: the
-    GPUs assigned to the launch (forge_core.launch.devices), its CUDA_VISIBLE_DEVICES and in its placement record."""
+    """os.environ, then the spec's env, then the launcher's own keys (validated not to clash)."""
     env = dict(os.environ)
     env.update(spec.env)
-    if devices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        placement = json.loads(env.get(PLACEMENT_ENV) or "{}")
-        env[PLACEMENT_ENV] = json.dumps({**placement, "devices": devices}, sort_keys=True)
     env[LAUNCH_ID_ENV] = launch_id
     env[DEADLINE_ENV] = f"{spec.deadline_s:g}"
     if heartbeat_dir is not None:

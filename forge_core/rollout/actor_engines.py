@@ -1,4 +1,4 @@
-"""The rollout engines on the Ray cluster (launch.placement=pool): `rollout.num_engines` vLLM engines, each a Ray
+"""The rollout engines on the Ray cluster: `rollout.num_engines` vLLM engines, each a Ray
 actor with its own GPUs on a node of the rollout pool, behind the one EngineRouter.
 
     engines = EngineActors.start(cluster, cfg, seed)      # reserves launch.rollout.nnodes nodes of its pool
@@ -37,7 +37,7 @@ from forge_core.compute.cluster import ComputeCluster
 from forge_core.config import RunConfig
 from forge_core.config.schema import SamplingConfig
 from forge_core.engine.preflight import preflight
-from forge_core.faults import fault_environment, maybe_hang_engine
+from forge_core.faults import fault_environment, maybe_hang_engine, set_current_stage
 from forge_core.rollout.engine import EngineOptions
 from forge_core.rollout.generator import Generator
 from forge_core.rollout.protocol import EngineLost, PolicyVersionMismatch
@@ -57,8 +57,11 @@ ENGINE_RESTARTS = 3
 class EngineHost:
     """One engine on its node (what an engine actor holds): a Generator on the policy it fetched itself."""
 
-    def __init__(self, cfg: RunConfig, stage_uri: str, seed: int, index: int, fault_env: dict[str, str]) -> None:
+    def __init__(
+        self, cfg: RunConfig, stage_uri: str, seed: int, index: int, fault_env: dict[str, str], stage: str = ""
+    ) -> None:
         os.environ.update(fault_env)  # a Ray node's processes have that node's environment, not the flow's
+        _serving_stage(stage)
         preflight(cfg, ["rollout"], checks=())  # this node can run the engine (GPUs, vLLM build)
         self.cfg = cfg
         self.index = index
@@ -78,8 +81,10 @@ class EngineHost:
             "reload_s": self.generator.reload_s,
         }
 
-    def serve(self, stage_uri: str) -> dict:
-        """Serve the policy of `stage_uri` from now on (fetched here; nothing to load when it is served already)."""
+    def serve(self, stage_uri: str, stage: str = "") -> dict:
+        """Serve the policy of `stage_uri` to `stage` from now on (fetched here; nothing to load when it is served
+        already)."""
+        _serving_stage(stage)
         policy = self._fetch(stage_uri)
         self.generator.reload(policy.local_dir, policy.version)
         if policy.local_dir != self.policy.local_dir:
@@ -106,6 +111,12 @@ class EngineHost:
     def close(self) -> None:
         self.generator.close()
         release_policy(self.policy)
+
+
+def _serving_stage(stage: str) -> None:
+    """The stage the engine serves from now on, which FORGE_FAULT's `@<stage>` names (forge_core.faults)."""
+    if stage:
+        set_current_stage(stage)
 
 
 class HostedEngine:
@@ -141,9 +152,10 @@ class HostedEngine:
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int) -> list[Sample]:
         return self._call("generate", list(prompts), sampling, seed, self.policy_version)
 
-    def serve(self, stage_uri: str) -> float:
-        """Serve the policy of `stage_uri`, fetched from the store on the engine's node; the reload seconds."""
-        return self._loaded(self._call("serve", stage_uri))
+    def serve(self, stage_uri: str, stage: str = "") -> float:
+        """Serve the policy of `stage_uri` to `stage`, fetched from the store on the engine's node; the reload
+        seconds."""
+        return self._loaded(self._call("serve", stage_uri, stage))
 
     def reload(self, policy_dir, policy_version: str) -> float:
         """Serve `policy_version` from `policy_dir`, a folder the engine's node sees (the same machine, or a shared
@@ -162,13 +174,13 @@ class HostedEngine:
 class EngineActors:
     """The engine actors of a stage or of a flow run (module docstring). Stages may share them: `serve` calls
     take turns; a stage whose engines another stage has since moved to other weights gets PolicyVersionMismatch
-    (retryable), as with the flow's engine services."""
+    (retryable)."""
 
     def __init__(self, cfg: RunConfig, seed: int, group: HostGroup) -> None:
         self.cfg = cfg
         self.seed = seed
         self.group = group
-        self.pool = cfg.launch.rollout.pool
+        self.pool = cfg.launch.rollout.pool or ""  # "": any node of the cluster
         self.slots: list[HostedEngine | None] = [None] * cfg.rollout.num_engines
         self._serving = threading.Lock()
 
@@ -182,22 +194,23 @@ class EngineActors:
         )
         group = HostGroup.reserve(
             cluster, request, nodes=resources.nnodes, per_node=per_node, wait_s=cfg.launch.pool_wait_s,
-            name=f"engines-{resources.pool}",
+            name="engines",
         )  # fmt: skip
         return cls(cfg, seed, group)
 
-    def serve(self, policy: PolicyRef) -> EngineRouter:
-        """Every engine serving `policy` (a lost or missing one started anew in its slot, a live one reloaded),
-        all at once; the router over them."""
+    def serve(self, policy: PolicyRef, stage: str = "") -> EngineRouter:
+        """Every engine serving `policy` to `stage` (a lost or missing one started anew in its slot, a live one
+        reloaded), all at once; the router over them."""
         with self._serving, ThreadPoolExecutor(len(self.slots), thread_name_prefix="forge-engine-ensure") as pool:
-            list(pool.map(lambda index: self._serve_slot(index, policy), range(len(self.slots))))
+            list(pool.map(lambda index: self._serve_slot(index, policy, stage), range(len(self.slots))))
             return EngineRouter([engine for engine in self.slots if engine is not None])
 
-    def _serve_slot(self, index: int, policy: PolicyRef) -> None:
+    def _serve_slot(self, index: int, policy: PolicyRef, stage: str) -> None:
         engine = self.slots[index]
         if engine is not None and engine.host.lost() is None and not engine.failed:
             try:
-                engine.serve(policy.stage_uri)
+                engine.serve(policy.stage_uri, stage)
+                engine.startup_s = 0.0  # it was running already: this stage paid no start-up (the protocol's 0)
                 return
             except EngineLost:
                 pass  # its actor, node or vLLM died since it last answered (e.g. between stages): healed below
@@ -206,19 +219,19 @@ class EngineActors:
             engine.host.close(0.0)
             engine = None
         if engine is None:
-            self.slots[index] = self._start_engine(index, policy)
+            self.slots[index] = self._start_engine(index, policy, stage)
             return
         lost = engine.host.lost()
         place = engine.host.revive(self.cfg.launch.pool_wait_s)  # HostLost (retryable) when it is not back
         log.info("%s was lost (%s); Ray restarted it on node %s (%s)", engine.name, lost, place.node_id[:8],
                  place.address)  # fmt: skip
         engine.refresh(engine.host.call("describe"))
-        engine.serve(policy.stage_uri)
+        engine.serve(policy.stage_uri, stage)
 
-    def _start_engine(self, index: int, policy: PolicyRef) -> HostedEngine:
+    def _start_engine(self, index: int, policy: PolicyRef, stage: str) -> HostedEngine:
         started = time.monotonic()
         name = f"engine-{index}"
-        args = (self.cfg, policy.stage_uri, self.seed, index, fault_environment())
+        args = (self.cfg, policy.stage_uri, self.seed, index, fault_environment(), stage)
         host = self.group.host(index, EngineHost, args, name, restarts=ENGINE_RESTARTS)
         engine = HostedEngine(host, index, host.call("describe"))
         log.info(

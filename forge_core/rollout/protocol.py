@@ -10,11 +10,8 @@
 Implementations:
 - `Generator` (generator.py): one vLLM engine in this process;
 - `EngineRouter` (router.py): several engines behind one handle, prompts split across them, a lost engine's
-  prompts re-routed to the others; its engines are `EngineConnection`s over either transport:
-  - `ReplicaClient` (pool.py): a replica process that owns a Generator, over a pipe (stage lifetime:
-    `open_generator(..., num_engines=N)`), closed with the router;
-  - `EngineClient` (service/connection.py): a long-lived engine service over a Unix socket (flow lifetime:
-    `EngineService.ensure_engines`), which outlives the router.
+  prompts re-routed to the others; its engines are `EngineConnection`s: `HostedEngine` (actor_engines.py), an
+  engine actor on the Ray cluster that owns a Generator.
 
 Samples depend on (prompt, sampling, seed) alone: each prompt is sampled with its own
 `request_seed(seed, group_id, prompt_id)` (sampling.py), so every implementation returns the same samples

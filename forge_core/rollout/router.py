@@ -1,15 +1,10 @@
 """Several engines behind one GenerationEngine: prompts split across the live engines, samples gathered in prompt
 order, a lost engine's prompts re-routed to the others.
 
-    router = EngineRouter(connections)             # EngineConnection's: pool.ReplicaClient or service.EngineClient
+    router = EngineRouter(connections)             # EngineConnection's: actor_engines.HostedEngine
     samples = router.generate(prompts, cfg.rollout.sampling, seed=7)
     router.reload(policy_dir, version)             # every live engine (concurrently)
-    router.close()                                 # closes every connection (a replica process ends with it;
-                                                   # an engine service keeps running)
-
-The two transports: `open_generator(..., num_engines=N)` (pool.py) starts N replica processes over pipes for
-one stage; `EngineService.ensure_engines` (service/) connects to the flow's N engine services over Unix
-sockets. Either way the router is the same.
+    router.close()                                 # closes every connection (the engine actors keep running)
 
 Every prompt's samples are drawn with its own seed (sampling.request_seed), so they are the same whichever
 engine serves it: splitting and re-routing change no sample. An engine that is lost mid-request (EngineLost:
@@ -68,7 +63,7 @@ class EngineRouter:
             raise PolicyVersionMismatch(
                 f"the engines serve different policy versions: "
                 f"{ {name: v[:16] for name, v in versions.items()} }; load one version into all of them "
-                "(reload, or EngineService.ensure_engines)"
+                "(reload, or EngineActors.serve)"
             )
         return next(iter(versions.values()), "")
 
@@ -140,7 +135,7 @@ class EngineRouter:
         return max(s for s in seconds if s is not None)
 
     def close(self) -> None:
-        """Close every connection (a replica process ends; an engine service keeps running)."""
+        """Close every connection (the engine actors keep running: their owner ends them)."""
         engines, self.live = self.live, []
         for engine in engines:
             engine.close()
@@ -192,7 +187,7 @@ class EngineRouter:
             causes = "; ".join(f"{name}: {self._why_lost.get(name, '?')}" for name in self.dead)
             raise EngineLost(
                 f"no engine is left (lost: {causes}) {doing}; a retry of the stage starts new ones "
-                "(EngineService.ensure_engines restarts a flow's)"
+                "(EngineActors.serve restarts a flow's)"
             )
 
 

@@ -40,7 +40,7 @@ A row's staleness is `iteration - policy_iteration`: 0 in `grpo.mode: sync`, at 
 `async` (forge_core.trainers.staleness checks it in the GRPO stage).
 
 `policy_version` is `forge_core.artifacts.policy.weights_version` of the policy's manifest: the checksum the
-engine (or the long-lived engine service) confirmed it was serving when it generated these rows.
+engine confirmed it was serving when it generated these rows.
 
     table = rollout_table(samples, scored, lineage)
     metrics = rollout_metrics(table, primary_column="reward_exact_answer")

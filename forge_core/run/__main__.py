@@ -4,9 +4,8 @@
     torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec file:///.../_spec.json
 
 Stages are the stage registry's (forge_core.stages; a stage registered outside forge_core is found through
-FORGE_STAGE_MODULES); each runs its entry through the worker scaffold (forge_core.run.scaffold.run_spec). Jobs
-(JOBS, e.g. `python -m forge_core.run grpo-job --orders <dir>`) take their own arguments. The stage runs
-wrapped in forge_core.launch.record_errors (torch's error recorder), so an exception on any rank lands in
+FORGE_STAGE_MODULES); each runs its entry through the worker scaffold (forge_core.run.scaffold.run_spec). The
+stage runs wrapped in forge_core.launch.record_errors (torch's error recorder), so an exception on any rank lands in
 TORCHELASTIC_ERROR_FILE where the launcher reads it. `--endpoint-url` names a custom S3 endpoint for
 reading the spec itself (the FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL environment variables work too).
 
@@ -18,26 +17,15 @@ launch ends itself within ~2 s and no commit is published meanwhile (forge_core.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable
 
 from forge_core.config.schema import StorageConfig
 from forge_core.stages import is_stage, stage_names
 
-# Long-lived jobs (not stages): `python -m forge_core.run <job> <its own arguments>`, and the stage whose
-# work they do (its FORGE_FAULT name).
-JOBS = {"grpo-job": ("forge_core.run.grpo_job", "grpo")}  # the GRPO trainer job of grpo.trainer_lifetime=flow
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in JOBS:
-        module, stage = JOBS[argv[0]]
-        _worker_process_setup(stage)
-        job_main = importlib.import_module(module).main
-        _error_recorder()(job_main)(argv[1:])
-        return 0
     args = _parse_args(argv)
     _worker_process_setup(args.stage)
     _error_recorder()(_run_stage)(args.stage, args.spec, args.endpoint_url)

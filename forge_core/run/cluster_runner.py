@@ -1,18 +1,17 @@
-"""A stage attempt on the Ray cluster (launch.placement=pool): one torchrun node per Ray node of its pool.
+"""A stage attempt on the Ray cluster: one torchrun node per Ray node of its pool.
 
-    runner = runner_for(cfg, "sft")                 # a ClusterRunner for a stage-lifetime stage with placement=pool
+    runner = runner_for(cfg, "sft")                 # a ClusterRunner for every stage with a launch of its own
     result = runner.run(plan, log, cancel)          # the runner interface: deadline, cancel, classification
 
 The attempt is a `forge_core.compute.gang.Gang`: a placement group of `launch.<stage>.nnodes` bundles
-(`gpus_per_node` GPUs each, STRICT_SPREAD) on the nodes labelled `forgeflow.pool=<launch.<stage>.pool>` (any
-node of the embedded cluster), waiting up to `launch.pool_wait_s`; each node's agent runs the same worker launch
-a local attempt makes (`python -m forge_core.run <stage> --spec <uri>` under torchrun) with its part of the
+(`gpus_per_node` GPUs each, STRICT_SPREAD) on the nodes labelled `forgeflow.pool=<launch.<stage>.pool>` (any node
+when the pool is null, and on the embedded cluster), waiting up to `launch.pool_wait_s`; each node's agent runs
+the worker launch (`python -m forge_core.run <stage> --spec <uri>` under torchrun) with its part of the
 rendezvous. A lost node ends the attempt on every node, retryably; the stage's retry resumes from its newest
 committed checkpoint on whichever nodes the cluster places it then. A Ray node's processes have that node's
 environment (its credentials, as every worker's), plus what the launch spec carries. Every rank's environment
-carries the
-attempt's placement (`FORGE_PLACEMENT`), which the manifest the attempt commits records: the pool, and per
-node its rank, Ray node id, address and GPUs.
+carries the attempt's placement (`FORGE_PLACEMENT`), which the manifest the attempt commits records: the pool,
+and per node its rank, Ray node id, address and GPUs.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from forge_core.compute.gang import Gang, GangRequest, NodePlace
 from forge_core.config import RunConfig
 from forge_core.faults import fault_environment
 from forge_core.launch import LaunchResult, add_stop
+from forge_core.launch.owner import FLOW_OWNER_ENV, Owner
 from forge_core.run.plan import StagePlan, launch_spec_for
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, LogSink, Runner
@@ -46,7 +46,8 @@ class ClusterRunner(Runner):
 
     def __init__(self, cfg: RunConfig, stage: str) -> None:
         super().__init__(cfg, stage)
-        self.where = f"pool {self.resources.pool!r} of the Ray cluster"
+        pool = self.resources.pool
+        self.where = f"pool {pool!r} of the Ray cluster" if pool else "the Ray cluster"
 
     def start(self, plan: StagePlan, log: LogSink) -> Attempt:
         resources = self.resources
@@ -60,11 +61,14 @@ class ClusterRunner(Runner):
             return {PLACEMENT_ENV: json.dumps(record, sort_keys=True)}
 
         # A Ray node's processes have that node's environment, not this one's: what a launch must see from
-        # here travels in its spec (the launch spec's own settings, and the test faults a flow was given).
+        # here travels in its spec (the launch spec's own settings, the test faults a flow was given, and this
+        # process as an owner of the launch: forge_core.launch.owner).
         gang = Gang(
             cluster,
             request,
-            launch_spec_for(plan, self.cfg, extra_env=fault_environment()),
+            launch_spec_for(
+                plan, self.cfg, extra_env={**fault_environment(), FLOW_OWNER_ENV: str(Owner.this_process(True))}
+            ),
             log,
             wait_s=self.cfg.launch.pool_wait_s,
             name=plan.stage,

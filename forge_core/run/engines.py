@@ -1,14 +1,12 @@
-"""Which engines a rollout or evaluate stage samples with, wherever the run places them.
+"""Which engines a rollout or evaluate stage samples with: engine actors on the run's Ray cluster.
 
-    with stage_engines(plan.cfg, plan.policy, seed) as generator:   # a GenerationEngine serving plan.policy
+    with stage_engines(plan.cfg, plan.policy, seed, plan.stage) as generator:   # a GenerationEngine serving plan.policy
         run_rollout(plan, generator)
 
-`launch.placement: local`: the engines of this machine (forge_core.rollout.lifetime.stage_generator: the
-stage's own replica processes, or the flow's engine services). `pool`: engine actors on the Ray cluster
-(forge_core.rollout.actor_engines), the flow run's (`rollout.engine_lifetime: flow`, held by its FlowResources
-across stages and ended with it) or the stage's own (`stage`, ended when the stage ends); what the stage commits
-records the pool and each engine's Ray node. Either way a stop of the run's engines (FlowResources.stop_engines:
-a deadline, a cancel) ends the stage's calls into them.
+The engines are actors on the rollout pool's nodes (forge_core.rollout.actor_engines): the flow run's
+(`rollout.engine_lifetime: flow`, held by its FlowResources across stages and ended with it) or the stage's own
+(`stage`, ended when the stage ends); what the stage commits records the pool and each engine's Ray node. A stop
+of the run's engines (FlowResources.stop_engines: a deadline, a cancel) ends the stage's calls into them.
 """
 
 from __future__ import annotations
@@ -18,21 +16,16 @@ from collections.abc import Iterator
 
 from forge_core.artifacts.policy import PolicyRef
 from forge_core.config import RunConfig
-from forge_core.rollout.lifetime import stage_generator
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.run.resources import FlowResources
 from forge_core.storage.manifest import placement_scope
 
 
 @contextlib.contextmanager
-def stage_engines(cfg: RunConfig, policy: PolicyRef, seed: int) -> Iterator[GenerationEngine]:
-    """The engines serving `policy` for one stage (module docstring); `seed` is the engines' own seed (samples
-    depend on the per-request seeds only)."""
-    if cfg.launch.placement != "pool":
-        with stage_generator(cfg, policy, seed) as generator:
-            yield generator
-        return
+def stage_engines(cfg: RunConfig, policy: PolicyRef, seed: int, stage: str) -> Iterator[GenerationEngine]:
+    """The engines serving `policy` to `stage` (module docstring); `seed` is the engines' own seed (samples depend
+    on the per-request seeds only)."""
     with FlowResources.of(cfg).engine_actors(seed) as engines:
-        router = engines.serve(policy)
+        router = engines.serve(policy, stage)
         with placement_scope(engines.placement()):
             yield router

@@ -121,7 +121,7 @@ def run(ctx: StageContext) -> None:
     """Evaluate the policy on the held-out split and commit the `eval` artifact (module docstring)."""
     plan = plan_evaluation(ctx)
     try:
-        with stage_engines(plan.cfg, plan.policy, seed=plan.cfg.seed) as generator:
+        with stage_engines(plan.cfg, plan.policy, seed=plan.cfg.seed, stage=plan.ctx.stage.name) as generator:
             run_evaluation(plan, generator)
     finally:
-        release_policy(plan.policy)  # the cache may prune it again (an engine service keeps its own lease)
+        release_policy(plan.policy)  # the cache may prune it again (an engine actor keeps its own lease)

@@ -1,5 +1,5 @@
-"""The GRPO stage (one process per rank under torchrun, or one plain process, or an order to the long-lived
-trainer job: forge_core.run.grpo_job; all three run `train` through the worker scaffold):
+"""The GRPO stage (one process per rank under torchrun, or one plain process, or an order to the flow's trainer
+group: forge_core.run.trainer_group; all three run `train` through the worker scaffold):
 
     torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo --spec <output_uri>/_specs/<attempt>.json
     python -m forge_core.run grpo --spec <output_uri>/_specs/<attempt>.json            # world size 1
@@ -208,8 +208,8 @@ def attach_policy_logprobs(
 
 def train(ctx: StageContext) -> None:
     """Collective: train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module
-    docstring). Run by the per-stage worker and by the long-lived trainer job (forge_core.run.grpo_job) alike:
-    the two lifetimes run the same code; the job's process group stays up between its stages."""
+    docstring). Run by the per-stage worker and by the trainer group's ranks (forge_core.run.trainer_group)
+    alike: the two lifetimes run the same code; a rank's process group stays up between its stages."""
     cfg, store, workdir = ctx.cfg, ctx.store, ctx.workdir
     iteration = int(ctx.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)

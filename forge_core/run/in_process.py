@@ -1,10 +1,9 @@
-"""Running a stage in the calling task's process: the runner of the engine-client stages (rollout, evaluate)
-with the flow's long-lived engines (`rollout.engine_lifetime: flow`; forge_core.stages: `flow_runner=
-"task_process"`).
+"""Running a stage in the calling task's process: the runner of the engine-client stages (rollout, evaluate;
+forge_core.stages: `flow_runner="task_process"`), which sample with the run's engine actors.
 
     result = TaskProcessRunner(cfg, "rollout", resources).run(plan, log)   # usually: runner_for(cfg, stage)
 
-With long-lived engines a rollout or evaluate stage is a thin client of the flow's engine services: it plans,
+A rollout or evaluate stage is a thin client of the run's engine actors (forge_core.run.engines): it plans,
 fetches the policy, has the engines load it, sends the prompts, scores and commits. A launched worker process
 for that costs about 2.5 s a stage (interpreter start, imports, exit; measured by bench/grpo_iteration.py), as
 much as all the rest of a warm iteration's fixed overhead. So the task runs the stage on a thread of its own
@@ -14,14 +13,15 @@ object (validated once, by the flow), and the runner interface's contract (forge
 - outcome: SUCCESS when the stage returns. An exception is classified exactly as a worker's would be
   (forge_core.launch.classify.exception_result): a user error (ValueError, ConfigError, ...), access denied,
   a corrupted input, a full disk or out of memory is FATAL with its fix; an engine that died
-  (EngineServiceError), a policy version mismatch or a transient storage error is RETRYABLE, and anything
+  (EngineLost), a policy version mismatch or a transient storage error is RETRYABLE, and anything
   unclassified is FATAL as it would be for a lone rank. Reason, message, fix and traceback tail are kept.
-- stop (the deadline, a cancel): the flow's engine services are stopped, which ends the stage's calls into
+- stop (the deadline, a cancel): the run's engine actors are stopped, which ends the stage's calls into
   them (a retry starts fresh engines); the thread gets _STOP_GRACE_S to notice and end.
 - log: the stage's own log records (loggers under `forge_core`, from its thread and the engine start-up
   threads it spawns) go to `log`, as a worker's output lines would.
 
-Stage failures injected with FORGE_FAULT (forge_core.faults) address worker processes and do not fire here.
+Stage failures injected with FORGE_FAULT (forge_core.faults) address worker processes and the engine actors,
+not this thread.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
 from forge_core.run.scaffold import run_spec
 
-# Threads a stage spawns whose records belong to it (EngineService.ensure_engines starts engines on these,
+# Threads a stage spawns whose records belong to it (EngineActors.serve starts engines on these,
 # forge_core.rewards.isolation scores on these with several reward workers).
 _STAGE_THREAD_PREFIXES = ("forge-engine-ensure", "forge-reward-")
 # After stopping the engines, how long the stage's thread gets to notice and end.

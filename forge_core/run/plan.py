@@ -136,16 +136,12 @@ def _check_input_names(record: Stage, inputs: dict[str, str]) -> None:
 
 
 def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None) -> LaunchSpec:
-    """The worker command for a planned stage: torchrun for distributed stages, one process otherwise.
-
-    With launch.placement=local it is the whole launch (multi-node through `launch.<stage>.rdzv_endpoint`, the
-    GPUs assigned by the launcher); with pool it is one node's launch, to which the Ray gang adds each node's
-    part of the rendezvous and the GPUs Ray gave that node (forge_core.run.cluster_runner)."""
+    """The worker command for a planned stage: torchrun for distributed stages, one process otherwise. It is one
+    node's launch, to which the Ray gang adds that node's part of the rendezvous; its GPUs are those Ray gave the
+    node's agent (forge_core.run.cluster_runner)."""
     record = stage_named(plan.stage)
     resources = cfg.launch.for_stage(plan.stage)
     distributed = record.distributed
-    local = cfg.launch.placement == "local"
-    nodes = {"nnodes": resources.nnodes, "rdzv_endpoint": resources.rdzv_endpoint} if distributed and local else {}
     env = dict(extra_env or {})
     if cfg.storage.endpoint_url:
         # The worker reads its spec before it has a config: tell it where a custom S3 endpoint is.
@@ -158,11 +154,9 @@ def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] |
         module="forge_core.run",
         args=[plan.stage, "--spec", plan.spec_uri],
         nproc_per_node=resources.nproc_per_node if distributed else 1,
-        **nodes,
         env=env,
         deadline_s=resources.deadline_s + resources.kill_grace_s + LAUNCHER_BACKSTOP_S,
         rank0_only_logs=cfg.logging.rank0_only,
         torchrun=distributed,
         kill_grace_s=resources.kill_grace_s,
-        gpus=resources.gpus_per_node if local else 0,  # launch.devices assigns them here, Ray on the cluster
     )

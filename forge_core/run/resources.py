@@ -1,75 +1,100 @@
-"""The flow run's long-lived processes — its rollout engines and its GRPO trainer — and their end.
+"""The flow run's long-lived parts on the Ray cluster — its engine actors and its GRPO trainer group — and their end.
 
     with FlowResources.of(cfg, log=logger.info) as resources:     # a flow: everything ends with the block
         ...                                                       # runners find it: FlowResources.of(cfg)
     FlowResources.of(cfg).abort("the flow was cancelled")         # the cancel/crash hook, a failing lane
 
-One object per flow run (keyed by the run's engine state folder, which is per `launch.run_id`:
-forge_core.rollout.lifetime.engine_state_dir), found by every runner that needs it through the config it
-holds. The first rollout/evaluate stage with `rollout.engine_lifetime: flow` starts the engine services (in
-the run's state folder: forge_core.rollout.lifetime.stage_generator); the first GRPO stage with
-`grpo.trainer_lifetime: flow` starts the trainer job (forge_core.run.trainer_job), or with `launch.placement:
-pool` the trainer group and the engine actors on the Ray cluster (forge_core.run.trainer_group,
-forge_core.run.engines), which this object holds. Nothing else would stop them, so the flow ends them here, and only here:
+One object per flow run (keyed by `run_identity(cfg)`, `launch.run_id`, which the flow sets to its Prefect flow
+run id, so two concurrent runs of one config never share an engine or a trainer; and by the run's name and
+storage root), found by every runner that needs
+it through the config it holds. It holds the run's connection to the Ray cluster (`cluster()`: joined at
+`launch.ray_address`, or an embedded one started by the first stage that needs it), the engine actors
+(forge_core.run.engines; the run's own with `rollout.engine_lifetime: flow`) and the trainer group
+(forge_core.run.trainer_group, `grpo.trainer_lifetime: flow`). Nothing else would stop them, so the flow ends them
+here, and only here:
 
-- `close(failing=False)` (the block's normal end): the trainer job finishes its current order and exits on a
-  stop order (up to STOP_TIMEOUT_S, then the launcher ends it), the engines get STOP_GRACE_S;
-- `close(failing=True)` (the block ends with an exception): the trainer job is ended without waiting for its
-  order, the engines get ENGINE_STOP_GRACE_ON_FAILURE_S, then SIGTERM and SIGKILL 2 s later;
-- `abort(reason)` (the flow's cancel/crash hook, the rollout lane abandoning rollouts in flight): the same,
-  after every launch of this process was ended at once (forge_core.launch.terminate_all_live: SIGTERM, kill
-  grace, SIGKILL; the trainer job is one of them).
+- `close(failing=False)` (the block's normal end): the trainer group's ranks leave their process group first
+  (bounded), the engines get STOP_GRACE_S to shut vLLM down;
+- `close(failing=True)` (the block ends with an exception): the trainer group's actors are killed at once, the
+  engines get ENGINE_STOP_GRACE_ON_FAILURE_S;
+- `abort(reason)` (the flow's cancel/crash hook, the rollout lane abandoning rollouts in flight): the same, after
+  every gang of this process was ended (forge_core.launch.terminate_all_live).
 
-Bounds (Prefect 3.7's process worker SIGKILLs a cancelled flow run 30 s after its SIGTERM: prefect/runner/
-_cancellation_manager.py, grace_seconds = 30.0): terminate_all_live takes at most max(launch.*.kill_grace_s) +
-10 s (20 s by default), the engines at most ENGINE_STOP_GRACE_ON_FAILURE_S + 2 s: ~25 s in all; a trainer group on
-a Ray cluster is ended meanwhile (its actors killed at once). Whatever a
-SIGKILL still catches ends itself within ~2 s through its owner watchdog (forge_core.launch.owner), the one
-place owner watching lives (launched workers, the trainer job, the engine services and reward workers alike).
+Then the embedded cluster is shut down with the connection. Bounds: Prefect 3.7's process worker SIGKILLs a
+cancelled flow run 30 s after its SIGTERM (prefect/runner/_cancellation_manager.py, grace_seconds = 30.0); the
+stops above take a few seconds. What a SIGKILL of the flow process still leaves is Ray's to end: the actors the
+driver owns die with it (owner fate-sharing), and a launch ends within ~2 s of its node agent through its owner
+watchdog (forge_core.launch.owner).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Self
 
 from forge_core.compute.cluster import ComputeCluster, connect
 from forge_core.config import RunConfig, section_to_dict
 from forge_core.launch import terminate_all_live
-from forge_core.rollout.lifetime import STOP_GRACE_S, engine_state_dir, stop_flow_engines
 from forge_core.stages import Stage
 
 log = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 60.0  # the trainer job's time to finish its current order at a flow's normal end
+STOP_GRACE_S = 30.0  # each engine's time to shut vLLM down at a flow's normal end
 ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
 
+# This process's run identity when the config names none (a flow always does: launch.run_id).
+_PROCESS_RUN_ID = f"process-{uuid.uuid4().hex}"
 
-def trainer_state_dir(cfg: RunConfig) -> Path:
-    """`<engine state dir>-trainer`: next to the run's engine services, keyed the same way (per flow run)."""
-    engine_dir = engine_state_dir(cfg)
-    return engine_dir.with_name(engine_dir.name + "-trainer")
+
+def run_identity(cfg: RunConfig) -> str:
+    """The flow run the config runs in (`launch.run_id`), else a fresh id for this process."""
+    return cfg.launch.run_id or _PROCESS_RUN_ID
+
+
+def with_run_id(cfg: RunConfig, run_id: str | None) -> RunConfig:
+    """`cfg` with `launch.run_id` set (a fresh id when `run_id` is empty): what a flow hands its stages."""
+    launch = dataclasses.replace(cfg.launch, run_id=run_id or f"run-{uuid.uuid4().hex}")
+    return dataclasses.replace(cfg, launch=launch)
+
+
+def embedded_cpus(cfg: RunConfig) -> int:
+    """Logical CPUs of the embedded cluster's one node: this host's cores, or as many as the run's long-lived parts
+    and the stages beside them hold at once (an engine, a trainer rank and a gang node hold one each). Ray's CPU
+    count only schedules here; the cores are shared as on any one machine, and too few would leave a stage waiting
+    for CPUs that never free up."""
+    held = 2 * cfg.rollout.num_engines + cfg.launch.grpo.nproc_per_node + 1  # async: two stages' engines at once
+    return max(os.cpu_count() or 1, held)
+
+
+def embedded_node_problems(cfg: RunConfig) -> list[str]:
+    """The stages that ask the embedded cluster, one node, for more nodes than it has."""
+    return [
+        f"launch.{stage}.nnodes={resources.nnodes}: the run's Ray cluster is the embedded one (launch.ray_address "
+        f"null), a single node on this machine; set launch.ray_address to a cluster with {resources.nnodes} nodes "
+        f"of the pool, or launch.{stage}.nnodes=1"
+        for stage, resources in cfg.launch.stage_resources().items()
+        if resources.nnodes > 1
+    ]
 
 
 class FlowResources:
     """The long-lived processes of one flow run (module docstring)."""
 
-    def __init__(self, cfg: RunConfig, key: Path, log_line: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: RunConfig, key: str, log_line: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.key = key
         self.log_line = log_line or log.info
-        self.lock = threading.Lock()  # guards the trainer slots (forge_core.run.trainer_job, .trainer_group)
-        self.trainer_job: Any = None  # a forge_core.run.trainer_job.TrainerJob while one runs
-        # With launch.placement=pool: the run's trainer group on the Ray cluster (forge_core.run.trainer_group.
-        # TrainerGroup), guarded by `lock`.
+        self.lock = threading.Lock()  # guards the trainer group slot
+        # The run's trainer group on the Ray cluster (forge_core.run.trainer_group.TrainerGroup), guarded by `lock`.
         self.trainer_group: Any = None
-        # With launch.placement=pool: the engine actors in use (forge_core.rollout.actor_engines.EngineActors):
-        # the run's own (`flow_engines`, rollout.engine_lifetime=flow) and those of stages running now.
-        # Guarded by `engines_lock`.
+        # The engine actors in use (forge_core.rollout.actor_engines.EngineActors): the run's own (`flow_engines`,
+        # rollout.engine_lifetime=flow) and those of stages running now. Guarded by `engines_lock`.
         self.flow_engines: Any = None
         self.stage_engines: set[Any] = set()
         self.engines_lock = threading.Lock()
@@ -79,7 +104,8 @@ class FlowResources:
     @classmethod
     def of(cls, cfg: RunConfig, log_line: Callable[[str], None] | None = None) -> FlowResources:
         """The run's resources (made now if this process has none for the run yet)."""
-        key = engine_state_dir(cfg)
+        # The run and what names its outputs: configs run in one process without a flow run id never share.
+        key = "\0".join((run_identity(cfg), cfg.name, cfg.storage.root))
         with _active_lock:
             resources = _active.get(key)
             if resources is None:
@@ -89,22 +115,27 @@ class FlowResources:
             return resources
 
     def cluster(self) -> ComputeCluster:
-        """The Ray cluster of launch.placement=pool: joined at `launch.ray_address`, or the embedded one started
-        now (forge_core.compute.cluster); the connection this process already has, when it has one."""
+        """The run's Ray cluster: joined at `launch.ray_address`, or the embedded one started now
+        (forge_core.compute.cluster); the connection this process already has, when it has one.
+
+        Raises:
+            ValueError: the cluster is the embedded one and a stage asks for more than its one node.
+        """
         with self._cluster_lock:
             if self._cluster is None:
-                self._cluster = connect(self.cfg.launch.ray_address)
+                self._cluster = connect(self.cfg.launch.ray_address, num_cpus=embedded_cpus(self.cfg))
                 if self._cluster.owned:
-                    self.log_line(
-                        f"started the run's embedded Ray cluster ({self._cluster.address}) in {self._cluster.start_s:.1f} s"
-                    )
+                    how = "started the run's embedded" if self._cluster.embedded else "joined the"
+                    self.log_line(f"{how} Ray cluster ({self._cluster.address}) in {self._cluster.start_s:.1f} s")
+            if self._cluster.embedded and (problems := embedded_node_problems(self.cfg)):
+                raise ValueError("; ".join(problems))
             return self._cluster
 
     @contextlib.contextmanager
     def engine_actors(self, seed: int) -> Iterator[Any]:
         """The engine actors a stage samples with (forge_core.run.engines): the run's, started by the first stage
         that asks and kept (rollout.engine_lifetime=flow), or the stage's own, ended with the block (stage)."""
-        from forge_core.rollout.actor_engines import EngineActors  # imports Ray: only a pool run pays for it
+        from forge_core.rollout.actor_engines import EngineActors  # imports vLLM's pieces: only when sampling
 
         if self.cfg.rollout.engine_lifetime == "flow":
             with self.engines_lock:
@@ -129,32 +160,20 @@ class FlowResources:
             engines.close()
 
     def serves(self, stage: Stage) -> bool:
-        """Whether the flow's own processes serve `stage` (forge_core.run.runners): its lifetime setting is "flow",
-        or it is an engine client (flow_runner "task_process") and the engines are Ray actors (launch.placement=
-        pool), where a launch of its own would only relay between the flow and its engines."""
+        """Whether the flow's long-lived parts serve `stage` (forge_core.run.runners): it is an engine client
+        (flow_runner "task_process"), where a launch of its own would only relay between the flow and its engine
+        actors, or its lifetime setting is "flow"."""
         if stage.flow_runner is None:
             return False
-        engines_on_cluster = self.cfg.launch.placement == "pool" and stage.flow_runner == "task_process"
-        return self.lifetime(stage) == "flow" or engines_on_cluster
+        return stage.flow_runner == "task_process" or self.lifetime(stage) == "flow"
 
     def lifetime(self, stage: Stage) -> str:
         """"stage" or "flow": the stage's lifetime setting in this run's config ("stage" when it has none)."""
         return section_to_dict(self.cfg, stage.lifetime_key) if stage.lifetime_key else "stage"
 
-    def stop_trainer(self, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
-        """Stop the run's trainer job if there is one (`timeout_s` to finish its order; 0 on failure) and
-        remove the run's trainer state folder; returns the job's pids."""
-        with self.lock:
-            job, self.trainer_job = self.trainer_job, None
-        pids = job.stop(timeout_s) if job is not None else []
-        with contextlib.suppress(OSError, ValueError):  # ValueError: a shared temp base not ours: nothing there
-            trainer_state_dir(self.cfg).rmdir()  # empty once its order folders are gone
-        return pids
-
     def stop_engines(self, grace_s: float = STOP_GRACE_S) -> list[int]:
-        """Stop the run's engines: its engine services on this machine (each gets `grace_s` after its shutdown
-        request; their state folder is removed) and its engine actors on the Ray cluster (each gets `grace_s` to
-        shut vLLM down); returns their pids. Nothing when there are none."""
+        """Stop the run's engine actors (each gets `grace_s` to shut vLLM down); returns their pids. Nothing when
+        there are none."""
         with self.engines_lock:
             actors = [a for a in (self.flow_engines, *self.stage_engines) if a is not None]
             self.flow_engines, self.stage_engines = None, set()
@@ -164,14 +183,13 @@ class FlowResources:
         ]
         for thread in closing:
             thread.start()
-        pids += stop_flow_engines(self.cfg, grace_s)
         for thread in closing:
             thread.join()
         return pids
 
     def abort(self, reason: str) -> None:
-        """End everything at once: every launch of this process (gangs on the cluster too), the trainer group on
-        the cluster (at the same time), the trainer job, the engines (bounded)."""
+        """End everything at once: every gang of this process, the trainer group (at the same time), the engines
+        (bounded)."""
         group = threading.Thread(target=self.stop_trainer_group, args=(True,), name="forge-abort-trainer-group")
         group.start()
         terminate_all_live(reason=reason)
@@ -204,9 +222,6 @@ class FlowResources:
             cluster.close()
         if trainer_group:
             self.log_line(f"stopped the run's trainer group ({trainer_group})")
-        trainers = self.stop_trainer(0.0 if failing else STOP_TIMEOUT_S)
-        if trainers:
-            self.log_line(f"stopped the run's GRPO trainer job: pids {trainers}")
         if engines:
             self.log_line(f"stopped the run's rollout engines: pids {engines}")
 
@@ -217,6 +232,6 @@ class FlowResources:
         self.close(failing=exc_type is not None)
 
 
-# This process's FlowResources by run (engine state folder): what FlowResources.of finds.
-_active: dict[Path, FlowResources] = {}
+# This process's FlowResources by run (run identity, name, storage root): what FlowResources.of finds.
+_active: dict[str, FlowResources] = {}
 _active_lock = threading.Lock()

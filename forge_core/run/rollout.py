@@ -18,8 +18,8 @@ Output `<output_uri>` (kind `rollouts`): `rollouts.parquet`, one row per sample 
 logprobs, finish reason, each reward component, the total reward, lineage and the `kept` flag
 (forge_core.rollout.table), and a manifest whose metrics hold reward mean/std, pass rate, length statistics,
 generation tokens/s, the dynamic-sampling rounds and groups generated and kept, and the engine start-up time
-(or, with `rollout.engine_lifetime: flow`, the in-place reload time of the flow's long-lived engine service;
-forge_core.rollout.lifetime).
+(or, with `rollout.engine_lifetime: flow`, the in-place reload time of the run's long-lived engine actors;
+forge_core.run.engines).
 
 With `rollout.env` (forge_core.envs) each sample is a multi-turn episode: its turns are generated in batched
 calls, its tools run in the isolated worker pool, one row per episode holds every token with the model-token
@@ -309,7 +309,7 @@ def run(ctx: StageContext) -> None:
     """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring)."""
     plan = plan_rollout(ctx)
     try:
-        with stage_engines(plan.cfg, plan.policy, seed=plan.seed) as generator:
+        with stage_engines(plan.cfg, plan.policy, seed=plan.seed, stage=plan.ctx.stage.name) as generator:
             run_rollout(plan, generator)
     finally:
-        release_policy(plan.policy)  # the cache may prune it again (an engine service keeps its own lease)
+        release_policy(plan.policy)  # the cache may prune it again (an engine actor keeps its own lease)

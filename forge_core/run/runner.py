@@ -9,15 +9,13 @@ nothing else: everything a runner hands to what runs the stage is the spec's URI
 inputs, params and output) plus the store, so a runner may run the stage on another machine (a node of the
 Ray cluster) as well as here. Implementations:
 
-- `LaunchRunner` (this module): the stage's own worker launch, `python -m forge_core.run <stage> --spec <uri>`
-  (torchrun for distributed stages) through forge_core.launch;
+- `ClusterRunner` (forge_core.run.cluster_runner): the stage's own worker launch, `python -m forge_core.run
+  <stage> --spec <uri>` (torchrun for distributed stages), as a gang on the Ray cluster: one torchrun node per
+  Ray node of the stage's pool;
 - `TaskProcessRunner` (forge_core.run.in_process): a thread of the task's process, for the thin engine-client
-  stages with the flow's long-lived engines;
-- `TrainerJobRunner` (forge_core.run.trainer_job): an order to the flow's long-lived trainer job;
-- `ClusterRunner` (forge_core.run.cluster_runner): with launch.placement=pool, the same launch as a gang on
-  the Ray cluster, one torchrun node per Ray node of the stage's pool;
-- `TrainerGroupRunner` (forge_core.run.trainer_group): with launch.placement=pool and a flow-lifetime trainer,
-  an order (a Ray call on every rank) to the run's trainer group, one actor per rank on the nodes of its pool.
+  stages, which sample with the run's engine actors;
+- `TrainerGroupRunner` (forge_core.run.trainer_group): with a flow-lifetime trainer, an order (a Ray call on
+  every rank) to the run's trainer group, one actor per rank on the nodes of its pool.
 
 Each starts an `Attempt`; `Runner.run` supervises it the same way for all of them:
 
@@ -42,26 +40,14 @@ from typing import Protocol
 
 from forge_core.config import RunConfig
 from forge_core.config.schema import ResourceConfig
-from forge_core.launch import LaunchHandle, LaunchResult, Outcome, start
+from forge_core.launch import LaunchResult, Outcome
 from forge_core.launch.classify import exception_result
-from forge_core.run.plan import StagePlan, launch_spec_for
+from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
 from forge_core.stages import FlowRunner, stage_named
 
 LogSink = Callable[[str], None]
 POLL_S = 0.2  # how often a runner looks at its cancel request while the attempt runs
-
-
-class LogRelay:
-    """A log sink whose target changes: the stage currently waiting on a long-lived process gets its lines,
-    `fallback` (a module's logger) gets them in between."""
-
-    def __init__(self, fallback: LogSink) -> None:
-        self.fallback = fallback
-        self.target: LogSink | None = None
-
-    def __call__(self, line: str) -> None:
-        (self.target or self.fallback)(line)
 
 
 class Cancel:
@@ -165,32 +151,7 @@ class FlowProcessRunner(Runner):
             raise ValueError(
                 f"stage {stage!r} with {record.lifetime_key or 'no lifetime setting'}={lifetime!r}: {self.where} "
                 f"serves the stages whose record says flow_runner={self.serves!r} with that setting 'flow' (the "
-                "engine clients also with launch.placement=pool); launch it instead"
+                "engine clients always); launch it instead"
             )
         super().__init__(cfg, stage)
         self.flow_resources = resources
-
-
-class _LaunchAttempt:
-    def __init__(self, handle: LaunchHandle) -> None:
-        self.handle = handle
-        self.launch_id = handle.launch_id
-
-    def wait(self, timeout: float) -> LaunchResult | None:
-        try:
-            return self.handle.wait(timeout)
-        except TimeoutError:
-            return None
-
-    def stop(self, reason: str) -> LaunchResult:
-        self.handle.cancel(reason)
-        return self.handle.wait()  # the launcher ends the tree: SIGTERM, kill_grace_s, SIGKILL
-
-
-class LaunchRunner(Runner):
-    """The stage's own worker launch (torchrun for distributed stages): the default runner."""
-
-    where = "its own launch"
-
-    def start(self, plan: StagePlan, log: LogSink) -> Attempt:
-        return _LaunchAttempt(start(launch_spec_for(plan, self.cfg), log=log))

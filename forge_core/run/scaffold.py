@@ -1,9 +1,9 @@
 """The one worker scaffold: what every stage run does around its body, wherever it runs (a launched worker, a
-thread of the task's process, an order to the long-lived trainer job).
+thread of the task's process, an order to the flow's trainer group).
 
     run_spec(spec)                  # a worker: config validated from the spec (a process boundary)
     run_spec(spec, cfg)             # the task's process: the task's RunConfig object, not validated again
-    run_spec(spec, process_group=dist, started=t0)   # the trainer job: its process group stays up
+    run_spec(spec, process_group=dist, started=t0)   # a trainer rank: its process group stays up
 
 `run_spec` (1) starts the stage's clock (the manifest's `wall_s` counts from here), (2) has the config once
 (validated from the spec, or the object handed over) and builds the store, (3) ends at once when the output is
@@ -17,7 +17,7 @@ deadline); the storage layer lets exactly one commit win, and the output is cont
 work is the winner's.
 
 What only a worker process needs (log format, the fault-injection stage name, the owner guard) is
-`worker_process_setup`, called by `python -m forge_core.run` for stages and jobs alike.
+`worker_process_setup`, called by `python -m forge_core.run` and by the trainer group's ranks alike.
 
 Tests and tools that drive a stage's parts themselves take the checked context without running the body:
 
@@ -61,7 +61,7 @@ class StageContext:
     started: float  # time.perf_counter() when the run began: the manifest's wall_s counts from here
     input_kinds: dict[str, str]  # {input name: the kind of the committed artifact given for it}
     work_folder: Path | None = None  # set by run_spec: private, removed when the body returns
-    # A process group a long-lived job keeps up across its stages (forge_core.run.grpo_job); None = the stage
+    # A process group a trainer rank keeps up across its stages (forge_core.run.trainer_group); None = the stage
     # makes its own if it needs one (forge_core.run.training).
     process_group: Any = None
 
@@ -199,5 +199,5 @@ def worker_process_setup(stage: str) -> None:
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     set_current_stage(stage)
-    if guard_launched_worker() is not None:
+    if guard_launched_worker():
         add_pre_commit_check(check_owner_alive)

@@ -1,4 +1,4 @@
-"""The flow-lifetime GRPO trainer on the Ray cluster (`grpo.trainer_lifetime: flow`, `launch.placement: pool`):
+"""The flow-lifetime GRPO trainer on the Ray cluster (`grpo.trainer_lifetime: flow`):
 one actor per rank on `launch.grpo.nnodes` nodes of GRPO's pool, one process group for the whole flow run.
 
     runner = runner_for(cfg, "grpo")        # a TrainerGroupRunner: each GRPO stage is an order to the group
@@ -269,7 +269,7 @@ def _placement_record(cfg: RunConfig, shape: GroupShape, ranks: list[Hosted]) ->
         nodes.append({**on_node[0].place.record(node_rank), "gpus": gpus})
     return {
         "placement": "ray",
-        "pool": cfg.launch.grpo.pool,
+        "pool": cfg.launch.grpo.pool or "",
         "served_by": "trainer",
         "nodes": nodes,
         "ranks": [{"rank": k, "node_rank": k // per_node} for k in range(len(ranks))],
@@ -312,7 +312,7 @@ def forget_trainer_group(resources: FlowResources, trainer: TrainerGroup) -> Non
 class TrainerGroupRunner(FlowProcessRunner):
     """A GRPO stage as an order to the run's trainer group (module docstring)."""
 
-    serves = "trainer_job"
+    serves = "trainer_group"
 
     @property
     def where(self) -> str:  # type: ignore[override]

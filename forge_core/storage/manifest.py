@@ -34,9 +34,8 @@ _ATTEMPT_STAMP = "%Y%m%dT%H%M%SZ"
 _ATTEMPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
 TEMP_MARKER = ".forge-tmp-"
-# A JSON object: where the process writing artifacts runs when a stage runs on the Ray cluster (pool, nodes with
-# their Ray node ids, hosts and GPUs; forge_core.run.cluster_runner, forge_core.run.trainer_group), or the GPUs of a
-# local launch (forge_core.launch.devices); recorded in every manifest it writes.
+# A JSON object: where the process writing artifacts runs on the Ray cluster (pool, nodes with their Ray node ids,
+# hosts and GPUs; forge_core.run.cluster_runner, forge_core.run.trainer_group); recorded in every manifest it writes.
 PLACEMENT_ENV = "FORGE_PLACEMENT"
 
 

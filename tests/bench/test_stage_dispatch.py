@@ -1,5 +1,5 @@
 """bench/stage_dispatch.py's arithmetic: per-stage pool - local walls and their medians (the runs themselves
-are the benchmark's: the demo pipeline on a simulated Ray cluster and locally, ~15 min)."""
+are the benchmark's: the demo pipeline on a simulated Ray cluster and on the embedded default, ~15 min)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def test_compare_refuses_runs_of_different_stages():
         compare(_run({"prepare": (1.0, 1.0), "grpo-1": (1.0, 1.0)}), _run({"prepare": (1.0, 1.0)}))
 
 
-def test_only_the_pool_run_names_pools():
-    assert placement_overrides("local") == ["launch.placement=local"]
-    pool = placement_overrides("pool")
-    assert "launch.placement=pool" in pool
+def test_only_the_pool_run_names_pools_and_a_cluster():
+    assert placement_overrides("local") == []  # the defaults: the flow's embedded Ray
+    pool = placement_overrides("pool", "127.0.0.1:6379")
+    assert "launch.ray_address=127.0.0.1:6379" in pool
     assert {f"launch.{s}.pool=gpu-a" for s in ("prepare", "sft", "rollout", "grpo", "evaluate")} <= set(pool)

@@ -205,11 +205,11 @@ def test_unknown_key_suggests_where_it_nests():
 
 def test_section_checks_name_the_full_key():
     with pytest.raises(ConfigError) as exc_info:
-        load_config(None, ["grpo.optimizer.lr=0", "launch.sft.nnodes=2", "sft.micro_batch_size=0"])
+        load_config(None, ["grpo.optimizer.lr=0", "launch.sft.nnodes=0", "sft.micro_batch_size=0"])
     errors = problems(exc_info)
     for expected in (
         "grpo.optimizer.lr=0.0: must be > 0",  # OptimizerConfig says `optimizer.lr`: placed under grpo
-        "launch.sft.nnodes=2: multi-node needs rdzv_endpoint",  # ResourceConfig says `nnodes`
+        "launch.sft.nnodes=0, nproc_per_node=2: both must be >= 1",  # ResourceConfig says `nnodes`
         "sft.micro_batch_size=0: must be >= 1",
     ):
         assert any(e.startswith(expected) for e in errors), (expected, errors)
@@ -299,15 +299,8 @@ def test_config_error_survives_pickling():
     assert clone.errors == exc_info.value.errors and str(clone) == str(exc_info.value)
 
 
-def test_a_flow_lifetime_trainer_spans_nodes_only_on_the_cluster():
-    multi_node = ["grpo.trainer_lifetime=flow", "launch.grpo.nnodes=2", "launch.grpo.rdzv_endpoint=127.0.0.1:29500"]
-    with pytest.raises(ConfigError) as exc_info:
-        load_config(None, multi_node)
-    assert any(
-        e.startswith("grpo.trainer_lifetime='flow' with launch.grpo.nnodes=2: the local trainer job runs on one node")
-        for e in problems(exc_info)
-    ), problems(exc_info)
-    on_pool = [*multi_node[:2], "launch.placement=pool", "launch.grpo.nproc_per_node=2"]
+def test_a_flow_lifetime_trainer_spans_nodes_with_whole_gpus_per_rank():
+    on_pool = ["grpo.trainer_lifetime=flow", "launch.grpo.nnodes=2", "launch.grpo.nproc_per_node=2"]
     assert load_config(None, on_pool).launch.grpo.nnodes == 2  # a trainer group across two Ray nodes
     with pytest.raises(ConfigError) as exc_info:
         load_config(None, [*on_pool, "launch.grpo.gpus_per_node=3"])
@@ -315,3 +308,19 @@ def test_a_flow_lifetime_trainer_spans_nodes_only_on_the_cluster():
         e.startswith("launch.grpo.gpus_per_node=3: each of the trainer group's launch.grpo.nproc_per_node=2 ranks")
         for e in problems(exc_info)
     ), problems(exc_info)
+
+
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [
+        ("launch.placement=pool", "every stage runs on the run's Ray cluster now"),
+        ("launch.sft.rdzv_endpoint=head:29400", "the pipeline arranges every rendezvous on the Ray cluster"),
+        ("rollout.engine_state_dir=/tmp/engines", "the rollout engines are Ray actors"),
+    ],
+)
+def test_a_retired_key_is_named_with_what_replaced_it(override, fix):
+    with pytest.raises(ConfigError) as exc_info:
+        load_config(None, [override])
+    key, value = override.split("=")
+    (problem,) = problems(exc_info)
+    assert problem.startswith(f"{key}={value!r}: no longer a setting; {fix}") and problem.endswith("delete the key")

@@ -153,9 +153,11 @@ class SeenProcess:
             return False
 
 
-def worker_processes_under(pid: int, registry: str | None = None) -> list[SeenProcess]:
+def worker_processes_under(pid: int, registry: str | None = None, marker: str | None = None) -> list[SeenProcess]:
     """Launched worker processes (torchrun, ranks, stage workers, vLLM) below `pid`; with `registry`, only
-    those started with that FORGE_LAUNCH_REGISTRY (one scenario's, when several run side by side)."""
+    those started with that FORGE_LAUNCH_REGISTRY (one scenario's flow process, when several run side by side);
+    with `marker`, only those whose command line holds it (a scenario's store root, in the spec URI of the
+    workers it launched on the session's Ray cluster, whose environment is the cluster's)."""
     seen = []
     try:
         children = psutil.Process(pid).children(recursive=True)
@@ -164,7 +166,7 @@ def worker_processes_under(pid: int, registry: str | None = None) -> list[SeenPr
     for proc in children:
         try:
             cmdline = " ".join(proc.cmdline())
-            if not any(marker in cmdline for marker in WORKER_MARKERS):
+            if not any(worker in cmdline for worker in WORKER_MARKERS) or (marker and marker not in cmdline):
                 continue
             environ = proc.environ()
             if registry is not None and environ.get("FORGE_LAUNCH_REGISTRY") != registry:
@@ -176,14 +178,19 @@ def worker_processes_under(pid: int, registry: str | None = None) -> list[SeenPr
 
 
 class ProcessWatch:
-    """Samples the worker processes below `root_pid` (of one launch `registry`, if given) every `every_s`
-    while running (use as a context)."""
+    """Samples the worker processes below `root_pid` (of one launch `registry`, or with `marker` in their
+    command line, if given: `worker_processes_under`) every `every_s` while running (use as a context)."""
 
     def __init__(
-        self, root_pid: int | None = None, every_s: float = 0.5, registry: str | None = None
+        self,
+        root_pid: int | None = None,
+        every_s: float = 0.5,
+        registry: str | None = None,
+        marker: str | None = None,
     ) -> None:
         self.root_pid = root_pid or os.getpid()
         self.registry = registry
+        self.marker = marker
         self.every_s = every_s
         self.seen: dict[tuple[int, float], SeenProcess] = {}
         self._stop = threading.Event()
@@ -208,7 +215,7 @@ class ProcessWatch:
                 return
 
     def sample(self) -> None:
-        for proc in worker_processes_under(self.root_pid, self.registry):
+        for proc in worker_processes_under(self.root_pid, self.registry, self.marker):
             self.seen.setdefault((proc.pid, proc.create_time), proc)
 
     def launch_ids(self) -> list[str]:

@@ -99,7 +99,6 @@ class KilledFlow:
     output: str
     workers: list[SeenProcess]  # the flow's worker processes just before its SIGKILL
     orphans: list[SeenProcess]  # those still alive a second after it (their owner watchdog ends them)
-    stale_launches: list[str]  # registry records left by the dead flow
     sft_launch_s: float  # how long the uninterrupted SFT launch took (sizes the hang test's deadline)
     wall_s: float  # from the flow process's start to its SIGKILL
 
@@ -165,7 +164,6 @@ class FlowToKill:
             raise self._error
         time.sleep(1.0)
         output = self.log_path.read_text()
-        registry = Path(self.env["FORGE_LAUNCH_REGISTRY"])
         return KilledFlow(
             root=self.root,
             overrides=self.overrides,
@@ -173,7 +171,6 @@ class FlowToKill:
             output=output,
             workers=list(self._workers),
             orphans=[p for p in self._workers if p.alive()],
-            stale_launches=sorted(p.stem for p in registry.glob("*.json")),
             sft_launch_s=_launch_seconds(output, "sft"),
             wall_s=self._wall_s,
         )
@@ -329,8 +326,9 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
             mp.setenv(name, value)
         corrupter.start()
         started = time.monotonic()
-        # Scenario 2's flow process may run meanwhile: watch only this scenario's launches.
-        with ProcessWatch(registry=os.environ["FORGE_LAUNCH_REGISTRY"]) as watch:
+        # Scenario 2's flow process may run meanwhile: watch only this scenario's launches (on the session's Ray
+        # cluster, below this process: their spec URIs hold this scenario's store root).
+        with ProcessWatch(marker=str(root)) as watch:
             state = sft_then_rollout(config_json, return_state=True)
         wall_s = time.monotonic() - started
         stop.set()

@@ -23,8 +23,8 @@ from prefect import flow, task
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.engine import committed_checkpoints
 from forge_core.launch.errors import Category, classify_exception
+from forge_core.run.cluster_runner import ClusterRunner
 from forge_core.run.plan import plan_stage
-from forge_core.run.runner import LaunchRunner
 from forge_core.storage import LeaseLost, ObjectStore
 from forge_core.storage.generations import GenerationLog
 from forge_core.storage.lease import lease_prefix
@@ -48,7 +48,7 @@ class _WaiterSpotter(logging.Handler):
             waiting_seen[match.group(1)].set()
 
 
-class _LaunchOnceTheOtherRunWaits(LaunchRunner):
+class _LaunchOnceTheOtherRunWaits(ClusterRunner):
     def start(self, plan, log):
         launches[plan.stage].append(plan.spec.attempt)
         assert waiting_seen[plan.stage].wait(WAIT_S), f"{plan.stage}: the other run never waited for the lease"
@@ -123,7 +123,7 @@ class _OutcomeSpotter(logging.Handler):
             _outcomes.append(match.group(1))
 
 
-class _LaunchThenLoseTheLease(LaunchRunner):
+class _LaunchThenLoseTheLease(ClusterRunner):
     def start(self, plan, log):
         """Start the real worker (its rank 0 hangs at step 1), then take the stage's lease over as another run
         would once the holder looked stale; the holder's next renewal must find out and cancel its launch."""

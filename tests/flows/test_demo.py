@@ -107,7 +107,7 @@ def test_demo_at_reduced_budgets_commits_every_stage_and_reports(prefect_api, tm
         assert row["key metric"] and "n/a" not in row["key metric"], row
         assert row["duration_s"] > 0, row
     # The demo runs on the shipped default, the fast path: one engine for the whole run (eval-sft starts it,
-    # later stages load their policy into it in place) and one GRPO trainer job.
+    # later stages load their policy into it in place) and one GRPO trainer group.
     assert (cfg.rollout.engine_lifetime, cfg.grpo.trainer_lifetime) == ("flow", "flow")
     assert manifests["eval-sft"].metrics["engine_startup_s"] > 0
     for label in ("rollout-1", "eval-grpo-1"):

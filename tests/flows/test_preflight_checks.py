@@ -55,13 +55,12 @@ def test_the_demo_and_tiny_configs_pass(tmp_path, prefect_api):
     assert _problems(load_config(None, [f"storage.root=file://{tmp_path}/store"])) == []
 
 
-def test_a_gpu_pool_without_its_concurrency_limit(tmp_path, prefect_api):
+def test_a_gpu_request_on_this_cpu_host_is_named(tmp_path, prefect_api):
     problems = _problems(_cfg(tmp_path, "launch.sft.pool=gpu-a", "launch.sft.gpus_per_node=1"))
-    (pool,) = [p for p in problems if "concurrency limit" in p]
-    assert "launch.sft.pool='gpu-a'" in pool and "Prefect has no concurrency limit 'gpu-a'" in pool
-    assert "forgeflow pools create gpu-a --gpus N" in pool and "launch.sft.gpus_per_node=0" in pool
-    # On this CPU host the GPU request is named too: both at once.
-    assert any(p.startswith("launch.sft.gpus_per_node=1 asks for GPUs") for p in problems)
+    assert any(p.startswith("launch.sft.gpus_per_node=1 asks for GPUs") for p in problems), problems
+    # A joined cluster's nodes check themselves (each actor runs preflight on its node): nothing of this host's.
+    joined = _problems(_cfg(tmp_path, "launch.sft.gpus_per_node=1", "launch.ray_address=127.0.0.1:6379"))
+    assert not any("asks for GPUs" in p for p in joined), joined
 
 
 def test_a_flavor_that_disagrees_with_the_checkpoint(tmp_path, tiny_checkpoint, prefect_api):

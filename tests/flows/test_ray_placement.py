@@ -1,4 +1,4 @@
-"""Stages on the Ray cluster (launch.placement=pool): the session's cluster_utils cluster (tests/ray_cluster.py,
+"""Stages on a pool of the Ray cluster (launch.<stage>.pool): the session's cluster_utils cluster (tests/ray_cluster.py,
 several raylets on 127.0.0.1, pool gpu-a), the flow in this process joined to it, real torchrun and vLLM.
 
 Every wait waits for an event under a generous bound; none depends on how fast the machine is.
@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 CONFIG = "configs/tiny_test.yaml"
 BOUND_S = 600.0  # an upper safety bound on any event of a pipeline run (a loaded 2-core machine is slow)
 ON_POOL = [
-    "launch.placement=pool",
     "launch.pool_wait_s=600",
     *(f"launch.{stage}.pool={POOL}" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
 ]
@@ -166,12 +165,12 @@ def step_losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_two_nodes_of_one_rank_train_sft_like_one_node_of_two_ranks(pool_run, tmp_path):
-    """The same SFT (world size 2) as 2 Ray nodes x 1 rank (the pool run) and as 1 local node x 2 ranks: every
-    step's loss within 1e-6."""
+    """The same SFT (world size 2) as 2 Ray nodes x 1 rank (the pool run) and as 1 node x 2 ranks (any node of
+    the cluster): every step's loss within 1e-6."""
     _, pool_overrides = pool_run
     local = [f"storage.root=file://{tmp_path}/store", f"logging.dir={tmp_path}/runs", "launch.sft.nproc_per_node=2"]
     manifest = store_of(local).read_manifest(prepare_and_sft(CONFIG, local))
-    assert "pool" not in (manifest.placement or {}), manifest.placement
+    assert manifest.placement["pool"] == "" and len(manifest.placement["nodes"]) == 1, manifest.placement
     pool_runs = Path(next(o for o in pool_overrides if o.startswith("logging.dir=")).split("=", 1)[1])
     on_pool, here = step_losses(pool_runs), step_losses(tmp_path / "runs")
     assert sorted(on_pool) == sorted(here) == list(range(1, manifest.metrics["steps"] + 1))

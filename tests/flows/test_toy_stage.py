@@ -43,7 +43,7 @@ def test_a_stage_added_through_the_registry_alone_runs_commits_and_is_skipped_on
     assert counts["longest"] >= 1
     toy_run = task_runs(state.state_details.flow_run_id)["toy_count"]
     assert toy_run.run_count == 1
-    assert "toy_count: running in its own launch" in _task_run_log(toy_run.id)
+    assert "toy_count: running in the Ray cluster" in _task_run_log(toy_run.id)
 
     rerun = toy_flow(config_to_json(cfg), return_state=True)
 

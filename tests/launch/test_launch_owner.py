@@ -17,7 +17,14 @@ import psutil
 import pytest
 from launch_helpers import processes_of, still_running, wait_for_pid_files
 
-from forge_core.launch.owner import OWNER_ENV, Owner, OwnerGone, check_owner_alive
+from forge_core.launch.owner import (
+    FLOW_OWNER_ENV,
+    OWNER_ENV,
+    Owner,
+    OwnerGone,
+    check_owner_alive,
+    owners_from_environment,
+)
 from forge_core.launch.spec import LaunchSpec, build_env
 from forge_core.storage import ObjectStore, writer
 
@@ -57,6 +64,30 @@ def test_a_worker_whose_owner_is_gone_commits_nothing(tmp_path, monkeypatch):
     assert not store.is_committed(orphan.uri)
 
     monkeypatch.setenv(OWNER_ENV, str(Owner.this_process()))
+    orphan.commit(config={}, inputs={}, metrics={})
+    assert store.is_committed(orphan.uri)
+
+
+def test_a_dead_flow_process_stops_commits_on_its_machine_only(tmp_path, monkeypatch):
+    """A launch a flow placed on the Ray cluster also names the flow process, with its machine: on that machine
+    its death refuses the commit though the launcher lives; a flow process of another machine is not watched."""
+    store = ObjectStore(f"file://{tmp_path}/store")
+    monkeypatch.setattr(writer, "_pre_commit_checks", [])
+    writer.add_pre_commit_check(check_owner_alive)
+    launcher = Owner.this_process()
+    monkeypatch.setenv(OWNER_ENV, str(launcher))
+    gone = dead_owner()
+    here = Owner(gone.pid, gone.create_time, Owner.this_process(with_machine=True).boot_id)
+    assert here.boot_id and Owner.parse(str(here), source=FLOW_OWNER_ENV) == here
+    monkeypatch.setenv(FLOW_OWNER_ENV, str(here))
+    assert owners_from_environment() == [launcher, here]
+    orphan = store.writer(store.artifact_uri("data", "orphan"), kind="data", stage="prepare")
+    orphan.write_bytes("rows.txt", b"computed for a flow that is gone")
+    with pytest.raises(OwnerGone, match=rf"the launch's owner \(pid {gone.pid}: the flow process"):
+        orphan.commit(config={}, inputs={}, metrics={})
+
+    monkeypatch.setenv(FLOW_OWNER_ENV, f"{gone.pid}:{gone.create_time!r}@another-machine")
+    assert owners_from_environment() == [launcher]
     orphan.commit(config={}, inputs={}, metrics={})
     assert store.is_committed(orphan.uri)
 

@@ -78,15 +78,3 @@ def test_raise_for_outcome():
         # The message is the cause and where the rest is; the output stays in the result (and the task log).
         assert str(info.value).startswith(f"rank 1: boom [{outcome.value}; launch abc, ")
         assert "last line" not in str(info.value) and info.value.result.tail[-1] == "last line"
-
-
-def test_spec_from_a_stage_resource_config():
-    from forge_core.config import config_from_dict
-
-    cfg = config_from_dict(
-        {"launch": {"sft": {"nproc_per_node": 2, "deadline_s": 90.0, "kill_grace_s": 3.0}}}
-    )
-    spec = LaunchSpec.from_resources(cfg.launch.sft, "forge_core.run", ["sft", "--spec", "u"], env={"A": "1"})
-    assert (spec.nproc_per_node, spec.nnodes, spec.rdzv_endpoint) == (2, 1, None)
-    assert (spec.deadline_s, spec.kill_grace_s, spec.env) == (90.0, 3.0, {"A": "1"})
-    assert spec.args == ["sft", "--spec", "u"] and spec.torchrun

@@ -94,18 +94,6 @@ def commit_policy_stage(store: ObjectStore, stage_uri: str, policy_dir: Path) ->
     stage.commit(config={}, inputs={}, metrics={})
 
 
-@pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory):
-    """A private launch registry for a module that starts engine services (they and their workers inherit it),
-    so its pid checks see only what that module started."""
-    from forge_core.launch import registry
-
-    with pytest.MonkeyPatch.context() as patch:
-        folder = tmp_path_factory.mktemp("launch-registry")
-        patch.setenv(registry.REGISTRY_ENV, str(folder))
-        yield folder
-
-
 @pytest.fixture(scope="session")
 def world(tmp_path_factory) -> PolicyWorld:
     from forge_core.data.pipeline import prepare_data

@@ -1,4 +1,4 @@
-"""The rollout engines as Ray actors (launch.placement=pool): two engines on two nodes of the pytest run's cluster
+"""The rollout engines as Ray actors: two engines on two nodes of the pytest run's cluster
 (tests/ray_cluster.py, raylets on 127.0.0.1), real vLLM, the policy fetched by each engine from the store.
 
 Every wait waits for an event under a generous bound; none depends on how fast the machine is.
@@ -27,7 +27,7 @@ BOUND_S = 600.0
 def pool_config(world, tmp_path):
     raw = run_config_dict(world.store_root, num_engines=2)
     raw["logging"] = {"dir": str(tmp_path / "runs")}
-    raw["launch"] = {"placement": "pool", "pool_wait_s": BOUND_S, "rollout": {"pool": POOL, "nnodes": 2}}
+    raw["launch"] = {"pool_wait_s": BOUND_S, "rollout": {"pool": POOL, "nnodes": 2}}
     return config_from_dict(raw)
 
 
@@ -99,7 +99,7 @@ def test_an_engine_s_node_lost_mid_rollout_its_prompts_go_to_the_other_and_the_n
 
 def test_a_pool_config_that_cannot_spread_its_engines_evenly_is_refused(world, tmp_path):
     raw = run_config_dict(world.store_root, num_engines=3)
-    raw["launch"] = {"placement": "pool", "rollout": {"pool": POOL, "nnodes": 2, "gpus_per_node": 3}}
+    raw["launch"] = {"rollout": {"pool": POOL, "nnodes": 2, "gpus_per_node": 3}}
     with pytest.raises(ValueError, match=r"launch.rollout.nnodes=2: .* must divide rollout.num_engines=3"):
         config_from_dict(raw)
     raw["rollout"]["num_engines"] = 2

@@ -11,9 +11,12 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from forge_core.artifacts.policy import fetch_policy
+from forge_core.config import config_from_dict
 from forge_core.config.schema import RolloutConfig, SamplingConfig
 from forge_core.launch.errors import Category, classify_exception
 from forge_core.rollout import Prompt
+from forge_core.rollout.actor_engines import EngineActors
 from forge_core.rollout.engine import (
     CPU_ATTENTION_DTYPES,
     CPU_ATTENTION_HEAD_SIZES,
@@ -21,7 +24,7 @@ from forge_core.rollout.engine import (
     engine_model_problems,
 )
 from forge_core.rollout.generator import Generator
-from forge_core.rollout.service import EngineService, stop_services
+from tests.rollout.conftest import commit_policy_stage, run_config_dict
 
 pytestmark = pytest.mark.integration
 
@@ -77,17 +80,17 @@ def test_an_engine_refuses_a_head_size_its_attention_cannot_run_as_a_fatal_error
     assert verdict.category is Category.FATAL, verdict
 
 
-def test_an_engine_service_that_cannot_run_the_model_fails_its_start_fatally(head_dim_16, tmp_path, registry_dir):
-    """The flow-lifetime engines (the default): the stage's error is the model's, not `EngineLost`."""
-    rollout = RolloutConfig(kv_cache_gib=0.25, max_num_seqs=4, engine_in_process=True)
-    state_dir = tmp_path / "engines"
+def test_an_engine_actor_that_cannot_run_the_model_fails_its_start_fatally(head_dim_16, world, ray_cluster, tmp_path):
+    """The run's engine actors: the stage's error is the model's, not `EngineLost`."""
+    stage_uri = world.store.artifact_uri("sft", "head-dim-16")
+    commit_policy_stage(world.store, stage_uri, head_dim_16)
+    policy = fetch_policy(world.store, stage_uri, cache_root=tmp_path / "cache")
+    cfg = config_from_dict(run_config_dict(world.store_root, kv_cache_gib=0.25, max_num_seqs=4))
+    engines = EngineActors.start(ray_cluster.compute, cfg, seed=0)
     try:
-        with (
-            pytest.raises(ValueError) as raised,
-            EngineService.ensure_engines(state_dir, rollout, head_dim_16, "v", startup_timeout_s=300) as router,
-        ):
-            router.generate([PROMPT], ONE_SAMPLE, seed=0)
+        with pytest.raises(ValueError) as raised:
+            engines.serve(policy)
     finally:
-        stop_services(state_dir)
+        engines.close()
     assert "head_dim=16" in str(raised.value) and SIZES in str(raised.value), str(raised.value)
     assert classify_exception(raised.value).category is Category.FATAL

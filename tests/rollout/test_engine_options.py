@@ -1,4 +1,4 @@
-"""Engine options: vLLM constructor arguments, CPU thread binding, and the data-parallel layout."""
+"""Engine options: vLLM constructor arguments, CPU thread binding, and how the router splits prompts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from forge_core.config import ConfigError, load_config
 from forge_core.rollout.engine import EngineOptions, cpu_bind_lists, cpu_ranges, engine_environment
-from forge_core.rollout.pool import replica_layouts
 from forge_core.rollout.router import shard_bounds
 
 
@@ -54,20 +53,6 @@ def test_engine_environment_restores_the_caller_environment(monkeypatch):
     with engine_environment({"FORGE_TEST_KEEP": "new", "FORGE_TEST_NEW": "x"}):
         assert os.environ["FORGE_TEST_KEEP"] == "new" and os.environ["FORGE_TEST_NEW"] == "x"
     assert os.environ["FORGE_TEST_KEEP"] == "old" and "FORGE_TEST_NEW" not in os.environ
-
-
-def test_replicas_get_disjoint_cores():
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs 2 CPUs")
-    half = len(cpus) // 2
-    layouts = replica_layouts(EngineOptions(), 2)
-    assert [layout.cpus for layout in layouts] == [tuple(cpus[:half]), tuple(cpus[half : 2 * half])]
-    assert all(layout.options == EngineOptions() and layout.env == {} for layout in layouts)
-    with pytest.raises(ValueError, match="needs at least that many CPUs"):
-        replica_layouts(EngineOptions(), len(cpus) + 1)
-    with pytest.raises(ValueError, match="each engine gets its own share of the cores"):
-        replica_layouts(EngineOptions(cpu_threads="0"), 2)
 
 
 def test_shards_are_contiguous_and_balanced():

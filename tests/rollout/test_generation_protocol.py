@@ -1,13 +1,10 @@
 """The one generation protocol (forge_core.rollout.protocol), satisfied by every implementation: the in-process
-Generator, two replica processes behind the router over pipes (`open_generator(..., num_engines=2)`, the
-stage lifetime) and two engine services behind the router over Unix sockets (`EngineService.ensure_engines`,
-the flow lifetime).
+Generator and two engine actors on the session's Ray cluster behind the router (forge_core.rollout.actor_engines).
 
-Real vLLM engines (in-process engine cores, one core each for the replicas and services) on the tiny policy of
-conftest.py. The same calls go to each: the same samples come back in the same order, the facts (version,
-start-up, reload) say the same things, a bad prompt is the same ValueError, a reload to other weights and
-back changes the samples and restores them, and (the two routers) a SIGKILLed engine's prompts go to the
-other one. Five engine start-ups, at most three engines up at once.
+Real vLLM engines (in-process engine cores) on the tiny policy of conftest.py. The same calls go to each: the
+same samples come back in the same order, the facts (version, start-up, reload) say the same things, a bad
+prompt is the same ValueError, a reload to other weights and back changes the samples and restores them, and
+(the router) a SIGKILLed engine's prompts go to the other one. Three engine start-ups.
 """
 
 from __future__ import annotations
@@ -20,10 +17,10 @@ import signal
 import pytest
 
 from forge_core.config import config_from_dict
-from forge_core.rollout import EngineOptions, Generator, Prompt, open_generator, prompts_from_table
+from forge_core.rollout import EngineOptions, Generator, Prompt, prompts_from_table
+from forge_core.rollout.actor_engines import EngineActors
 from forge_core.rollout.protocol import EngineConnection, GenerationEngine
 from forge_core.rollout.router import EngineRouter
-from forge_core.rollout.service import EngineService, stop_services
 from tests.rollout.conftest import GROUP_SIZE, SAMPLING, run_config_dict
 
 pytestmark = [
@@ -34,8 +31,8 @@ pytestmark = [
 ENGINE = EngineOptions(kv_cache_gib=1, max_num_seqs=64, in_process=True)
 SEED = 4
 GREEDY = dataclasses.replace(SAMPLING, group_size=1, temperature=0.0)
-# The in-process Generator; EngineRouter over two replica processes (pipes); over two engine services (sockets).
-KINDS = ("generator", "replicas", "services")
+# The in-process Generator; EngineRouter over two engine actors.
+KINDS = ("generator", "actors")
 
 
 @pytest.fixture(scope="module")
@@ -57,26 +54,19 @@ def reference(policies, prompts):
 
 
 @pytest.fixture
-def engine(request, reference, policies, world, tmp_path_factory, registry_dir):
-    """Each implementation, serving A; the replicas and services are ended after the test."""
+def engine(request, reference, policies, world, ray_cluster):
+    """Each implementation, serving A; the engine actors are ended after the test."""
     policy_a, _ = policies
-    kind = request.param
-    if kind == KINDS[0]:
+    if request.param == KINDS[0]:
         yield reference[0]
         return
-    if kind == KINDS[1]:
-        with open_generator(policy_a.local_dir, ENGINE, 2, policy_version=policy_a.version) as router:
-            replicas = list(router.live)
-            yield router
-        assert not any(replica.process.is_alive() for replica in replicas), "closing the router ends them"
-        return
-    state_dir = tmp_path_factory.mktemp("engines")  # short: a Unix socket path has 107 bytes
-    rollout = config_from_dict(run_config_dict(world.store_root, num_engines=2)).rollout
+    cfg = config_from_dict(run_config_dict(world.store_root, num_engines=2))
+    engines = EngineActors.start(ray_cluster.compute, cfg, SEED)
     try:
-        with EngineService.ensure_engines(state_dir, rollout, policy_a.local_dir, policy_a.version) as router:
-            yield router
+        yield engines.serve(policy_a)
     finally:
-        stop_services(state_dir)
+        engines.close()
+    assert ray_cluster.live_actors() == [], "closing the engines ends their actors"
 
 
 def comparable(samples) -> list[tuple]:
@@ -119,8 +109,8 @@ def test_every_generator_keeps_the_protocol_and_samples_the_same(
     assert comparable(engine.generate(prompts, SAMPLING, SEED)) == comparable(sampled_a)
 
     if isinstance(engine, EngineRouter):
-        # Either transport: an engine SIGKILLed before a call is dropped, the other one serves every prompt,
-        # and the samples stay the same.
+        # An engine SIGKILLed before a call is dropped, the other one serves every prompt, and the samples
+        # stay the same.
         lost = engine.live[1]
         os.kill(lost.pid, signal.SIGKILL)
         with caplog.at_level(logging.WARNING, logger="forge_core.rollout.router"):

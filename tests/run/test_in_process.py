@@ -1,8 +1,7 @@
-"""forge_core.run.in_process: rollout/evaluate stages run in the task's process with the flow's engines.
+"""forge_core.run.in_process: rollout/evaluate stages run in the task's process with the run's engine actors.
 
-The success path against a real engine service is in tests/rollout/test_engine_service.py (the evaluate
-stage there runs through the TaskProcessRunner); these check the dispatch and the launcher-equivalent
-classification of failures without an engine.
+The success path against real engine actors is in tests/rollout/test_engine_actors.py and the flow tests;
+these check the dispatch and the launcher-equivalent classification of failures without an engine.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import pytest
 
 from forge_core.config import config_to_dict, load_config
 from forge_core.launch import LaunchFailed, Outcome
-from forge_core.rollout.service.state import EngineServiceError
+from forge_core.rollout.protocol import EngineLost
 from forge_core.run.in_process import TaskProcessRunner, _failure
 from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
@@ -36,22 +35,20 @@ def _plan(cfg, stage: str, inputs: dict[str, str]) -> StagePlan:
     [
         ("rollout", "flow", True),
         ("evaluate", "flow", True),
-        ("rollout", "stage", False),
-        ("evaluate", "stage", False),
+        ("rollout", "stage", True),  # the stage's own engine actors
+        ("evaluate", "stage", True),
         ("grpo", "flow", False),
         ("sft", "flow", False),
     ],
 )
-def test_only_engine_client_stages_with_flow_engines_run_in_the_task_process(tmp_path, stage, lifetime, expected):
+def test_only_engine_client_stages_run_in_the_task_process(tmp_path, stage, lifetime, expected):
     assert isinstance(runner_for(_cfg(tmp_path, lifetime), stage), TaskProcessRunner) is expected
 
 
-def test_a_stage_that_needs_its_own_engine_is_refused(tmp_path):
-    cfg = _cfg(tmp_path, "stage")
-    plan = _plan(cfg, "evaluate", {"policy": "x", "data": "y"})
-    assert plan.stage == "evaluate"
-    with pytest.raises(ValueError, match=r"engine_lifetime='stage'.*launch it instead"):
-        TaskProcessRunner(cfg, "evaluate", FlowResources.of(cfg))
+def test_a_stage_that_is_no_engine_client_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, "flow")
+    with pytest.raises(ValueError, match=r"stage 'sft' with no lifetime setting='stage'.*launch it instead"):
+        TaskProcessRunner(cfg, "sft", FlowResources.of(cfg))
 
 
 def test_a_user_error_in_the_stage_is_fatal_with_its_message(tmp_path):
@@ -74,7 +71,7 @@ def test_a_user_error_in_the_stage_is_fatal_with_its_message(tmp_path):
 @pytest.mark.parametrize(
     ("error", "outcome"),
     [
-        (EngineServiceError("engine service engine-0 pid 7 died during 'generate'"), Outcome.RETRYABLE),
+        (EngineLost("engine-0 on Ray node 1a2b3c4d died during 'generate'"), Outcome.RETRYABLE),
         (OSError("connection reset"), Outcome.RETRYABLE),
         (ValueError("eval.num_prompts=0: must be >= 1"), Outcome.FATAL),
         (RuntimeError("something unclassified"), Outcome.FATAL),

@@ -1,7 +1,8 @@
 """The runner interface (forge_core.run.runner): every runner is chosen in one place (forge_core.run.runners)
 and supervised the same way: past its deadline an attempt is ended and RETRYABLE, a cancel ends it as
-CANCELLED. Checked on a real worker launch and on a real thread of this process, with stages that never end
-by themselves (tests/run/waiting_stages.py), so the outcome does not depend on the machine's speed.
+CANCELLED. Checked on a real worker launch (a gang on the session's Ray cluster) and on a real thread of this
+process, with stages that never end by themselves (tests/run/waiting_stages.py), so the outcome does not depend
+on the machine's speed.
 """
 
 from __future__ import annotations
@@ -14,17 +15,14 @@ import pytest
 from forge_core.config import load_config
 from forge_core.config.schema import ResourceConfig
 from forge_core.launch import Outcome
-from forge_core.launch.process_tree import processes_with_launch_id
-from forge_core.rollout.lifetime import engine_state_dir
 from forge_core.run.cluster_runner import ClusterRunner
 from forge_core.run.in_process import TaskProcessRunner
 from forge_core.run.plan import plan_stage
 from forge_core.run.resources import FlowResources
-from forge_core.run.runner import Cancel, LaunchRunner
+from forge_core.run.runner import Cancel
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
 from forge_core.run.trainer_group import TrainerGroupRunner
-from forge_core.run.trainer_job import TrainerJobRunner
 from forge_core.storage import ObjectStore, new_attempt_id
 from tests.run import waiting_stages  # noqa: F401 - registers wait_forever and wait_for_engines
 
@@ -38,7 +36,6 @@ def _cfg(tmp_path, *overrides):
         [
             f"storage.root=file://{tmp_path}/store",
             f"logging.dir={tmp_path}/runs",
-            f"rollout.engine_state_dir={tmp_path}/engines",
             *overrides,
         ],
     )
@@ -72,24 +69,18 @@ def _wait_for(path, what: str) -> None:
 @pytest.mark.parametrize(
     ("stage", "overrides", "expected"),
     [
-        ("prepare", [], LaunchRunner),
-        ("sft", [], LaunchRunner),
-        ("rollout", [], TaskProcessRunner),  # the default lifetimes are the flow's
+        ("prepare", [], ClusterRunner),  # a gang on the Ray cluster ...
+        ("sft", [], ClusterRunner),
+        ("rollout", [], TaskProcessRunner),  # ... the engine clients in the task's process, with engine actors
         ("evaluate", [], TaskProcessRunner),
-        ("grpo", [], TrainerJobRunner),
-        ("rollout", ["rollout.engine_lifetime=stage"], LaunchRunner),
-        ("evaluate", ["rollout.engine_lifetime=stage"], LaunchRunner),
-        ("grpo", ["grpo.trainer_lifetime=stage"], LaunchRunner),
-        ("grpo", ["rollout.engine_lifetime=stage"], TrainerJobRunner),  # each stage reads its own setting
-        ("wait_forever", [], LaunchRunner),  # a registered stage without a lifetime setting
+        ("rollout", ["rollout.engine_lifetime=stage"], TaskProcessRunner),
+        ("evaluate", ["rollout.engine_lifetime=stage"], TaskProcessRunner),
+        ("grpo", [], TrainerGroupRunner),  # ... or an order to the run's trainer group
+        ("grpo", ["grpo.trainer_lifetime=stage"], ClusterRunner),
+        ("grpo", ["rollout.engine_lifetime=stage"], TrainerGroupRunner),  # each stage reads its own setting
+        ("wait_forever", [], ClusterRunner),  # a registered stage without a lifetime setting
         ("wait_for_engines", [], TaskProcessRunner),
-        ("wait_for_engines", ["rollout.engine_lifetime=stage"], LaunchRunner),
-        ("sft", ["launch.placement=pool"], ClusterRunner),  # on the Ray cluster: a gang ...
-        ("grpo", ["launch.placement=pool", "grpo.trainer_lifetime=stage"], ClusterRunner),
-        ("grpo", ["launch.placement=pool"], TrainerGroupRunner),  # ... or an order to the run's trainer group;
-        ("rollout", ["launch.placement=pool", "rollout.engine_lifetime=stage"], TaskProcessRunner),  # engine actors
-        ("rollout", ["launch.placement=pool"], TaskProcessRunner),
-        ("evaluate", ["launch.placement=pool", "rollout.engine_lifetime=stage"], TaskProcessRunner),
+        ("wait_for_engines", ["rollout.engine_lifetime=stage"], TaskProcessRunner),
     ],
 )
 def test_the_runner_is_chosen_from_the_stage_record_and_its_lifetime_setting(tmp_path, stage, overrides, expected):
@@ -98,28 +89,30 @@ def test_the_runner_is_chosen_from_the_stage_record_and_its_lifetime_setting(tmp
 
 
 @pytest.mark.integration
-def test_a_worker_launch_past_its_deadline_is_ended_and_retryable(tmp_path):
+def test_a_worker_launch_past_its_deadline_is_ended_and_retryable(tmp_path, ray_cluster):
     cfg = _cfg(tmp_path)
     plan = _planned(cfg, "wait_forever", tmp_path / "started")
     lines: list[str] = []
 
-    result = _short(LaunchRunner)(cfg, "wait_forever").run(plan, lines.append)
+    result = _short(ClusterRunner)(cfg, "wait_forever").run(plan, lines.append)
 
     assert result.outcome is Outcome.RETRYABLE, result
-    assert result.reason.startswith(f"deadline of {DEADLINE_S:g} s exceeded while wait_forever ran in its own launch")
+    assert result.reason.startswith(
+        f"deadline of {DEADLINE_S:g} s exceeded while wait_forever ran in the Ray cluster"
+    ), result.reason
     assert result.duration_s >= DEADLINE_S
-    assert any("launch.wait_forever.deadline_s): ending the process tree" in line for line in lines), lines
-    assert processes_with_launch_id(result.launch_id) == []
+    assert ray_cluster.stage_processes() == []
     assert not ObjectStore.from_config(cfg.storage).is_committed(plan.output_uri)
 
 
 @pytest.mark.integration
-def test_a_cancelled_worker_launch_is_ended_and_cancelled(tmp_path):
+def test_a_cancelled_worker_launch_is_ended_and_cancelled(tmp_path, ray_cluster):
     cfg = _cfg(tmp_path)
     marker = tmp_path / "started"
     plan = _planned(cfg, "wait_forever", marker)
     cancel, results = Cancel(), []
-    running = threading.Thread(target=lambda: results.append(LaunchRunner(cfg, "wait_forever").run(plan, print, cancel)))
+    runner = ClusterRunner(cfg, "wait_forever")
+    running = threading.Thread(target=lambda: results.append(runner.run(plan, print, cancel)))
     running.start()
     _wait_for(marker, "the wait_forever worker")  # its body runs: the scaffold found the registered stage
 
@@ -129,22 +122,21 @@ def test_a_cancelled_worker_launch_is_ended_and_cancelled(tmp_path):
     (result,) = results
     assert result.outcome is Outcome.CANCELLED
     assert result.reason == "cancelled: another run took the stage's lease"
-    assert processes_with_launch_id(result.launch_id) == []
+    assert ray_cluster.stage_processes() == []
 
 
 def test_a_stage_in_the_task_process_past_its_deadline_stops_the_flow_engines_and_is_retryable(tmp_path):
     cfg = _cfg(tmp_path)
-    engines = engine_state_dir(cfg)
-    engines.mkdir(parents=True)  # as the flow's engine services would have it; the stage waits for its end
+    resources = FlowResources.of(cfg)
     plan = _planned(cfg, "wait_for_engines", tmp_path / "started")
     lines: list[str] = []
 
-    result = _short(TaskProcessRunner)(cfg, "wait_for_engines", FlowResources.of(cfg)).run(plan, lines.append)
+    result = _short(TaskProcessRunner)(cfg, "wait_for_engines", resources).run(plan, lines.append)
 
     assert result.outcome is Outcome.RETRYABLE, result
     assert result.reason == (
         f"deadline of {DEADLINE_S:g} s exceeded while wait_for_engines ran in the task's process; it was ended"
     )
-    assert not engines.exists()  # the flow's engines were stopped: that is what ended the stage
+    assert resources.flow_engines is None  # the run's engines were stopped: that is what ended the stage
     assert (tmp_path / "started").read_text() == "started"
     assert not ObjectStore.from_config(cfg.storage).is_committed(plan.output_uri)

@@ -1,9 +1,9 @@
 """Two stages, registered for the runner tests, whose bodies run until something outside them ends them:
 
 - `wait_forever` (a worker launch): writes the marker file named by `params.marker`, then waits to be killed;
-- `wait_for_engines` (served by the flow's engines, so run in the task's process with
-  `rollout.engine_lifetime: flow`): writes its marker and the run's engine state folder, then waits until that
-  folder is gone (what stopping the flow's engines does, as the engines' own end fails a real stage's calls).
+- `wait_for_engines` (an engine client, so run in the task's process): reserves the run's engine actors on the
+  Ray cluster (no vLLM starts before an engine serves a policy), writes its marker, then waits until the run's
+  engines were stopped (as the engines' own end fails a real stage's calls).
 
 Neither ever finishes by itself, so a runner's deadline or a cancel is the only way they end: whatever the
 machine's speed.
@@ -39,14 +39,14 @@ def wait_forever(ctx) -> None:
 
 
 def wait_for_engines(ctx) -> None:
-    from forge_core.rollout.lifetime import engine_state_dir
+    from forge_core.run.resources import FlowResources
 
-    engines = engine_state_dir(ctx.cfg)
-    engines.mkdir(parents=True, exist_ok=True)
-    Path(ctx.params["marker"]).write_text("started")
-    until = time.monotonic() + BOUND_S
-    while engines.exists():
-        if time.monotonic() > until:
-            raise RuntimeError(f"the flow's engines were not stopped within {BOUND_S:g} s")
-        time.sleep(0.05)
-    raise RuntimeError("the flow's engines were stopped while the stage used them")
+    resources = FlowResources.of(ctx.cfg)
+    with resources.engine_actors(seed=0) as engines:
+        Path(ctx.params["marker"]).write_text("started")
+        until = time.monotonic() + BOUND_S
+        while resources.flow_engines is engines or engines in resources.stage_engines:
+            if time.monotonic() > until:
+                raise RuntimeError(f"the run's engines were not stopped within {BOUND_S:g} s")
+            time.sleep(0.05)
+    raise RuntimeError("the run's engines were stopped while the stage used them")

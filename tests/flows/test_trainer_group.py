@@ -1,18 +1,19 @@
-"""The long-lived GRPO trainer job (`grpo.trainer_lifetime: flow`, forge_core.run.trainer_job) on real flows,
-against the stage lifetime (`grpo.trainer_lifetime: stage`, each iteration its own torchrun launch).
+"""The flow-lifetime GRPO trainer group (`grpo.trainer_lifetime: flow`, forge_core.run.trainer_group) on real
+flows, against the stage lifetime (`grpo.trainer_lifetime: stage`, each iteration its own torchrun launch).
 
-One post-train flow per lifetime, each a real process with its own launch registry, on the tiny config with a
-reward that varies within groups (so GRPO really updates the policy):
+On the tiny config with a reward that varies within groups (so GRPO really updates the policy):
 
-- flow lifetime (a real post-train flow process): one job serves both iterations; no engine or trainer
-  process survives the flow;
-- its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), with stage lifetime and
-  with flow lifetime: the same committed policies, bitwise, and the same step metrics;
-- flow lifetime with a rank SIGKILLed mid-iteration: the task's retry starts a new job, which resumes from
+- a real post-train flow process with the defaults (its own embedded Ray, its own launch registry): one trainer
+  group of 1 node x 2 ranks serves both iterations; no process of the run (engines, ranks, Ray itself) survives
+  the flow;
+- its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), in this process on the
+  session's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
+  policies, bitwise, and the same step metrics;
+- flow lifetime with a rank SIGKILLed mid-iteration: the task's retry places a new group, which resumes from
   the in-stage checkpoint, and the policies are again the same, bitwise;
-- a user error inside the job fails the stage FATAL with the worker's message and leaves no job running;
-- the same iterations by the trainer group on the test run's Ray cluster (tests/ray_cluster.py: one rank actor on
-  each of two nodes): the same policies, bitwise, also when a rank is SIGKILLed and a new group resumes.
+- a user error inside the group fails the stage FATAL with the worker's message and leaves no group;
+- the same iterations by a trainer group of one rank on each of two nodes of the pool: the same policies,
+  bitwise, also when a rank is SIGKILLed and a new group resumes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from prefect import flow
 from prefect_readers import settled_task_runs
 
 from forge_core.config import config_from_dict, config_to_json, load_config
-from forge_core.launch import Outcome, live_handles
+from forge_core.launch import Outcome
 from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.run.plan import plan_stage
 from forge_core.run.resources import FlowResources
@@ -69,8 +70,8 @@ def _cmdline(proc: psutil.Process) -> str | None:
 
 
 def _run_processes(flow_proc: psutil.Process, registry: Path) -> dict[int, str]:
-    """Every process of the flow run now: its descendants, and every process of a launch in its registry
-    (the engine service and its vLLM processes leave the flow's process tree when their stage ends)."""
+    """Every process of the flow run now: its descendants (its embedded Ray's processes and their workers among
+    them), and every process of a launch in its registry."""
     procs = []
     try:
         procs += flow_proc.children(recursive=True)
@@ -201,21 +202,18 @@ def flow_lifetime_run(prefect_api, tmp_path_factory) -> FlowRun:
     return _post_train(prefect_api, tmp_path_factory.mktemp("trainer-flow"), ["grpo.trainer_lifetime=flow"])
 
 
-def test_one_job_serves_every_iteration_and_nothing_survives(flow_lifetime_run):
+def test_one_group_serves_every_iteration_and_nothing_survives(flow_lifetime_run):
     run = flow_lifetime_run
     assert run.returncode == 0, run.log[-4000:]
-    job_ranks = [
-        pid for pid, cmd in run.seen.items() if "grpo-job" in cmd and "torch.distributed.run" not in cmd
-    ]
-    assert len(job_ranks) == 2, run.seen  # one job, two ranks, for both iterations
+    assert run.log.count("started the run's embedded Ray cluster") == 1, run.log[-4000:]
+    assert run.log.count("grpo: placing the run's trainer group, 1 node(s) x 2 rank(s)") == 1, run.log[-4000:]
     assert "forge_core.run grpo --spec" not in "\n".join(run.seen.values())  # no per-stage GRPO worker
-    assert any("forge_core.rollout.service" in cmd for cmd in run.seen.values()), run.seen
-    assert "order 1: GRPO iteration 1" in run.log
-    assert "stopped the run's GRPO trainer job" in run.log
+    assert any("raylet" in cmd for cmd in run.seen.values()), run.seen  # the embedded Ray was the flow's own
+    assert "stopped the run's trainer group" in run.log
     _assert_nothing_survives(run)
 
 
-def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, tmp_path):
+def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, ray_cluster, tmp_path):
     flow_run = flow_lifetime_run
     assert flow_run.returncode == 0, flow_run.log[-4000:]
     timings = {}
@@ -228,7 +226,7 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
             reference = flow_run.grpo_uri(iteration)
             assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
             assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
-        assert live_handles() == []  # the chain's FlowResources stopped its trainer job
+    assert ray_cluster.live_actors() == []  # the chains' FlowResources ended their trainer groups
     updates = [
         m for i in (0, 1) for m in _step_metrics(flow_run.store, flow_run.grpo_uri(i)) if not m.get("skipped")
     ]
@@ -237,13 +235,15 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
     print(f"GRPO task wall seconds per iteration: {timings}; in the flow run: {flow_run.grpo_seconds()}")
 
 
-def test_killed_rank_restarts_the_job_which_resumes(flow_lifetime_run, prefect_api, tmp_path, monkeypatch):
+def test_killed_rank_places_a_new_group_which_resumes(
+    flow_lifetime_run, prefect_api, ray_cluster, tmp_path, monkeypatch
+):
     flow_run = flow_lifetime_run
     assert flow_run.returncode == 0, flow_run.log[-4000:]
-    # Rank 1 SIGKILLs itself after iteration 0's step 2, before that step's checkpoint: the retry's new job
+    # Rank 1 SIGKILLs itself after iteration 0's step 2, before that step's checkpoint: the retry's new group
     # must resume from step 1, commit, and then serve iteration 1 too.
     _assert_killed_rank_resumes_bitwise(flow_run, tmp_path, monkeypatch)
-    assert live_handles() == []
+    assert ray_cluster.live_actors() == []
 
 
 def _assert_killed_rank_resumes_bitwise(flow_run: FlowRun, tmp_path: Path, monkeypatch, extra=()) -> None:
@@ -263,7 +263,7 @@ def _assert_killed_rank_resumes_bitwise(flow_run: FlowRun, tmp_path: Path, monke
         assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
 
 
-def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path):
+def test_user_error_in_the_group_is_fatal_and_ends_it(flow_lifetime_run, ray_cluster, tmp_path):
     run = flow_lifetime_run
     assert run.returncode == 0, run.log[-4000:]
     cfg = load_config(
@@ -271,7 +271,6 @@ def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path)
         [
             f"storage.root={run.store.root}",
             f"logging.dir={tmp_path}/runs",
-            f"rollout.engine_state_dir={tmp_path}/engines",
             *COMMON,
             "grpo.trainer_lifetime=flow",
         ],
@@ -286,24 +285,25 @@ def test_user_error_in_the_job_is_fatal_and_ends_it(flow_lifetime_run, tmp_path)
     assert result.outcome is Outcome.FATAL, result
     assert "ValueError" in result.reason and "inputs.rollouts" in result.reason, result.reason
     assert not run.store.is_committed(plan.output_uri)
-    assert FlowResources.of(cfg).stop_trainer() == []  # the job ended with the failed order: nothing to stop
-    assert processes_with_launch_id(result.launch_id) == []
+    resources = FlowResources.of(cfg)
+    assert resources.stop_trainer_group(failing=False) == ""  # it ended with the failed order: nothing to stop
+    resources.close()
+    assert ray_cluster.live_actors() == [] and ray_cluster.stage_processes() == []
 
 
-# ---- the same iterations by the trainer group on the Ray cluster (launch.placement=pool) ---------------------------
+# ---- the same iterations by a trainer group on two nodes of a pool ---------------------------------------------
 
 ON_TWO_POOL_NODES = [
-    "launch.placement=pool",
     "launch.pool_wait_s=600",
     f"launch.grpo.pool={POOL}",
     "launch.grpo.nnodes=2",
-    "launch.grpo.nproc_per_node=1",  # world size 2, as the local job's 1 node x 2 ranks: the same artifacts' keys
+    "launch.grpo.nproc_per_node=1",  # world size 2, as the flow run's 1 node x 2 ranks: the same artifacts' keys
 ]
 
 
 def test_trainer_group_on_two_nodes_commits_the_same_policies(flow_lifetime_run, ray_cluster, prefect_api, tmp_path):
     """The two iterations as orders to a trainer group of one rank on each of two Ray nodes: bitwise the policies
-    and step metrics of the local job's 1 node x 2 ranks; one group served both, and nothing is left of it."""
+    and step metrics of the flow run's 1 node x 2 ranks; one group served both, and nothing is left of it."""
     import ray
 
     flow_run = flow_lifetime_run
