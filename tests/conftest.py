@@ -173,7 +173,7 @@ def file_store(tmp_path):
 # Suites not yet seen passing as part of the whole suite: `make test` leaves them out, `make test-all` runs
 # them; a new late suite may go here.
 UNVERIFIED_SUITES: tuple[str, ...] = ()
-# Suites whose tests run stages, which run on a Ray cluster: the session's (module docstring).
+# Suites whose tests run stages, which run on a Ray cluster: the test run's (module docstring).
 STAGE_SUITES = tuple(
     f"tests/{area}/"
     for area in ("bench", "deploy", "envs", "faults", "flows", "gpu", "integration", "models", "rollout", "run",

@@ -3,8 +3,8 @@
 Fields: format_version, kind, stage, key, attempt, files {rel: {size, sha256}}, schema {table_rel: arrow
 schema string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at,
 metrics, placement (where a stage run on the Ray cluster ran: forge_core.run.cluster_runner and
-forge_core.run.trainer_group put its record into the workers' environment as FORGE_PLACEMENT; null, or only the
-GPUs of its launch, when the stage ran on the flow's machine; optional when read).
+forge_core.run.trainer_group put its record into the workers' environment as FORGE_PLACEMENT; null for a worker
+started by hand; optional when read).
 
 Layout (format 2): every writer (attempt) writes its files under its own prefix `<uri>/_attempts/<attempt>/`,
 and the manifest names the attempt whose files it lists, so two writers of one key never touch each other's

@@ -157,7 +157,7 @@ def worker_processes_under(pid: int, registry: str | None = None, marker: str | 
     """Launched worker processes (torchrun, ranks, stage workers, vLLM) below `pid`; with `registry`, only
     those started with that FORGE_LAUNCH_REGISTRY (one scenario's flow process, when several run side by side);
     with `marker`, only those whose command line holds it (a scenario's store root, in the spec URI of the
-    workers it launched on the session's Ray cluster, whose environment is the cluster's)."""
+    workers it launched on the test run's Ray cluster, whose environment is the cluster's)."""
     seen = []
     try:
         children = psutil.Process(pid).children(recursive=True)

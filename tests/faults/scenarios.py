@@ -326,7 +326,7 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
             mp.setenv(name, value)
         corrupter.start()
         started = time.monotonic()
-        # Scenario 2's flow process may run meanwhile: watch only this scenario's launches (on the session's Ray
+        # Scenario 2's flow process may run meanwhile: watch only this scenario's launches (on the test run's Ray
         # cluster, below this process: their spec URIs hold this scenario's store root).
         with ProcessWatch(marker=str(root)) as watch:
             state = sft_then_rollout(config_json, return_state=True)

@@ -1,4 +1,4 @@
-"""Stages on a pool of the Ray cluster (launch.<stage>.pool): the session's cluster_utils cluster (tests/ray_cluster.py,
+"""Stages on a pool of the Ray cluster (launch.<stage>.pool): the test run's cluster_utils cluster (tests/ray_cluster.py,
 several raylets on 127.0.0.1, pool gpu-a), the flow in this process joined to it, real torchrun and vLLM.
 
 Every wait waits for an event under a generous bound; none depends on how fast the machine is.

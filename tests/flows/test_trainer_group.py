@@ -7,7 +7,7 @@ On the tiny config with a reward that varies within groups (so GRPO really updat
   group of 1 node x 2 ranks serves both iterations; no process of the run (engines, ranks, Ray itself) survives
   the flow;
 - its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), in this process on the
-  session's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
+  test run's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
   policies, bitwise, and the same step metrics;
 - flow lifetime with a rank SIGKILLed mid-iteration: the task's retry places a new group, which resumes from
   the in-stage checkpoint, and the policies are again the same, bitwise;

@@ -1,5 +1,5 @@
 """The one generation protocol (forge_core.rollout.protocol), satisfied by every implementation: the in-process
-Generator and two engine actors on the session's Ray cluster behind the router (forge_core.rollout.actor_engines).
+Generator and two engine actors on the test run's Ray cluster behind the router (forge_core.rollout.actor_engines).
 
 Real vLLM engines (in-process engine cores) on the tiny policy of conftest.py. The same calls go to each: the
 same samples come back in the same order, the facts (version, start-up, reload) say the same things, a bad

@@ -1,6 +1,6 @@
 """The runner interface (forge_core.run.runner): every runner is chosen in one place (forge_core.run.runners)
 and supervised the same way: past its deadline an attempt is ended and RETRYABLE, a cancel ends it as
-CANCELLED. Checked on a real worker launch (a gang on the session's Ray cluster) and on a real thread of this
+CANCELLED. Checked on a real worker launch (a gang on the test run's Ray cluster) and on a real thread of this
 process, with stages that never end by themselves (tests/run/waiting_stages.py), so the outcome does not depend
 on the machine's speed.
 """
