@@ -144,19 +144,21 @@ def embedded_environment(token_path: Path) -> dict[str, str]:
 def apply_environment(env: dict[str, str]) -> None:
     """Set Ray's variables for this process and the Ray processes it starts.
 
-    Ray reads both variables once, when it is imported: RAY_AUTH_MODE into a cached C++ config, the local-only
-    switch into `ray_constants.ENABLE_RAY_CLUSTER`. In a process that imported Ray earlier both are read again
-    here (the C++ config as Ray's own ray.init does when it switches token mode on), so that the change holds
-    for this process as well as for the ones it starts.
+    Ray reads them once: RAY_AUTH_MODE into a cached C++ config, the token into a cached token loader, the
+    local-only switch into `ray_constants.ENABLE_RAY_CLUSTER`. In a process that imported Ray earlier all three
+    are read again here (the config and the token as Ray's own test utilities reset them), so that the change
+    holds for this process as well as for the ones it starts: a process that joined one cluster can then start
+    an embedded one with a token of its own.
     """
     os.environ.update(env)
     import sys
 
     if "ray" in sys.modules:
         from ray._private import ray_constants
-        from ray._raylet import Config
+        from ray._raylet import AuthenticationTokenLoader, Config
 
         Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
         ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(LOCAL_ONLY_ENV, "1").lower() not in ("0", "false")
 
 

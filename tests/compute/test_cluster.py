@@ -119,3 +119,29 @@ def test_the_embedded_cluster_is_a_new_one_while_another_runs_on_this_machine(ra
     (line,) = [line for line in out.stdout.splitlines() if line.startswith("embedded ")]
     _, embedded, address = line.split()
     assert embedded == "True" and address != ray_cluster.compute.address, (line, ray_cluster.compute.address)
+
+
+JOINED_THEN_EMBEDDED = textwrap.dedent(
+    """
+    import sys
+    from forge_core.compute.cluster import connect
+    joined = connect(sys.argv[1])
+    joined.close()
+    cluster = connect(None)
+    print("embedded", cluster.embedded, cluster.address)
+    cluster.close()
+    """
+)
+
+
+def test_a_process_that_left_a_cluster_starts_the_embedded_one_with_its_own_token(ray_cluster):
+    """Joining caches the cluster's token in Ray's token loader; the embedded start's fresh token must replace
+    it, or the new cluster refuses its own driver."""
+    out = subprocess.run(
+        [sys.executable, "-c", JOINED_THEN_EMBEDDED, ray_cluster.compute.address],
+        env=dict(os.environ), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("embedded ")]
+    _, embedded, address = line.split()
+    assert embedded == "True" and address != ray_cluster.compute.address, (line, ray_cluster.compute.address)
