@@ -47,9 +47,11 @@ FLOW_OWNER_ENV = "FORGE_FLOW_OWNER"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 # How often a watchdog checks its owner: a launch outlives its owner by about this plus one process scan.
 OWNER_POLL_S = 1.0
-# psutil's create time comes from clock ticks since boot: equal for one process, up to a tick off when read
-# through different paths.
-CREATE_TIME_TOLERANCE_S = 0.01
+# psutil's create time is the start in clock ticks since boot plus the boot time, which Linux derives from the
+# wall clock anew on every read: it moves by a second when the clock is stepped or slewed across a second (VMs),
+# so one process read by two processes can differ by 1 s. Another process reusing the pid within this window
+# would need the pid space to wrap in it.
+CREATE_TIME_TOLERANCE_S = 1.5
 
 
 class OwnerGone(RetryableStageError):

@@ -43,6 +43,7 @@ def test_an_owner_is_a_pid_and_a_start_time():
     assert this.alive() and Owner.parse(str(this)) == this
     assert not dead_owner().alive()
     assert not Owner(os.getpid(), this.create_time - 100.0).alive()  # same pid, another process
+    assert Owner(os.getpid(), this.create_time + 1.0).alive()  # read after the boot time moved by a second
     with pytest.raises(ValueError, match=rf"{OWNER_ENV}='123': expected <pid>:<create time>"):
         Owner.parse("123")
     env = build_env(LaunchSpec("m", torchrun=False), "launch-x", "/tmp/error.json")
