@@ -78,8 +78,9 @@ class Fault:
 
 def fault_environment() -> dict[str, str]:
     """The FORGE_FAULT settings of this process, for a process that does not inherit its environment (a Ray
-    node's processes have that node's)."""
-    return {name: os.environ[name] for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
+    node's processes have that node's). Both keys are always present, empty when unset (off), so that they
+    replace whatever the node's own environment holds."""
+    return {name: os.environ.get(name, "") for name in (FAULT_ENV, FAULT_ONCE_ENV)}
 
 
 def set_current_stage(stage: str) -> None:

@@ -18,6 +18,7 @@ from forge_core.compute.cluster import (
     embedded_environment,
     private_token_file,
 )
+from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
 
 POOL = "gpu-a"
 POOL_NODES = 3
@@ -36,7 +37,13 @@ class RayTestCluster:
         self.token_path = token_path
 
     def add_pool_node(self):
-        return self.raylets.add_node(num_cpus=POOL_NODE_CPUS, num_gpus=1, labels={POOL_LABEL: POOL})
+        """A new pool node. A raylet inherits this process's environment, so the FORGE_FAULT settings of the test
+        that adds it are left out: later tests' ranks on that node must not see them."""
+        stashed = {name: os.environ.pop(name) for name in (FAULT_ENV, FAULT_ONCE_ENV) if name in os.environ}
+        try:
+            return self.raylets.add_node(num_cpus=POOL_NODE_CPUS, num_gpus=1, labels={POOL_LABEL: POOL})
+        finally:
+            os.environ.update(stashed)
 
     def node_with_id(self, node_id: str):
         return next(n for n in self.raylets.list_all_nodes() if n.node_id == node_id)

@@ -55,7 +55,12 @@ ENGINE_RESTARTS = 3
 
 
 class EngineHost:
-    """One engine on its node (what an engine actor holds): a Generator on the policy it fetched itself."""
+    """One engine on its node (what an engine actor holds): a Generator on the policy it fetched itself.
+
+    Every call into vLLM runs on the host's one engine thread: the actor takes calls on a pool of threads, and
+    each thread that enters vLLM's CPU kernels gets OpenMP threads of its own, so calls from changing threads
+    would pay a cold thread team and oversubscribe the node's cores.
+    """
 
     def __init__(
         self, cfg: RunConfig, stage_uri: str, seed: int, index: int, fault_env: dict[str, str], stage: str = ""
@@ -68,7 +73,13 @@ class EngineHost:
         self.store = ObjectStore.from_config(cfg.storage)
         self.policy = self._fetch(stage_uri)
         options = EngineOptions.from_config(cfg.rollout, seed=seed)
-        self.generator = Generator(self.policy.local_dir, options, policy_version=self.policy.version)
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forge-engine-{index}")
+        self.generator = self._on_engine_thread(
+            Generator, self.policy.local_dir, options, policy_version=self.policy.version
+        )
+
+    def _on_engine_thread(self, fn, *args, **kwargs):
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
 
     def _fetch(self, stage_uri: str) -> PolicyRef:
         return fetch_policy(self.store, stage_uri, cache_root=policy_cache_root(self.cfg.logging.dir))
@@ -86,7 +97,7 @@ class EngineHost:
         already)."""
         _serving_stage(stage)
         policy = self._fetch(stage_uri)
-        self.generator.reload(policy.local_dir, policy.version)
+        self._on_engine_thread(self.generator.reload, policy.local_dir, policy.version)
         if policy.local_dir != self.policy.local_dir:
             release_policy(self.policy)
         self.policy = policy
@@ -94,7 +105,7 @@ class EngineHost:
 
     def reload(self, policy_dir: str, policy_version: str) -> dict:
         """Serve `policy_version` from a folder of this node (Generator.reload)."""
-        self.generator.reload(policy_dir, policy_version)
+        self._on_engine_thread(self.generator.reload, policy_dir, policy_version)
         return self.describe()
 
     def generate(
@@ -105,11 +116,12 @@ class EngineHost:
                 f"engine pid {os.getpid()} serves policy {self.generator.policy_version[:16]}, the request expected "
                 f"{expected_version[:16]}"
             )
-        maybe_hang_engine(self.index)
-        return self.generator.generate(prompts, sampling, seed)
+        maybe_hang_engine(self.index)  # on the calling thread: a hung request leaves the engine thread free
+        return self._on_engine_thread(self.generator.generate, prompts, sampling, seed)
 
     def close(self) -> None:
-        self.generator.close()
+        self._on_engine_thread(self.generator.close)
+        self._engine_thread.shutdown(wait=False)
         release_policy(self.policy)
 
 

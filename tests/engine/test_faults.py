@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from forge_core.faults import Fault, InjectedFault, maybe_inject_fault, parse_faults
+from forge_core.faults import Fault, InjectedFault, fault_environment, maybe_inject_fault, parse_faults
 
 
 def test_parse_several_faults():
@@ -42,3 +42,20 @@ def test_once_marker_lets_a_retry_run_clean(monkeypatch, tmp_path):
         maybe_inject_fault(rank=0, step=1)
     assert (tmp_path / "fired").exists()
     maybe_inject_fault(rank=0, step=1)  # the retry: no fault
+
+
+def test_the_flow_s_settings_replace_a_node_s_stale_ones(monkeypatch, tmp_path):
+    """A Ray node started while another run had FORGE_FAULT_ONCE set keeps it in its environment; the settings a
+    flow hands its workers must override it, an unset key included."""
+    monkeypatch.setenv("FORGE_FAULT", "raise_rank:0:1")
+    monkeypatch.delenv("FORGE_FAULT_ONCE", raising=False)
+    flow_settings = fault_environment()
+    assert flow_settings == {"FORGE_FAULT": "raise_rank:0:1", "FORGE_FAULT_ONCE": ""}
+
+    stale = tmp_path / "fired-by-another-run"
+    stale.touch()
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(stale))  # the node's environment
+    for name, value in flow_settings.items():
+        monkeypatch.setenv(name, value)  # what the worker applies over it
+    with pytest.raises(InjectedFault):
+        maybe_inject_fault(rank=0, step=1)
