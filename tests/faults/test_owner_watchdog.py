@@ -2,12 +2,13 @@
 
 A real flow process (`python -m flows.post_train`, on the session's Prefect API) runs the tiny pipeline with an
 SFT far longer than the test; once the SFT's first in-stage checkpoint is committed the flow process is
-SIGKILLed. Its torchrun agent and both ranks must then end by themselves (no later flow runs, no reaper: the
-launch registry keeps the dead flow's record), and nothing may be committed on the dead flow's behalf: no
-manifest file (a file:// commit is its manifest's exclusive create) appears after the kill. Measured on the files
-themselves, not on the manifests' `committed_at`, which is stamped before the pre-commit owner check: the store's
-manifests listed right after the kill against those at the end, and every manifest's mtime against the kill time
-(read from a file written right after it: the clock file times come from).
+SIGKILLed. Its torchrun agent and both ranks must then end by themselves (no later flow runs, no reaper; the
+launch's node agent may outlive the flow by Ray's fate-sharing delay and drop its registry record when its
+launch ends, so the check is that no process carries the launch's id), and nothing may be committed on the dead
+flow's behalf: no manifest file (a file:// commit is its manifest's exclusive create) appears after the kill.
+Measured on the files themselves, not on the manifests' `committed_at`, which is stamped before the pre-commit
+owner check: the store's manifests listed right after the kill against those at the end, and every manifest's
+mtime against the kill time (read from a file written right after it: the clock file times come from).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fault_kit import wait_until_gone, worker_processes_under
 from scenarios import REPO, STAGE_WAIT_S, TINY_CONFIG, file_overrides
 
 from forge_core.launch import reap_orphaned_launches
+from forge_core.launch.process_tree import processes_with_launch_id
 from forge_core.storage import ObjectStore
 
 pytestmark = pytest.mark.integration
@@ -61,8 +63,9 @@ def _wait_for_first_checkpoint(store_dir: Path, flow: subprocess.Popen, log_path
 @pytest.mark.fault(
     fault="flow process SIGKILLed mid-SFT (after its first in-stage checkpoint)",
     where="`python -m flows.post_train` (own process); no later flow and no reaper runs",
-    checked="torchrun's agent and both ranks end by themselves (owner watchdog); the dead flow's registry "
-    "record is still there (nobody reaped); no manifest was committed after the kill (pre-commit owner check: "
+    checked="torchrun's agent and both ranks end by themselves (owner watchdog, or the node agent Ray ends), no "
+    "process with the launch's id is left (what the registry's reaper would look for); no manifest was "
+    "committed after the kill (pre-commit owner check: "
     "no manifest file appeared between the listing at the kill and the one at the end, none has an mtime "
     "after the kill), the SFT output is not committed",
 )
@@ -88,6 +91,8 @@ def test_a_sigkilled_flow_s_sft_launch_ends_itself_and_commits_nothing(prefect_a
         killed_ns = _file_clock_now(tmp_path)
         killed = time.monotonic()
         at_kill = _manifests(store_dir)
+        launch_ids = sorted(p.stem for p in registry.glob("*.json"))
+        assert launch_ids, "the running SFT launch has no registry record"
         assert any("torch.distributed.run" in p.cmdline for p in workers), workers
         assert (
             sum(
@@ -100,8 +105,8 @@ def test_a_sigkilled_flow_s_sft_launch_ends_itself_and_commits_nothing(prefect_a
         left = wait_until_gone(workers, timeout_s=GONE_WAIT_S)
         gone_s = time.monotonic() - killed
         assert left == [], f"still running {GONE_WAIT_S:g} s after the flow's SIGKILL: {left}"
-        records = sorted(p.stem for p in registry.glob("*.json"))
-        assert records, "the dead flow's launch record is gone: something reaped it"
+        left_by_id = {i: processes_with_launch_id(i) for i in launch_ids}
+        assert not any(left_by_id.values()), f"processes of the dead flow's launches still run: {left_by_id}"
 
         at_end = _manifests(store_dir)
         new_files = sorted(str(path.relative_to(store_dir)) for path in at_end.keys() - at_kill.keys())
