@@ -13,7 +13,9 @@ time (around the `post_train` call) splits into:
   scaffold's start of the stage to its commit, so without interpreter and torch/vLLM import start-up);
 - process start-up: per stage, the launcher's duration minus that body time (torchrun, interpreter and
   imports, rendezvous, process exit); the launch duration is read back from the stage task's own log line
-  (`<stage>: SUCCESS in <s>s`) through the Prefect API;
+  (`<stage>: SUCCESS in <s>s`) through the Prefect API. The embedded Ray cluster's start falls inside the
+  first stage's launch; its shutdown at the flow's end (the flow's `shut down the run's embedded Ray cluster
+  in <s> s` line) is counted here too, as the cluster's process exit;
 - orchestration: everything else (flow and task runs, API calls, log shipping, planning, spec writing,
   commit checks, UI artifacts, the report).
 
@@ -45,6 +47,9 @@ DEFAULT_CONFIG = "configs/tiny_test.yaml"
 # tasks/stages.py's line before a stage runs: "<stage>: running in <runner> -> <uri> (attempt <id>)".
 _LAUNCH_START = re.compile(r"^(?P<stage>\w+): running in .+ -> (?P<uri>\S+) \(attempt \S+\)$")
 _LAUNCH_END = re.compile(r"^(?P<stage>\w+): SUCCESS in (?P<seconds>[0-9.]+)s$")
+# forge_core.run.resources' lines around the flow run's embedded Ray cluster.
+_CLUSTER_START = re.compile(r"^started the run's embedded Ray cluster ")
+_CLUSTER_STOP = re.compile(r"^shut down the run's embedded Ray cluster in (?P<seconds>[0-9.]+) s$")
 LOG_WAIT_S = 60.0
 
 
@@ -66,6 +71,7 @@ class StageSplit:
 class RunSplit:
     wall_s: float
     stages: list[StageSplit]
+    cluster_stop_s: float = 0.0  # the embedded Ray cluster's shutdown at the flow's end (process exit)
 
     @property
     def work_s(self) -> float:
@@ -73,7 +79,7 @@ class RunSplit:
 
     @property
     def startup_s(self) -> float:
-        return sum(s.startup_s for s in self.stages)
+        return sum(s.startup_s for s in self.stages) + self.cluster_stop_s
 
     @property
     def engine_startup_s(self) -> float:
@@ -81,13 +87,14 @@ class RunSplit:
 
     @property
     def orchestration_s(self) -> float:
-        return self.wall_s - sum(s.launch_s for s in self.stages)
+        return self.wall_s - sum(s.launch_s for s in self.stages) - self.cluster_stop_s
 
     def as_details(self) -> dict:
         return {
             "wall_s": round(self.wall_s, 2),
             "work_s": round(self.work_s, 2),
             "startup_s": round(self.startup_s, 2),
+            "cluster_stop_s": round(self.cluster_stop_s, 2),
             "orchestration_s": round(self.orchestration_s, 2),
             "engine_startup_in_work_s": round(self.engine_startup_s, 2),
             "orchestration_fraction": round(self.orchestration_s / (self.wall_s - self.startup_s), 4),
@@ -141,28 +148,40 @@ def launches_from_logs(logs: list) -> dict:
     }
 
 
-def read_stage_runs(flow_run_id: str) -> tuple[list, dict]:
-    """(the flow run's task runs by start time, {task run id: Launch}), once every task run's launch lines
-    have reached the API (logs travel from a background worker: flush it, then poll)."""
+def cluster_stop_seconds(logs: list) -> float | None:
+    """The embedded cluster's shutdown seconds from the flow's log; 0 when the run joined a cluster (it never
+    started one), None while the line has not reached the API yet."""
+    if not any(_CLUSTER_START.match(log.message) for log in logs):
+        return 0.0
+    stops = [float(stop["seconds"]) for log in logs if (stop := _CLUSTER_STOP.match(log.message))]
+    return stops[-1] if stops else None
+
+
+def read_stage_runs(flow_run_id: str) -> tuple[list, dict, float]:
+    """(the flow run's task runs by start time, {task run id: Launch}, the embedded cluster's shutdown
+    seconds), once every task run's launch lines and the flow's shutdown line have reached the API (logs travel
+    from a background worker: flush it, then poll)."""
     from prefect.client.orchestration import get_client
     from prefect.logging.handlers import APILogHandler
 
-    async def read_launches() -> dict:
+    async def read_logs() -> list:
         async with get_client() as client:
-            return launches_from_logs(await _read_all_logs(client, flow_run_id))
+            return await _read_all_logs(client, flow_run_id)
 
     APILogHandler().flush()
     deadline = time.monotonic() + LOG_WAIT_S
     while True:
-        task_runs, launches = read_task_runs(flow_run_id), asyncio.run(read_launches())
+        task_runs, logs = read_task_runs(flow_run_id), asyncio.run(read_logs())
+        launches, cluster_stop_s = launches_from_logs(logs), cluster_stop_seconds(logs)
         missing = [run.name for run in task_runs if run.id not in launches]
-        if not missing:
-            return task_runs, launches
+        if not missing and cluster_stop_s is not None:
+            return task_runs, launches, cluster_stop_s
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"flow run {flow_run_id}: after {LOG_WAIT_S:.0f}s still no 'running in ... -> <uri>' and "
-                f"'SUCCESS in <s>s' log lines for task runs {missing}; a stage was skipped (the store is "
-                "fresh, so it should not be) or tasks/stages.py changed those lines"
+                f"'SUCCESS in <s>s' log lines for task runs {missing}, or no 'shut down the run's embedded Ray "
+                "cluster' line (forge_core.run.resources) for a run that started one; a stage was skipped (the "
+                "store is fresh, so it should not be) or those lines changed"
             )
         time.sleep(1.0)
 
@@ -187,7 +206,7 @@ def measure_run(config: str, overrides: list[str], store_root: str) -> RunSplit:
     wall_s = time.perf_counter() - started
 
     store = ObjectStore.from_config(load_config(config, run_overrides).storage)
-    task_runs, launches = read_stage_runs(summary["flow_run_id"])
+    task_runs, launches, cluster_stop_s = read_stage_runs(summary["flow_run_id"])
     stages = [
         StageSplit(
             run.name,
@@ -198,7 +217,7 @@ def measure_run(config: str, overrides: list[str], store_root: str) -> RunSplit:
         )
         for run in task_runs
     ]
-    return RunSplit(wall_s, stages)
+    return RunSplit(wall_s, stages, cluster_stop_s)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -248,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
             "wall_s": round(sum(run.wall_s for run in runs), 2),
             "work_s": round(sum(run.work_s for run in runs), 2),
             "startup_s": round(sum(run.startup_s for run in runs), 2),
+            "cluster_stop_s": round(sum(run.cluster_stop_s for run in runs), 2),
             "startup_fraction_of_wall": round(
                 sum(run.startup_s for run in runs) / sum(run.wall_s for run in runs), 4
             ),

@@ -20,6 +20,10 @@ Security settings of the embedded cluster, each because Ray's defaults are not e
   is refused by every Ray server.
 - No dashboard unless asked (`dashboard=True`).
 
+The embedded cluster is started on a thread of its own that lives until `close()`: Ray forks its head processes
+(GCS, raylet, ...) with Linux's parent-death signal, which fires when the forking *thread* ends, and a flow may
+first need the cluster on a short-lived thread (a stage's own).
+
 Joining a cluster uses the caller's environment as Ray documents it (`RAY_AUTH_MODE`, `RAY_AUTH_TOKEN` or
 `RAY_AUTH_TOKEN_PATH`); token mode is switched on when the caller did not choose a mode.
 """
@@ -35,7 +39,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +83,8 @@ class ComputeCluster:
     token_path: Path | None = None
     # Whether close() ends the connection: False for one this process already had when connect() was called.
     owned: bool = True
+    # Ends the thread the embedded cluster was started on (module docstring), after the shutdown.
+    _release_starter: Callable[[], None] | None = field(default=None, repr=False)
 
     def nodes(self) -> list[NodeInfo]:
         """The cluster's live nodes."""
@@ -107,6 +113,8 @@ class ComputeCluster:
 
         if self.owned and ray.is_initialized():
             ray.shutdown()
+        if self._release_starter is not None:
+            self._release_starter()
 
 
 def _node_info(node: dict) -> NodeInfo:
@@ -187,8 +195,13 @@ def connect(
         current = ray.get_runtime_context().gcs_address
         return ComputeCluster(address=current, embedded=False, start_s=0.0, owned=False)
     started = time.monotonic()
-    with _sigterm_handler_kept():
-        cluster = _init(address, num_cpus=num_cpus, num_gpus=num_gpus, dashboard=dashboard, labels=labels)
+    if address is None:
+        cluster = _on_a_thread_of_its_own(
+            lambda: _init(None, num_cpus=num_cpus, num_gpus=num_gpus, dashboard=dashboard, labels=labels)
+        )
+    else:
+        with _sigterm_handler_kept():
+            cluster = _init(address, num_cpus=num_cpus, num_gpus=num_gpus, dashboard=dashboard, labels=labels)
     cluster.start_s = time.monotonic() - started
     log.info(
         "%s Ray cluster at %s in %.1f s",
@@ -196,6 +209,30 @@ def connect(
         cluster.address,
         cluster.start_s,
     )
+    return cluster
+
+
+def _on_a_thread_of_its_own(start: Callable[[], ComputeCluster]) -> ComputeCluster:
+    """`start()` on a new thread that then waits for the cluster's close (module docstring); its exception is
+    raised here. Off the main thread `ray.init` also leaves the process's signal handlers alone."""
+    ready, released = threading.Event(), threading.Event()
+    outcome: dict = {}
+
+    def start_and_stay() -> None:
+        try:
+            outcome["cluster"] = start()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            outcome["error"] = exc
+        ready.set()
+        if "cluster" in outcome:
+            released.wait()
+
+    threading.Thread(target=start_and_stay, name="forge-ray-embedded", daemon=True).start()
+    ready.wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    cluster = outcome["cluster"]
+    cluster._release_starter = released.set
     return cluster
 
 

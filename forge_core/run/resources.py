@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, Self
@@ -219,7 +220,10 @@ class FlowResources:
         with self._cluster_lock:  # last: the trainer group and engine actors above are ended through it
             cluster, self._cluster = self._cluster, None
         if cluster is not None:
+            started = time.monotonic()
             cluster.close()
+            if cluster.embedded and cluster.owned:
+                self.log_line(f"shut down the run's embedded Ray cluster in {time.monotonic() - started:.1f} s")
         if trainer_group:
             self.log_line(f"stopped the run's trainer group ({trainer_group})")
         if engines:

@@ -145,3 +145,36 @@ def test_a_process_that_left_a_cluster_starts_the_embedded_one_with_its_own_toke
     (line,) = [line for line in out.stdout.splitlines() if line.startswith("embedded ")]
     _, embedded, address = line.split()
     assert embedded == "True" and address != ray_cluster.compute.address, (line, ray_cluster.compute.address)
+
+
+STARTED_ON_A_THREAD_THAT_ENDS = textwrap.dedent(
+    """
+    import threading
+    import ray
+    from forge_core.compute.cluster import connect
+    clusters = []
+    starter = threading.Thread(target=lambda: clusters.append(connect(None)))
+    starter.start()
+    starter.join()
+
+    @ray.remote
+    def ping():
+        return "pong"
+
+    print("answer", ray.get(ping.remote(), timeout=120))
+    clusters[0].close()
+    """
+)
+
+
+def test_the_embedded_cluster_outlives_the_thread_that_started_it():
+    """A flow starts its embedded cluster from whichever thread first needs it (a stage's own thread when the
+    first stage to run is an in-process rollout); Ray's head processes die with the thread that forked them
+    (Linux's parent-death signal follows the thread), so the cluster must not be forked from that thread."""
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_PATH_ENV, TOKEN_ENV, AUTH_MODE_ENV, "RAY_ADDRESS")}
+    out = subprocess.run(
+        [sys.executable, "-c", STARTED_ON_A_THREAD_THAT_ENDS], env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "answer pong" in out.stdout.splitlines(), out.stdout
