@@ -24,9 +24,11 @@ HostLost when the actor or its node died). Methods run on the actor's threads, s
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from forge_core.compute.cluster import POOL_LABEL, ComputeCluster
-from forge_core.compute.gang import NodePlace, PlacementUnavailable, release_ray_thread_cap
+from forge_core.compute.gang import NodePlace, PlacementUnavailable
+from forge_core.compute.tuning import flow_thread_setting, process_start_environment, take_cpu_share
 from forge_core.launch.errors import RetryableStageError
 
 log = logging.getLogger(__name__)
@@ -59,8 +62,10 @@ class HostRequest:
 
 @ray.remote(max_concurrency=8)
 class _Host:
-    def __init__(self, factory: type, args: tuple) -> None:
-        release_ray_thread_cap()
+    def __init__(self, factory: type, args: tuple, env: dict[str, str], sharing: int) -> None:
+        os.environ.update(env)  # a Ray node's processes have that node's environment, not the flow's
+        if warning := take_cpu_share(sharing, env):
+            log.warning("%s", warning)
         self._factory, self._args = factory, args
         self._built: Any = None
 
@@ -191,18 +196,22 @@ class HostGroup:
             )
         return cls(group, request, per_node, name)
 
-    def host(self, index: int, factory: type, args: tuple, name: str, restarts: int = 0) -> Hosted:
+    def host(
+        self, index: int, factory: type, args: tuple, name: str, restarts: int = 0, env: Mapping[str, str] | None = None
+    ) -> Hosted:
         """Build `factory(*args)` in slot `index` (module docstring); the object's exception when it fails.
         `restarts`: how often Ray builds it again, in its slot, after its process or node died (`Hosted.revive`
-        waits for that)."""
+        waits for that). `env` is set in the object's process before it is built; the process is tuned as
+        forge_core.compute.tuning says (the objects of a bundle share its node's CPUs)."""
         actor = _Host.options(
             max_restarts=restarts,
-            num_cpus=0,  # the bundle holds the CPUs (release_ray_thread_cap)
+            runtime_env={"env_vars": process_start_environment()},
+            num_cpus=0,  # the bundle holds the CPUs (forge_core.compute.tuning)
             num_gpus=self.request.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=index // self.per_node
             ),
-        ).remote(factory, args)
+        ).remote(factory, args, {**(env or {}), **flow_thread_setting()}, self.per_node)
         try:
             _get(actor.build.remote(), name)
             place = _get(actor.place.remote(), name)

@@ -20,6 +20,10 @@ Security settings of the embedded cluster, each because Ray's defaults are not e
   is refused by every Ray server.
 - No dashboard unless asked (`dashboard=True`).
 
+Its workers run at the priority of the flow (`RAY_worker_niceness=0`): Ray starts workers at niceness 15, below
+every other process of the host, and a rank that the flow process or the Prefect API preempts stalls its whole
+group at the next collective (forge_core.compute.tuning does the same on a joined cluster's nodes).
+
 The embedded cluster is started on a thread of its own that lives until `close()`: Ray forks its head processes
 (GCS, raylet, ...) with Linux's parent-death signal, which fires when the forking *thread* ends, and a flow may
 first need the cluster on a short-lived thread (a stage's own).
@@ -52,6 +56,7 @@ LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
+NICENESS_ENV = "RAY_worker_niceness"
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,9 @@ def private_token_file(folder: Path | None = None) -> Path:
 
 
 def embedded_environment(token_path: Path) -> dict[str, str]:
-    """The variables that make a Ray started from this process loopback-only and token-authenticated."""
-    return {LOCAL_ONLY_ENV: "0", AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path)}
+    """The variables that make a Ray started from this process loopback-only and token-authenticated, with its
+    workers at normal priority."""
+    return {LOCAL_ONLY_ENV: "0", AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path), NICENESS_ENV: "0"}
 
 
 def apply_environment(env: dict[str, str]) -> None:

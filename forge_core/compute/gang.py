@@ -13,8 +13,9 @@
   up), naming what the stage asked and what the pool has.
 - Launch: the agent of bundle k (a Ray actor holding that bundle's GPUs; Ray sets their CUDA_VISIBLE_DEVICES)
   runs `forge_core.launch.start` with the attempt's LaunchSpec, node k's part of one c10d rendezvous (node 0's
-  agent hosts it on a free port of its node) and what `node_env(placement, k)` adds to its environment. The agent process is the launch's owner, so its ranks end by
-  themselves when it dies (forge_core.launch.owner).
+  agent hosts it on a free port of its node) and what `node_env(placement, k)` adds to its environment; the
+  node's ranks share its CPUs (forge_core.compute.tuning). The agent process is the launch's owner, so its
+  ranks end by themselves when it dies (forge_core.launch.owner).
 - Results, log lines and failures come back through Ray: each agent's `run` is a streaming generator of log
   batches ending with its LaunchResult; nothing is pickled over a socket of ours.
 - Failure: an agent or its node lost (ActorDiedError and kin) ends the attempt on every node and makes it
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import socket
 import threading
@@ -40,6 +40,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from forge_core.compute.cluster import POOL_LABEL, ComputeCluster
+from forge_core.compute.tuning import process_start_environment, take_cpu_share
 from forge_core.launch import LaunchResult, LaunchSpec, Outcome, RetryableStageError, start
 from forge_core.launch.spec import NodeRendezvous
 
@@ -107,19 +108,11 @@ class NodePlace:
         return {"node_rank": rank, "node_id": self.node_id, "host": self.address, "gpus": list(self.gpu_ids)}
 
 
-def release_ray_thread_cap() -> None:
-    """Let the processes an actor starts use the node's cores: Ray sets OMP_NUM_THREADS=1 in an actor that holds
-    no CPUs of its own (ours hold theirs through their placement group's bundle), and a launch inherits it."""
-    if os.environ.get("OMP_NUM_THREADS") == "1" and not ray.get_runtime_context().get_assigned_resources().get("CPU"):
-        del os.environ["OMP_NUM_THREADS"]
-
-
 @ray.remote(max_concurrency=4)
 class NodeAgent:
     """Runs one node's part of an attempt on the node Ray placed it on (module docstring)."""
 
     def __init__(self) -> None:
-        release_ray_thread_cap()
         self._handle = None
         self._stop_reason: str | None = None
 
@@ -137,6 +130,8 @@ class NodeAgent:
         if self._stop_reason is not None:
             yield LaunchResult(Outcome.CANCELLED, None, self._stop_reason)
             return
+        if warning := take_cpu_share(spec.nproc_per_node, spec.env):
+            lines.put(f"WARNING {warning}")
         self._handle = start(spec, log=lines.put)
         handle = self._handle
         threading.Thread(target=lambda: (handle.wait(), lines.put(_END)), daemon=True).start()
@@ -192,7 +187,8 @@ class Gang:
         self.cluster = cluster
         self.node_env = node_env
         self.request = request
-        self.spec = spec
+        # A node's processes have that node's environment: what the flow decides travels with the spec.
+        self.spec = dataclasses.replace(spec, env={**spec.env, **process_start_environment()})
         self.log = log_sink
         self.wait_s = wait_s
         self.name = name or spec.module

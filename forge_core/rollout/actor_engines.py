@@ -62,10 +62,7 @@ class EngineHost:
     would pay a cold thread team and oversubscribe the node's cores.
     """
 
-    def __init__(
-        self, cfg: RunConfig, stage_uri: str, seed: int, index: int, fault_env: dict[str, str], stage: str = ""
-    ) -> None:
-        os.environ.update(fault_env)  # a Ray node's processes have that node's environment, not the flow's
+    def __init__(self, cfg: RunConfig, stage_uri: str, seed: int, index: int, stage: str = "") -> None:
         _serving_stage(stage)
         preflight(cfg, ["rollout"], checks=())  # this node can run the engine (GPUs, vLLM build)
         self.cfg = cfg
@@ -243,8 +240,8 @@ class EngineActors:
     def _start_engine(self, index: int, policy: PolicyRef, stage: str) -> HostedEngine:
         started = time.monotonic()
         name = f"engine-{index}"
-        args = (self.cfg, policy.stage_uri, self.seed, index, fault_environment(), stage)
-        host = self.group.host(index, EngineHost, args, name, restarts=ENGINE_RESTARTS)
+        args = (self.cfg, policy.stage_uri, self.seed, index, stage)
+        host = self.group.host(index, EngineHost, args, name, restarts=ENGINE_RESTARTS, env=fault_environment())
         engine = HostedEngine(host, index, host.call("describe"))
         log.info(
             "%s up in %.1f s on Ray node %s (%s) of pool %r", engine.name, time.monotonic() - started,

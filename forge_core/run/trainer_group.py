@@ -71,8 +71,7 @@ CLOSE_S = 30.0
 class TrainerRank:
     """One rank of the trainer group, in its actor on its node (module docstring)."""
 
-    def __init__(self, cfg: RunConfig, rank: int, world_size: int, fault_env: dict[str, str]) -> None:
-        os.environ.update(fault_env)  # a Ray node's processes have that node's environment, not the flow's
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int) -> None:
         worker_process_setup("grpo")
         preflight(cfg, ["grpo"], checks=())  # this node can train (GPUs, torch build)
         self.cfg = cfg
@@ -179,12 +178,13 @@ class TrainerGroup:
         group = HostGroup.reserve(cluster, request, nodes, per_node, cfg.launch.pool_wait_s, "grpo-trainer")
         ranks: list[Hosted] = []
         try:
-            faults = fault_environment()
             world = nodes * per_node
             with ThreadPoolExecutor(world, thread_name_prefix="forge-trainer-start") as pool:
                 ranks = list(
                     pool.map(
-                        lambda k: group.host(k, TrainerRank, (cfg, k, world, faults), f"trainer rank {k}"),
+                        lambda k: group.host(
+                            k, TrainerRank, (cfg, k, world), f"trainer rank {k}", env=fault_environment()
+                        ),
                         range(world),
                     )
                 )

@@ -26,7 +26,9 @@ def main() -> None:
     dist.all_reduce(total)
     print(
         f"gang-rank {dist.get_rank()} of {dist.get_world_size()} node_rank {os.environ.get('GROUP_RANK')} "
-        f"sum {total.item():g} cuda_visible {os.environ.get('CUDA_VISIBLE_DEVICES', '')}",
+        f"sum {total.item():g} cuda_visible {os.environ.get('CUDA_VISIBLE_DEVICES', '')} "
+        f"arenas {os.environ.get('MALLOC_ARENA_MAX')} nice {os.getpriority(os.PRIO_PROCESS, 0)} "
+        f"threads {torch.get_num_threads()}",
         flush=True,
     )
     if args.mode == "hang":

@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from forge_core.compute.gang import Gang, GangRequest, PlacementUnavailable
+from forge_core.compute.tuning import core_share
 from forge_core.launch import LaunchSpec, Outcome
 from tests.ray_cluster import POOL, POOL_NODES
 
@@ -79,6 +80,9 @@ def test_two_nodes_run_one_torchrun_job_with_ray_s_gpus(ray_cluster, workers_env
     for place in places:  # each node's ranks see the GPU Ray gave that node's agent
         assert any(f"[node{place.node_rank}]" in line and f"cuda_visible {place.gpu_ids[0]}" in line
                    for line in ranks), ranks
+    # A node's one rank has the node's cores (not the one thread Ray gives an actor without CPUs of its own), at
+    # normal priority (not Ray's worker niceness), with one malloc arena.
+    assert all(line.endswith(f"arenas 1 nice 0 threads {core_share(1)}") for line in ranks), ranks
     assert ray.util.placement_group_table()  # the group existed ...
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())  # ... and is gone
 
