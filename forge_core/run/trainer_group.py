@@ -178,13 +178,12 @@ class TrainerGroup:
         group = HostGroup.reserve(cluster, request, nodes, per_node, cfg.launch.pool_wait_s, "grpo-trainer")
         ranks: list[Hosted] = []
         try:
+            faults = fault_environment()
             world = nodes * per_node
             with ThreadPoolExecutor(world, thread_name_prefix="forge-trainer-start") as pool:
                 ranks = list(
                     pool.map(
-                        lambda k: group.host(
-                            k, TrainerRank, (cfg, k, world), f"trainer rank {k}", env=fault_environment()
-                        ),
+                        lambda k: group.host(k, TrainerRank, (cfg, k, world), f"trainer rank {k}", env=faults),
                         range(world),
                     )
                 )

@@ -59,7 +59,7 @@ def test_the_flow_s_own_thread_setting_wins(ray_cluster, monkeypatch):
     assert hosted_threads(ray_cluster, "flow-setting", per_node=1) == [("1", 1, 0, "1")]
 
 
-def test_a_niced_process_goes_back_to_normal_priority_or_says_how(tmp_path):
+def test_a_niced_process_goes_back_to_normal_priority_or_says_how():
     script = (
         "import os; from forge_core.compute.tuning import take_cpu_share; "
         "warning = take_cpu_share(1, {}); print(os.getpriority(os.PRIO_PROCESS, 0), repr(warning))"
