@@ -49,9 +49,11 @@ STAGE_MODULES_ENV = "FORGE_STAGE_MODULES"
 # allow_uncorrected_async only lets such a config through validation, max_no_signal_iterations only when the
 # flow stops; the lifetimes and the engines' state folder
 # say which process runs a stage; the engine's memory share and KV-cache size bound what it may hold at once, not
-# what it samples (every request is seeded on its own).
+# what it samples (every request is seeded on its own); how a policy's weights reach the engines does not change
+# them.
 OPERATIONAL_KEYS = (
     "rollout.engine_lifetime",
+    "rollout.weight_sync",
     "rollout.gpu_memory_utilization",
     "rollout.kv_cache_gib",
     "rollout.reward_timeout_s",

@@ -76,7 +76,7 @@ MODEL_CONFIG_FILE = "config.json"
 class PolicyRef:
     uri: str  # the policy artifact: <stage_uri>/policy
     version: str  # weights_version of its manifest: what the engine serves and rollout rows record
-    local_dir: Path
+    local_dir: Path | None  # its verified local copy; None for a reference without one (`policy_ref`)
     manifest_sha256: str = ""  # sha256 of its manifest: the artifact's identity, names the local copy
 
     @property
@@ -171,6 +171,8 @@ _leases_lock = threading.Lock()
 
 def release_policy(policy: PolicyRef) -> None:
     """Let the policy cache prune `policy` again (fetch_policy leased it to this process)."""
+    if policy.local_dir is None:
+        return
     with _leases_lock:
         lease = _leases.pop(policy.local_dir.absolute(), None)
     if lease is not None:
@@ -357,6 +359,24 @@ def _committed_policy_uri(store: ObjectStore, uri: str) -> str:
             f"or its {POLICY_DIR}/"
         )
     return policy_uri(store, uri)
+
+
+def policy_ref(store: ObjectStore, stage_uri: str, input_name: str = "policy") -> PolicyRef:
+    """`<stage_uri>/policy` as `fetch_policy` names it, without a local copy (what a stage needs that only asks
+    engines to serve it); ValueError as `fetch_policy` when it is not a committed policy."""
+    policy_kind(store, stage_uri, input_name)
+    manifest_bytes, manifest = _policy_manifest(store, stage_uri, input_name)
+    return PolicyRef(
+        uri=policy_uri(store, stage_uri),
+        version=weights_version(manifest, f"inputs.{input_name}={stage_uri}/{POLICY_DIR}"),
+        local_dir=None,
+        manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+    )
+
+
+def committed_policy_version(store: ObjectStore, stage_uri: str, input_name: str = "policy") -> str:
+    """The version of `<stage_uri>/policy` (its manifest's `weights_version`), read without downloading it."""
+    return policy_ref(store, stage_uri, input_name).version
 
 
 def fetch_policy(

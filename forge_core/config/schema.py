@@ -533,6 +533,35 @@ class RewardComponentConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """How a new policy reaches the run's engines (forge_core.run.weight_sync). "group": when the flow's trainer
+    group holds the policy the engines are asked to serve (it just trained and committed it), its ranks stream
+    the weights to the engines over a collective group (gloo on CPU), never through storage; anything else (an
+    SFT policy, a resumed run, a stage-lifetime trainer, a failed transfer) goes through the store. "store":
+    always through the store (the engines download the committed policy and reload it)."""
+
+    # "group": from the run's trainer group when it holds the policy, else through the store; "store": always
+    # through the store.
+    transport: Literal["group", "store"] = "group"
+    # The weights travel in broadcasts of at most this many MiB (a larger parameter is a broadcast of its own):
+    # what a sender and each engine hold in flight besides their weights. Below glibc's largest mmap threshold
+    # (32 MiB), a freed bucket's memory is reused for the next one instead of being mapped and faulted in
+    # afresh (bench/weight_sync.py measures the bucket sizes).
+    bucket_mb: int = 16
+    # How long the members of a transfer wait for each other (the rendezvous, each broadcast) before the
+    # transfer fails; the engines then fetch the policy from the store.
+    timeout_s: float = 120.0
+
+    def check(self) -> list[str]:
+        errors = []
+        if self.bucket_mb < 1:
+            errors.append(f"rollout.weight_sync.bucket_mb={self.bucket_mb}: must be >= 1 (MiB per broadcast)")
+        if not self.timeout_s > 0:
+            errors.append(f"rollout.weight_sync.timeout_s={self.timeout_s}: must be > 0 (seconds)")
+        return errors
+
+
+@dataclass
 class DynamicSamplingConfig:
     """DAPO's dynamic sampling (forge_core.rollout.dynamic): a rollout stage that got fewer informative groups
     (reward variance > 0) than `target_groups` generates another round of prompts_per_iteration fresh prompts,
@@ -627,6 +656,7 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rewards: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     # Multi-turn, tool-using episodes instead of single completions (forge_core.envs); off by default.
     env: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     # vLLM engine options. Data parallel: num_engines engines, each a Ray actor with its own cores (CPU) or

@@ -28,10 +28,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, release_policy
+from forge_core.artifacts.policy import (
+    PolicyRef,
+    committed_policy_version,
+    fetch_policy,
+    policy_cache_root,
+    release_policy,
+)
 from forge_core.compute.actors import Hosted, HostGroup, HostLost, HostRequest
 from forge_core.compute.cluster import ComputeCluster
 from forge_core.config import RunConfig
@@ -71,6 +77,7 @@ class EngineHost:
         self.policy = self._fetch(stage_uri)
         options = EngineOptions.from_config(cfg.rollout, seed=seed)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forge-engine-{index}")
+        self._transfer_started = 0.0
         self.generator = self._on_engine_thread(
             Generator, self.policy.local_dir, options, policy_version=self.policy.version
         )
@@ -90,9 +97,11 @@ class EngineHost:
         }
 
     def serve(self, stage_uri: str, stage: str = "") -> dict:
-        """Serve the policy of `stage_uri` to `stage` from now on (fetched here; nothing to load when it is served
-        already)."""
+        """Serve the policy of `stage_uri` to `stage` from now on (fetched here; nothing to fetch or load when it
+        is served already, e.g. after a weight transfer)."""
         _serving_stage(stage)
+        if committed_policy_version(self.store, stage_uri) == self.generator.policy_version:
+            return self.describe()
         policy = self._fetch(stage_uri)
         self._on_engine_thread(self.generator.reload, policy.local_dir, policy.version)
         if policy.local_dir != self.policy.local_dir:
@@ -103,6 +112,26 @@ class EngineHost:
     def reload(self, policy_dir: str, policy_version: str) -> dict:
         """Serve `policy_version` from a folder of this node (Generator.reload)."""
         self._on_engine_thread(self.generator.reload, policy_dir, policy_version)
+        return self.describe()
+
+    # The engine side of a weight transfer (forge_core.run.weight_sync drives it from a trainer rank): vLLM's
+    # round trip, each step on the engine thread.
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._on_engine_thread(self.generator.weight_transfer, "init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._transfer_started = time.perf_counter()
+        self._on_engine_thread(self.generator.weight_transfer, "start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._on_engine_thread(self.generator.weight_transfer, "update_weights", update_info)
+
+    def finish_weight_update(self, policy_version: str) -> dict:
+        """End the transfer: the engine serves `policy_version` from now on."""
+        self._on_engine_thread(self.generator.weight_transfer, "finish_weight_update")
+        self._on_engine_thread(self.generator.weight_transfer, "shutdown_weight_transfer_engine")
+        self.generator.weights_received(policy_version, time.perf_counter() - self._transfer_started)
         return self.describe()
 
     def generate(
@@ -126,6 +155,10 @@ def _serving_stage(stage: str) -> None:
     """The stage the engine serves from now on, which FORGE_FAULT's `@<stage>` names (forge_core.faults)."""
     if stage:
         set_current_stage(stage)
+
+
+# Brings live engines to a policy without the store, or leaves them as they are (forge_core.run.weight_sync).
+WeightPusher = Callable[[list["HostedEngine"]], None]
 
 
 class HostedEngine:
@@ -207,10 +240,19 @@ class EngineActors:
         )  # fmt: skip
         return cls(cfg, seed, group)
 
-    def serve(self, policy: PolicyRef, stage: str = "") -> EngineRouter:
+    def serve(self, policy: PolicyRef, stage: str = "", push: WeightPusher | None = None) -> EngineRouter:
         """Every engine serving `policy` to `stage` (a lost or missing one started anew in its slot, a live one
-        reloaded), all at once; the router over them."""
+        reloaded), all at once; the router over them. `push`, when given, first gets the live engines that serve
+        another version, to bring them to `policy` without the store (forge_core.run.weight_sync); what it
+        leaves behind is fetched as without it."""
         with self._serving, ThreadPoolExecutor(len(self.slots), thread_name_prefix="forge-engine-ensure") as pool:
+            behind = [
+                engine for engine in self.slots
+                if engine is not None and engine.host.lost() is None and not engine.failed
+                and engine.policy_version != policy.version
+            ]  # fmt: skip
+            if push is not None and behind:
+                push(behind)
             list(pool.map(lambda index: self._serve_slot(index, policy, stage), range(len(self.slots))))
             return EngineRouter([engine for engine in self.slots if engine is not None])
 

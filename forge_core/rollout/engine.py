@@ -35,6 +35,12 @@ CPU_THREADS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
+# forge_core.rollout.weight_transfer's backend and the worker extension that registers it (named, not imported:
+# that module imports vLLM).
+TRANSFER_BACKEND = "gloo"
+TRANSFER_REGISTRATION = "forge_core.rollout.weight_transfer.Registered"
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Options of one vLLM engine (see RolloutConfig for what each means)."""
@@ -99,6 +105,10 @@ class EngineOptions:
             "tensor_parallel_size": self.tensor_parallel_size,
             # Logprobs of the raw model output: what the trainer recomputes from the same weights.
             "logprobs_mode": "raw_logprobs",
+            # New weights can come from the trainer over a collective group (forge_core.rollout.weight_transfer,
+            # whose import, named as the workers' extension, registers the backend in their process).
+            "weight_transfer_config": {"backend": TRANSFER_BACKEND},
+            "worker_extension_cls": TRANSFER_REGISTRATION,
         }
         cpu = on_cpu()
         kwargs.update(self.memory_kwargs(cpu=cpu))

@@ -102,6 +102,18 @@ class Generator:
         self.reload_s = time.perf_counter() - start
         return self.reload_s
 
+    def weight_transfer(self, method: str, *args) -> None:
+        """One step of vLLM's weight-transfer round trip in the engine's workers (`init_weight_transfer_engine`,
+        `start_weight_update`, `update_weights`, `finish_weight_update`: forge_core.rollout.weight_transfer)."""
+        self._llm.collective_rpc(method, args=args)
+
+    def weights_received(self, policy_version: str, seconds: float) -> None:
+        """Serve `policy_version` from now on: its weights came over a transfer, in place. Cached prompt prefixes
+        are dropped (computed with the old weights); the folder stays the one the engine started from (same
+        architecture and tokenizer)."""
+        self._llm.reset_prefix_cache()
+        self.policy_version, self.reload_s = policy_version, seconds
+
     # ---- lifetime -------------------------------------------------------------------------------------
 
     def close(self) -> None:

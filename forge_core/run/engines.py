@@ -5,7 +5,9 @@
 
 The engines are actors on the rollout pool's nodes (forge_core.rollout.actor_engines): the flow run's
 (`rollout.engine_lifetime: flow`, held by its FlowResources across stages and ended with it) or the stage's own
-(`stage`, ended when the stage ends); what the stage commits records the pool and each engine's Ray node. A stop
+(`stage`, ended when the stage ends); what the stage commits records the pool and each engine's Ray node. A
+policy the run's trainer group holds reaches the engines from its ranks, not from the store
+(forge_core.run.weight_sync). A stop
 of the run's engines (FlowResources.stop_engines: a deadline, a cancel) ends the stage's calls into them.
 """
 
@@ -14,10 +16,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from forge_core.artifacts.policy import PolicyRef
+from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, policy_ref
 from forge_core.config import RunConfig
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.run.resources import FlowResources
+from forge_core.run.scaffold import StageContext
+from forge_core.run.weight_sync import trainer_pusher
 from forge_core.storage.manifest import placement_scope
 
 
@@ -25,7 +29,17 @@ from forge_core.storage.manifest import placement_scope
 def stage_engines(cfg: RunConfig, policy: PolicyRef, seed: int, stage: str) -> Iterator[GenerationEngine]:
     """The engines serving `policy` to `stage` (module docstring); `seed` is the engines' own seed (samples depend
     on the per-request seeds only)."""
-    with FlowResources.of(cfg).engine_actors(seed) as engines:
-        router = engines.serve(policy, stage)
+    resources = FlowResources.of(cfg)
+    with resources.engine_actors(seed) as engines:
+        router = engines.serve(policy, stage, push=trainer_pusher(resources, policy))
         with placement_scope(engines.placement()):
             yield router
+
+
+def stage_policy(ctx: StageContext, environment: object | None) -> PolicyRef:
+    """The policy a rollout or evaluate stage samples with (its `policy` input). The stage keeps a local copy only
+    when an environment encodes its observations with the policy's tokenizer; otherwise only the engines need
+    the weights, and they get them themselves (from the run's trainer group or the store)."""
+    if environment is None:
+        return policy_ref(ctx.store, ctx.input("policy"))
+    return fetch_policy(ctx.store, ctx.input("policy"), cache_root=policy_cache_root(ctx.cfg.logging.dir))

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, release_policy
+from forge_core.artifacts.policy import PolicyRef, release_policy
 from forge_core.config import RunConfig
 from forge_core.envs import Environment, environment_from_config, environment_json, episode_metrics
 from forge_core.rewards import RewardSet
@@ -31,7 +31,7 @@ from forge_core.rollout.prompts import prompts_from_table
 from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import evaluation_sampling
 from forge_core.rollout.types import Prompt
-from forge_core.run.engines import stage_engines
+from forge_core.run.engines import stage_engines, stage_policy
 from forge_core.run.rollout import Generation, engine_metrics, generate_samples, read_prompt_split
 from forge_core.run.scaffold import StageContext
 
@@ -69,7 +69,7 @@ def plan_evaluation(ctx: StageContext) -> EvalPlan:
             table.num_rows,
         )
     prompts = prompts_from_table(table.slice(0, cfg.eval.num_prompts))
-    policy = fetch_policy(ctx.store, ctx.input("policy"), cache_root=policy_cache_root(ctx.cfg.logging.dir))
+    policy = stage_policy(ctx, environment)
     return EvalPlan(ctx=ctx, prompts=prompts, rewards=rewards, policy=policy, environment=environment)
 
 

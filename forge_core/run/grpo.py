@@ -214,6 +214,8 @@ def train(ctx: StageContext) -> None:
     iteration = int(ctx.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
     inputs = resolve_inputs(ctx, kl_on=loss.kl is not None)
+    if ctx.held is not None:
+        ctx.held.drop()  # the previous stage's model goes before this one is built
     with training_process_group(ctx) as dist:
         policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist)
         # Every rank builds the model its policy's config.json describes (rank 0 alone holds the folder).
@@ -254,5 +256,7 @@ def train(ctx: StageContext) -> None:
                 "optimizer_init": "fresh",
             }
             run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history)
+            if ctx.held is not None:
+                ctx.held.keep(engine, ctx.output_uri)  # the exported weights, for the engines (weight_sync)
         finally:
             trainer.close()

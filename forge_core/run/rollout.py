@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from forge_core.artifacts.policy import PolicyRef, fetch_policy, policy_cache_root, release_policy
+from forge_core.artifacts.policy import PolicyRef, release_policy
 from forge_core.config import RunConfig
 from forge_core.config.schema import SamplingConfig
 from forge_core.data.schemas import TABLES
@@ -57,7 +57,7 @@ from forge_core.rollout.protocol import GenerationEngine
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
 from forge_core.rollout.types import Prompt, Sample
-from forge_core.run.engines import stage_engines
+from forge_core.run.engines import stage_engines, stage_policy
 from forge_core.run.scaffold import StageContext
 from forge_core.run.spec import StageSpec
 from forge_core.storage import ArtifactError, ObjectStore
@@ -168,7 +168,7 @@ def plan_rollout(ctx: StageContext) -> RolloutPlan:
     per_iteration = cfg.rollout.prompts_per_iteration
     first_slot = DynamicSampling(cfg.rollout.dynamic_sampling, per_iteration).slot(iteration, 0)
     prompts = iteration_prompts(table, per_iteration, first_slot, seed)
-    policy = fetch_policy(store, ctx.input("policy"), cache_root=policy_cache_root(ctx.cfg.logging.dir))
+    policy = stage_policy(ctx, environment)
     return RolloutPlan(
         ctx=ctx,
         iteration=iteration,

@@ -50,6 +50,23 @@ log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class HeldPolicy:
+    """What a long-lived trainer rank keeps of its last training stage: the engine it trained (its weights on
+    this rank) and the stage artifact that committed them, so that the weights can be streamed to the rollout
+    engines without the store (forge_core.run.weight_sync). A stage drops what is held before it builds its
+    own engine, so a rank never holds two models."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.stage_uri: str | None = None
+
+    def keep(self, engine: Any, stage_uri: str) -> None:
+        self.engine, self.stage_uri = engine, stage_uri.rstrip("/")
+
+    def drop(self) -> None:
+        self.engine = self.stage_uri = None
+
+
 @dataclass(frozen=True)
 class StageContext:
     """One stage run, checked and ready for its body (module docstring)."""
@@ -64,6 +81,8 @@ class StageContext:
     # A process group a trainer rank keeps up across its stages (forge_core.run.trainer_group); None = the stage
     # makes its own if it needs one (forge_core.run.training).
     process_group: Any = None
+    # Where such a rank keeps the policy its last stage trained (HeldPolicy); None = nothing outlives the stage.
+    held: HeldPolicy | None = None
 
     @property
     def output_uri(self) -> str:
@@ -112,6 +131,7 @@ def stage_context(
     *,
     started: float | None = None,
     process_group: Any = None,
+    held: HeldPolicy | None = None,
 ) -> StageContext | None:
     """The checked context of a stage run (steps 1-5 of the module docstring); None when its output is already
     committed. `cfg`: the RunConfig object the task holds (not validated again); None = validate the spec's."""
@@ -134,7 +154,7 @@ def stage_context(
     }
     return StageContext(
         spec=spec, stage=stage, cfg=cfg, store=store, started=started, input_kinds=kinds,
-        process_group=process_group,
+        process_group=process_group, held=held,
     )  # fmt: skip
 
 
@@ -155,9 +175,10 @@ def run_spec(
     *,
     started: float | None = None,
     process_group: Any = None,
+    held: HeldPolicy | None = None,
 ) -> None:
     """Run the stage `spec` names, with the scaffold around its body (module docstring)."""
-    ctx = stage_context(spec, cfg, started=started, process_group=process_group)
+    ctx = stage_context(spec, cfg, started=started, process_group=process_group, held=held)
     if ctx is None:
         return
     body = stage_body(ctx.stage)

@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,8 +52,9 @@ from forge_core.launch.spec import DEADLINE_ENV
 from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
-from forge_core.run.scaffold import run_spec, worker_process_setup
+from forge_core.run.scaffold import HeldPolicy, run_spec, worker_process_setup
 from forge_core.run.spec import read_spec
+from forge_core.run.weight_sync import WeightPush, push_held_weights
 from forge_core.stages import stage_named
 from forge_core.storage.manifest import PLACEMENT_ENV
 
@@ -80,6 +82,7 @@ class TrainerRank:
         self.heartbeat_dir = tempfile.mkdtemp(prefix=f"forge-trainer-rank{rank}-")
         os.environ[HEARTBEAT_DIR_ENV] = self.heartbeat_dir
         self.dist: Any = None
+        self.held = HeldPolicy()
 
     def free_port(self, address: str) -> int:
         """A free port on this node's `address`, for the group's rendezvous (rank 0 only)."""
@@ -109,12 +112,22 @@ class TrainerRank:
         if stage_named(spec.stage).flow_runner != TrainerGroupRunner.serves:
             raise ValueError(f"{spec_uri}: a {spec.stage} stage, which the trainer group does not run")
         with _forwarded_records(log, self.rank):
-            run_spec(spec, process_group=self.dist, started=started)
+            run_spec(spec, process_group=self.dist, started=started, held=self.held)
+
+    def held_stage(self) -> str | None:
+        """The stage artifact whose policy this rank holds (its last order's), None when it holds none."""
+        return self.held.stage_uri
+
+    def push_weights(self, push: WeightPush) -> float:
+        """Stream the held policy to the engines of `push` (every rank at once: forge_core.run.weight_sync);
+        the seconds it took."""
+        return push_held_weights(self.held, push)
 
     def heartbeat(self) -> Heartbeat | None:
         return read_heartbeats(self.heartbeat_dir).get(self.rank)
 
     def close(self) -> None:
+        self.held.drop()
         destroy_distributed()
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
 
@@ -158,11 +171,16 @@ class GroupShape:
 class TrainerGroup:
     """The run's trainer ranks on their nodes (module docstring)."""
 
+    call_timeout_s = RANK_CALL_S
+
     def __init__(self, shape: GroupShape, group: HostGroup, ranks: list[Hosted], placement: dict) -> None:
         self.shape = shape
         self.group = group
         self.ranks = ranks
         self.placement = placement
+        # Held by an order while it runs and by a weight push (forge_core.run.weight_sync): the ranks do one at a
+        # time, since both are collectives of every rank.
+        self.busy = threading.Lock()
 
     @classmethod
     def start(cls, cluster: ComputeCluster, cfg: RunConfig, log_line: LogSink) -> TrainerGroup:
@@ -331,8 +349,15 @@ class _Order:
         self.trainer = trainer
         self.plan = plan
         self._resources = resources
+        # A weight push in progress ends first (seconds; each of its steps is bounded by weight_sync.timeout_s).
+        self._holding = trainer.busy.acquire(timeout=4 * resources.cfg.rollout.weight_sync.timeout_s)
         self._started = time.monotonic()
         self._calls = [rank.stream("run", plan.spec_uri, log_sink=log) for rank in trainer.ranks]
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.trainer.busy.release()
 
     def wait(self, timeout: float) -> LaunchResult | None:
         until = time.monotonic() + timeout
@@ -346,6 +371,7 @@ class _Order:
             if not done:
                 return self._first_failure()
             pending.pop(0)
+        self._release()
         return LaunchResult(Outcome.SUCCESS, 0, "committed by the run's trainer group")
 
     def _first_failure(self) -> LaunchResult | None:
@@ -362,6 +388,7 @@ class _Order:
         that died (its collective broke), so the group is probed first: a rank whose actor or node is gone makes
         the attempt RETRYABLE, naming it; otherwise `exc` is classified as a worker's would be."""
         _, gone = self.trainer.probe()
+        self._release()
         forget_trainer_group(self._resources, self.trainer)
         if gone:
             names = "; ".join(f"rank {j}: {why}" for j, why in sorted(gone.items()))
@@ -373,5 +400,6 @@ class _Order:
     def stop(self, reason: str) -> LaunchResult:
         """End the group (a rank may be in a collective that never completes); the result names a stalled rank."""
         stall = self.trainer.stall("the group was stopped")
+        self._release()
         forget_trainer_group(self._resources, self.trainer)
         return LaunchResult(Outcome.CANCELLED, None, reason, stall=stall)

@@ -4,8 +4,9 @@ flows, against the stage lifetime (`grpo.trainer_lifetime: stage`, each iteratio
 On the tiny config with a reward that varies within groups (so GRPO really updates the policy):
 
 - a real post-train flow process with the defaults (its own embedded Ray, its own launch registry): one trainer
-  group of 1 node x 2 ranks serves both iterations; no process of the run (engines, ranks, Ray itself) survives
-  the flow;
+  group of 1 node x 2 ranks serves both iterations, and each trained policy reaches the run's engine from its
+  ranks (forge_core.run.weight_sync), not from the store; no process of the run (engines, ranks, Ray itself)
+  survives the flow;
 - its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), in this process on the
   test run's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
   policies, bitwise, and the same step metrics;
@@ -211,6 +212,22 @@ def test_one_group_serves_every_iteration_and_nothing_survives(flow_lifetime_run
     assert any("raylet" in cmd for cmd in run.seen.values()), run.seen  # the embedded Ray was the flow's own
     assert "stopped the run's trainer group" in run.log
     _assert_nothing_survives(run)
+
+
+def test_engines_take_each_trained_policy_from_the_trainer_group(flow_lifetime_run):
+    """rollout.weight_sync.transport=group (the default): each GRPO iteration's policy reaches the run's engine
+    from the trainer ranks, never through the store, and the next rollouts are sampled with it."""
+    from forge_core.artifacts.policy import committed_policy_version
+
+    run = flow_lifetime_run
+    assert run.returncode == 0, run.log[-4000:]
+    for iteration in (0, 1):
+        uri = run.grpo_uri(iteration)
+        assert f"weight sync: {uri} to 1 engine(s) from the trainer group" in run.log, run.log[-4000:]
+        assert f"policy {uri}/policy at" not in run.log  # no engine fetched it from the store
+    sampled = run.store.read_manifest(run.grpo_uri(1)).inputs["rollouts"].uri
+    versions = set(run.store.reader(sampled).read_table("rollouts.parquet").column("policy_version").to_pylist())
+    assert versions == {committed_policy_version(run.store, run.grpo_uri(0))}
 
 
 def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, ray_cluster, tmp_path):

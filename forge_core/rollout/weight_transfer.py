@@ -1,0 +1,342 @@
+"""Weights from the trainer to running vLLM engines through a collective group, on vLLM's weight-transfer API.
+
+vLLM defines the contract (vllm.distributed.weight_transfer): an engine is configured with a backend
+(`weight_transfer_config={"backend": ...}`); its workers then take `init_weight_transfer_engine`,
+`start_weight_update`, `update_weights` and `finish_weight_update`, and a trainer-side engine drives that round
+trip through a client. vLLM ships NCCL backends for GPUs. This module adds the CPU one, `gloo`, and registers it
+with vLLM's factories when imported:
+
+    LLM(..., weight_transfer_config={"backend": "gloo"}, worker_extension_cls=REGISTRATION)   # EngineOptions does
+    sender = GlooTrainerEngine.trainer_init(GlooTrainerInit(..., rank=0), client=client, source=source)
+    sender.send_weights()                                # every engine behind `client` now holds the weights
+
+A group is one sender (a trainer rank, rank 0 of the group) and the engines it serves (ranks 1..K). The sender
+streams the weights in buckets of at most `bucket_bytes` (a parameter larger than that is a bucket of its own):
+each bucket is one gloo broadcast of the parameters' bytes, which the engines cut along the same plan (both
+sides plan from the same metadata) and load with the model's `load_weights`, two buckets travelling while the
+next is filled or loaded. Nothing is written to disk.
+
+`REGISTRATION` names a worker extension whose import registers the backend, so an engine core that runs in a
+process of its own (vLLM's multiprocessing) knows it too.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import logging
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from forge_core.rollout.engine import TRANSFER_BACKEND, TRANSFER_REGISTRATION
+
+log = logging.getLogger(__name__)
+
+BACKEND = TRANSFER_BACKEND
+REGISTRATION = TRANSFER_REGISTRATION
+# How long a group's members wait for each other (rendezvous and each broadcast) before failing.
+TRANSFER_TIMEOUT_S = 300.0
+# Buckets travelling at once: the next is filled (sender) or loaded (engine) while one travels.
+IN_FLIGHT = 2
+
+
+class Registered:
+    """vLLM's worker extension whose only effect is this module's import (the backend's registration)."""
+
+
+# ---- what both sides agree on ------------------------------------------------------------------------------------
+
+
+@dataclass
+class GlooInit(WeightTransferInitInfo):
+    """An engine's part in a group: the sender's rendezvous, this engine's rank, and the bucket size."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    bucket_bytes: int
+    listen_address: str = "127.0.0.1"
+    timeout_s: float = TRANSFER_TIMEOUT_S
+
+
+@dataclass
+class GlooTrainerInit(TrainerInitInfo):
+    """The sender's side of a group: its rendezvous (it hosts the store), the group's size, the bucket size."""
+
+    backend: ClassVar[str] = BACKEND
+    master_address: str
+    master_port: int
+    world_size: int
+    bucket_bytes: int
+    timeout_s: float = TRANSFER_TIMEOUT_S
+
+
+@dataclass
+class GlooUpdate(WeightTransferUpdateInfo):
+    """One round's parameters, in the order the sender streams them."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    @classmethod
+    def of(cls, meta: Sequence[ParamMeta]) -> GlooUpdate:
+        return cls(
+            [m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta]
+        )
+
+    def params(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(name, getattr(torch, dtype), tuple(shape))
+            for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes, strict=True)
+        ]
+
+
+def nbytes(meta: ParamMeta) -> int:
+    return torch.Size(meta.shape).numel() * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def plan_buckets(params: Sequence[ParamMeta], bucket_bytes: int) -> list[range]:
+    """Consecutive runs of parameter indices, each at most `bucket_bytes` unless one parameter alone is larger."""
+    buckets: list[range] = []
+    start, size = 0, 0
+    for index, meta in enumerate(params):
+        size_k = nbytes(meta)
+        if index > start and size + size_k > bucket_bytes:
+            buckets.append(range(start, index))
+            start, size = index, 0
+        size += size_k
+    if start < len(params):
+        buckets.append(range(start, len(params)))
+    return buckets
+
+
+def open_group(
+    master_address: str, master_port: int, rank: int, world_size: int, listen_address: str, timeout_s: float
+) -> torch.distributed.ProcessGroup:
+    """A gloo group of its own (not torch's default group): rank 0 hosts the store at `master_address:master_port`;
+    this member's connections listen on `listen_address` only."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = torch.distributed.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=listen_address)]
+    prefixed = torch.distributed.PrefixStore("forgeflow-weights", store)
+    return torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+def start_broadcast(group: torch.distributed.ProcessGroup, buffer: torch.Tensor):
+    """Start sending rank 0's `buffer` into every member's (a collective of the whole group); its work object,
+    whose `wait()` returns once this member's part is done. Broadcasts complete in the order they were started."""
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([buffer], options)
+
+
+def pipelined(buckets: Iterator[tuple[Any, torch.Tensor]], group: torch.distributed.ProcessGroup):
+    """Broadcast each (item, buffer) of `buckets` with up to IN_FLIGHT of them travelling at once; yields each
+    item once its buffer has arrived (sent). The next buckets are filled (sender) or loaded (engine) while
+    earlier ones travel."""
+    travelling: collections.deque = collections.deque()
+    for item, buffer in buckets:
+        travelling.append((item, start_broadcast(group, buffer)))
+        if len(travelling) >= IN_FLIGHT:
+            done, work = travelling.popleft()
+            work.wait()
+            yield done
+    while travelling:
+        done, work = travelling.popleft()
+        work.wait()
+        yield done
+
+
+# ---- the engine side (in vLLM's worker) -------------------------------------------------------------------------
+
+
+class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
+    """A vLLM worker's end of a group (module docstring): receives each bucket and loads its parameters."""
+
+    init_info_cls = GlooInit
+    update_info_cls = GlooUpdate
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: torch.distributed.ProcessGroup | None = None
+        self.bucket_bytes = 0
+
+    def init_transfer_engine(self, init_info: GlooInit) -> None:
+        rank = init_info.rank_offset + self.parallel_config.rank
+        self.bucket_bytes = init_info.bucket_bytes
+        self.group = open_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.listen_address,
+            init_info.timeout_s,
+        )  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        """vLLM's layerwise reload: a layer's parameters take checkpoint-format weights again (on CPU vLLM repacks
+        linear weights after loading) and each layer is processed once all of its weights have come."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: GlooUpdate) -> None:
+        if self.group is None:
+            raise RuntimeError("the gloo weight transfer was not initialized: call init_weight_transfer_engine first")
+        params = update_info.params()
+
+        def empty_buckets():
+            for bucket in plan_buckets(params, self.bucket_bytes):
+                metas = [params[k] for k in bucket]
+                # A fresh buffer per bucket: vLLM's layerwise reload keeps views of a layer's weights until the
+                # layer is complete, so a buffer is never reused.
+                buffer = torch.empty(sum(nbytes(m) for m in metas), dtype=torch.uint8)
+                yield (buffer, metas), buffer
+
+        for buffer, metas in pipelined(empty_buckets(), self.group):
+            self.model.load_weights(list(_unpacked(buffer, metas)))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes an accelerator after each update; a gloo broadcast has completed already.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _unpacked(buffer: torch.Tensor, metas: Sequence[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = 0
+    for meta in metas:
+        size = nbytes(meta)
+        yield meta.name, buffer[offset : offset + size].view(meta.dtype).view(meta.shape)
+        offset += size
+
+
+# ---- the trainer side ------------------------------------------------------------------------------------------
+
+
+class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
+    """A trainer rank's end of a group (module docstring). Every rank of the trainer iterates `source` (gathering
+    a sharded parameter is a collective of the trainer's ranks); a rank that is a group's sender also broadcasts
+    each bucket and drives its engines through `client`."""
+
+    init_info_cls = GlooTrainerInit
+
+    def __init__(
+        self, *, client: VLLMWeightSyncClient, source: WeightSource | None, is_sender: bool, bucket_bytes: int
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.bucket_bytes = bucket_bytes
+        self.group: torch.distributed.ProcessGroup | None = None
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: GlooTrainerInit, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> GlooTrainerEngine:
+        if source is None:
+            raise ValueError("the gloo weight transfer streams a WeightSource; pass source=")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
+        if not engine.is_sender:
+            return engine
+        worker_init = GlooInit(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            bucket_bytes=init_info.bucket_bytes,
+            timeout_s=init_info.timeout_s,
+        )
+        # The engines wait in their rendezvous until the sender has joined: both at once.
+        with ThreadPoolExecutor(1, thread_name_prefix="forge-weights-init") as pool:
+            joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(worker_init))
+            engine.group = open_group(
+                init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.master_address,
+                init_info.timeout_s,
+            )  # fmt: skip
+            joined.result()
+        return engine
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        params = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:  # the trainer-side gathers only
+                pass
+            return
+        assert self.group is not None, "trainer_init opens the sender's group"
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="forge-weights-update")
+        try:
+            received = pool.submit(self.client.update_weights, dataclasses.asdict(GlooUpdate.of(params)))
+            self._broadcast(params)
+            received.result()
+        finally:
+            # A failed broadcast leaves the engines waiting in theirs: never join their call here.
+            pool.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def _broadcast(self, params: list[ParamMeta]) -> None:
+        pairs = iter(self.source)  # type: ignore[arg-type]
+
+        buckets = plan_buckets(params, self.bucket_bytes)
+        largest = max((sum(nbytes(params[k]) for k in bucket) for bucket in buckets), default=0)
+        # IN_FLIGHT buffers, reused: when bucket k is filled, the broadcast of bucket k - IN_FLIGHT has ended
+        # (`pipelined` waits for it before starting the next), and fresh pages would cost a fault each.
+        ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(min(IN_FLIGHT, len(buckets)))]
+
+        def filled_buckets():
+            for index, bucket in enumerate(buckets):
+                metas = [params[k] for k in bucket]
+                buffer = ring[index % len(ring)][: sum(nbytes(m) for m in metas)]
+                for (_, slot), k in zip(_unpacked(buffer, metas), bucket, strict=True):
+                    name, tensor = next(pairs)
+                    expected = params[k]
+                    if name != expected.name or tuple(tensor.shape) != expected.shape:
+                        raise ValueError(
+                            f"weight source: parameter {k} is {name} {tuple(tensor.shape)}, its metadata said "
+                            f"{expected.name} {expected.shape}"
+                        )
+                    slot.copy_(tensor.detach())  # cast to the wire dtype and packed in one copy
+                yield None, buffer
+
+        for _ in pipelined(filled_buckets(), self.group):  # type: ignore[arg-type]
+            pass
+        if next(pairs, None) is not None:
+            raise ValueError(f"weight source: more parameters than its metadata's {len(params)}")
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _register() -> None:
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, GlooEngine)
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerEngine)
+
+
+_register()

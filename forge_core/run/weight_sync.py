@@ -1,0 +1,235 @@
+"""A new policy from the flow's trainer group to its engines without the store (`rollout.weight_sync.transport:
+group`).
+
+    router = engines.serve(policy, stage, push=trainer_pusher(resources, policy))   # forge_core.run.engines
+
+When a rollout or evaluate stage asks the run's engines to serve a policy that the run's trainer group holds (its
+last GRPO order trained and committed it: forge_core.run.scaffold.HeldPolicy), the engines that serve another
+version receive it from the trainer ranks: each engine from a trainer rank on its own node (from rank 0 when its
+node has none), one transfer group per such sender (forge_core.rollout.weight_transfer: vLLM's weight-transfer
+API, its gloo backend). Every trainer rank takes part, since gathering a sharded parameter is a collective of the
+ranks; a sender streams the gathered parameters, in the dtype and under the names of the exported policy, in
+buckets of `rollout.weight_sync.bucket_mb` to its engines, which load them in place and then serve the policy's
+version: the same tensors the store holds, so the same version. A group lives for one push, so an engine that
+was restarted since simply takes part in the next.
+
+A push needs the trainer group idle: it waits for nothing and leaves the engines to the store while an order
+runs (an asynchronous run trains while it samples). A push that fails (an engine or a rank lost, a member past
+`rollout.weight_sync.timeout_s`) is logged, the trainer group is ended (a rank may wait in a gather that never
+completes; the next GRPO order places a new one), and `EngineActors.serve` then brings every engine to the policy
+from the store, restarting lost ones, as it does without a trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from forge_core.artifacts.policy import PolicyRef
+from forge_core.models.hf import titan_to_hf_state_dict
+from forge_core.run.resources import FlowResources
+from forge_core.run.scaffold import HeldPolicy
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """An engine a sender serves: its Ray actor (a hosted EngineHost), where it listens, its workers."""
+
+    actor: Any
+    address: str
+    workers: int
+    name: str
+
+
+@dataclass(frozen=True)
+class WeightPush:
+    """One trainer rank's part in a push: the policy, and for a sender its group's rendezvous and engines."""
+
+    stage_uri: str
+    version: str
+    bucket_bytes: int
+    timeout_s: float
+    master_address: str = ""
+    master_port: int = 0
+    engines: tuple[EngineTarget, ...] = ()
+
+
+# ---- on a trainer rank ------------------------------------------------------------------------------------------
+
+
+class HeldPolicySource:
+    """vLLM's WeightSource over a trainer's model, named as in the exported HF folder (forge_core.models.hf):
+    `metadata` declares the export dtype, what travels; iteration yields each parameter gathered (a collective of
+    the trainer's ranks) but not cast, since the gloo sender casts as it packs (one copy, not two)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.dtype = engine.export_dtype
+
+    def _hf(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return titan_to_hf_state_dict({key: tensor}, self.engine.model_config)
+
+    def metadata(self) -> list:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        params = []
+        for key, value in self.engine.model.state_dict().items():
+            shell = torch.empty(value.shape, dtype=self.dtype, device="meta")
+            params += [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._hf(key, shell).items()]
+        return params
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The live tensors (gathered, renamed, in the model's dtype): the sender casts each as it packs it."""
+        for key, value in self.engine.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            yield from self._hf(key, full.detach()).items()
+
+
+class EngineGroupClient:
+    """vLLM's VLLMWeightSyncClient over a sender's engines: each step on every engine at once, through Ray."""
+
+    def __init__(self, engines: tuple[EngineTarget, ...], version: str, timeout_s: float) -> None:
+        self.engines = engines
+        self.version = version
+        self.timeout_s = timeout_s
+
+    def _on_every_engine(self, method: str, args_of) -> list:
+        import ray
+
+        refs = [target.actor.call.remote(method, *args_of(k, target)) for k, target in enumerate(self.engines)]
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            late = [t.name for t, ref in zip(self.engines, refs) if not ray.wait([ref], timeout=0)[0]]
+            raise TimeoutError(f"weight transfer: {', '.join(late)} did not finish {method} in {self.timeout_s:g} s")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        offsets = [init_info["rank_offset"] + sum(t.workers for t in self.engines[:k]) for k in range(len(self.engines))]
+        self._on_every_engine(
+            "init_weight_transfer_engine",
+            lambda k, target: ({**init_info, "rank_offset": offsets[k], "listen_address": target.address},),
+        )
+
+    def start_weight_update(self) -> None:
+        self._on_every_engine("start_weight_update", lambda k, target: ())
+
+    def update_weights(self, update_info: dict) -> None:
+        self._on_every_engine("update_weights", lambda k, target: (update_info,))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._on_every_engine("finish_weight_update", lambda k, target: (weight_version or self.version,))
+
+
+def push_held_weights(held: HeldPolicy, push: WeightPush) -> float:
+    """This rank's part in `push` (module docstring): the seconds it took.
+
+    Raises:
+        RuntimeError: the rank holds another policy than the push's (the flow asked the wrong group).
+    """
+    from forge_core.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInit
+
+    if held.engine is None or held.stage_uri != push.stage_uri.rstrip("/"):
+        raise RuntimeError(f"weight push of {push.stage_uri}: this rank holds {held.stage_uri or 'no policy'}")
+    started = time.perf_counter()
+    source = HeldPolicySource(held.engine)
+    client = EngineGroupClient(push.engines, push.version, push.timeout_s)
+    if push.engines:
+        world = 1 + sum(target.workers for target in push.engines)
+        init = GlooTrainerInit(
+            push.master_address, push.master_port, world, push.bucket_bytes, push.timeout_s, rank=0
+        )
+        sender = GlooTrainerEngine.trainer_init(init, client=client, source=source)
+    else:
+        sender = GlooTrainerEngine(client=client, source=source, is_sender=False, bucket_bytes=push.bucket_bytes)
+    try:
+        sender.send_weights()
+    finally:
+        sender.shutdown()
+    return time.perf_counter() - started
+
+
+# ---- on the flow's side -----------------------------------------------------------------------------------------
+
+
+def trainer_pusher(resources: FlowResources, policy: PolicyRef):
+    """The `push` of EngineActors.serve for `policy` (module docstring); None when weights go through the store
+    (`rollout.weight_sync.transport: store`)."""
+    if resources.cfg.rollout.weight_sync.transport != "group":
+        return None
+    return lambda behind: push_policy(resources, behind, policy)
+
+
+def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> float | None:
+    """Bring the engines `behind` (HostedEngines serving another version) to `policy` from the run's trainer group
+    when it holds it; the seconds it took, None when the group does not hold it, is busy or the push failed."""
+    from forge_core.run.trainer_group import forget_trainer_group
+
+    with resources.lock:
+        trainer = resources.trainer_group
+    if trainer is None or trainer.lost() is not None:
+        return None
+    if not trainer.busy.acquire(blocking=False):
+        log.info("weight sync: the trainer group is training; the engines take %s from the store", policy.stage_uri)
+        return None
+    try:
+        held = trainer.ranks[0].call("held_stage", timeout=trainer.call_timeout_s)
+        if held != policy.stage_uri.rstrip("/"):
+            return None
+        seconds = _push(trainer, behind, policy, resources.cfg.rollout)
+    except Exception as exc:  # noqa: BLE001 - the store is the fallback; the group may be stuck in a gather
+        log.warning(
+            "weight sync of %s to %s failed (%s: %s); ending the trainer group, the engines take it from the store",
+            policy.stage_uri, ", ".join(engine.name for engine in behind), type(exc).__name__, exc,
+        )  # fmt: skip
+        trainer.busy.release()
+        forget_trainer_group(resources, trainer)
+        return None
+    trainer.busy.release()
+    for engine in behind:
+        engine.refresh(engine.host.call("describe"))
+    log.info(
+        "weight sync: %s to %d engine(s) from the trainer group in %.2f s (no store)", policy.stage_uri, len(behind),
+        seconds,
+    )  # fmt: skip
+    return seconds
+
+
+def _push(trainer: Any, behind: list, policy: PolicyRef, rollout: Any) -> float:
+    """Every rank's part at once: an engine goes to the first rank on its node, else to rank 0."""
+    sync = rollout.weight_sync
+    first_rank_on = {}
+    for k, rank in enumerate(trainer.ranks):
+        first_rank_on.setdefault(rank.place.node_id, k)
+    served: dict[int, list[EngineTarget]] = {}
+    for engine in behind:
+        target = EngineTarget(engine.host.actor, engine.host.place.address, rollout.tensor_parallel_size, engine.name)
+        served.setdefault(first_rank_on.get(engine.host.place.node_id, 0), []).append(target)
+    common = {"stage_uri": policy.stage_uri, "version": policy.version, "bucket_bytes": sync.bucket_mb * MIB,
+              "timeout_s": sync.timeout_s}  # fmt: skip
+    pushes = []
+    for k, rank in enumerate(trainer.ranks):
+        if k in served:
+            port = rank.call("free_port", rank.place.address, timeout=trainer.call_timeout_s)
+            pushes.append(WeightPush(**common, master_address=rank.place.address, master_port=port,
+                                     engines=tuple(served[k])))  # fmt: skip
+        else:
+            pushes.append(WeightPush(**common))
+    started = time.monotonic()
+    # Bounded: the rendezvous, then every bucket, each within timeout_s on its own.
+    bound = sync.timeout_s * 4
+    with ThreadPoolExecutor(len(pushes), thread_name_prefix="forge-weight-push") as pool:
+        calls = [pool.submit(rank.call, "push_weights", push, timeout=bound) for rank, push in zip(trainer.ranks, pushes)]
+        for call in calls:
+            call.result()
+    return time.monotonic() - started

@@ -1,0 +1,109 @@
+"""Weights from a trainer to a running vLLM engine over a transfer group (forge_core.rollout.weight_transfer, the
+gloo backend of vLLM's weight-transfer API, driven as forge_core.run.weight_sync drives it from a trainer rank).
+
+The trainer is a real torchtitan engine started from the world's policy with its weights moved; the receiving
+engine is a real in-process vLLM engine. After a transfer, every parameter of vLLM's model equals, bitwise, what
+the same engine holds after reloading the folder the trainer's export writes: the transfer delivers the
+exported policy, not an approximation of it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import torch
+from torch.distributed.tensor import DTensor
+from vllm.distributed.weight_transfer.base import ParamMeta
+
+from forge_core.config import load_config
+from forge_core.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInit, plan_buckets
+from forge_core.run.weight_sync import HeldPolicySource
+from tests.rollout.conftest import ENGINE_POLICY_VERSION, MODEL_CFG
+
+
+def test_buckets_cover_every_parameter_in_order_within_the_bound():
+    sizes = [(4,), (8, 8), (2,), (100,), (3,)]  # 16, 256, 8, 400, 12 bytes in float32
+    params = [ParamMeta(f"p{k}", torch.float32, shape) for k, shape in enumerate(sizes)]
+    assert [list(b) for b in plan_buckets(params, bucket_bytes=300)] == [[0, 1, 2], [3], [4]]
+    assert [list(b) for b in plan_buckets(params, bucket_bytes=1000)] == [[0, 1, 2, 3, 4]]
+    assert [list(b) for b in plan_buckets(params, bucket_bytes=1)] == [[0], [1], [2], [3], [4]]  # one each
+    assert plan_buckets([], bucket_bytes=1) == []
+
+
+class _InProcessClient:
+    """What EngineGroupClient does through Ray, straight into the test's in-process engine."""
+
+    def __init__(self, generator, version: str) -> None:
+        self.generator, self.version = generator, version
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.generator.weight_transfer("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.generator.weight_transfer("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.generator.weight_transfer("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.generator.weight_transfer("finish_weight_update")
+        self.generator.weight_transfer("shutdown_weight_transfer_engine")
+        self.generator.weights_received(self.version, 0.0)
+
+
+def _vllm_state(generator) -> dict[str, torch.Tensor]:
+    def read(worker):
+        return {k: v.detach().clone() for k, v in worker.model_runner.model.state_dict().items()}
+
+    return generator._llm.collective_rpc(read)[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_path):
+    from forge_core.engine import Engine
+    from forge_core.models import write_hf_folder
+
+    cfg = load_config(None, ["training.device=cpu", f"model.flavor={MODEL_CFG.flavor}",
+                             f"model.max_seq_len={MODEL_CFG.max_seq_len}", "data.max_seq_len=64"])  # fmt: skip
+    trainer = Engine.Config.from_run_config(
+        cfg, world.vocab_size, cfg.grpo.optimizer, total_steps=1, init_weights_dir=str(world.policy_dir)
+    ).build()
+    with torch.no_grad():  # weights the engine has never seen
+        for param in trainer.model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param  # one rank: the whole parameter
+            local.add_(torch.randn(local.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    before = _vllm_state(generator)
+
+    version = "transferred"
+    # Buckets far smaller than the model: several broadcasts, parameters split across them.
+    init = GlooTrainerInit("127.0.0.1", _free_port(), world_size=2, bucket_bytes=64 * 1024, timeout_s=60, rank=0)
+    sender = GlooTrainerEngine.trainer_init(
+        init, client=_InProcessClient(generator, version), source=HeldPolicySource(trainer)
+    )
+    assert len(plan_buckets(HeldPolicySource(trainer).metadata(), init.bucket_bytes)) > 3
+    sender.send_weights()
+    sender.shutdown()
+    transferred = _vllm_state(generator)
+    assert generator.policy_version == version
+
+    exported = write_hf_folder(
+        trainer.full_state_dict(dtype=trainer.export_dtype), cfg.model, world.vocab_size, tmp_path / "export",
+        world.tokenizer_dir,
+    )  # fmt: skip
+    generator.reload(exported, "exported")
+    reloaded = _vllm_state(generator)
+    assert set(transferred) == set(reloaded)
+    assert any(not torch.equal(before[k], transferred[k]) for k in before), "the transfer changed nothing"
+    differ = [k for k in reloaded if not torch.equal(transferred[k], reloaded[k])]
+    assert differ == [], f"after the transfer, {differ} differ from the exported policy's weights"
+
+    # Leave the module's engine as the other tests found it.
+    restored = tmp_path / "restored"
+    shutil.copytree(world.policy_dir, restored)
+    generator.reload(restored, ENGINE_POLICY_VERSION)
