@@ -49,29 +49,6 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class _EngineClient:
-    """What EngineGroupClient does through Ray, into this process's engine (whose worker is a process of its
-    own)."""
-
-    def __init__(self, generator) -> None:
-        self.generator = generator
-        self.version = ""
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.generator.weight_transfer("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self.generator.weight_transfer("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self.generator.weight_transfer("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self.generator.weight_transfer("finish_weight_update")
-        self.generator.weight_transfer("shutdown_weight_transfer_engine")
-        self.generator.weights_received(self.version, 0.0)
-
-
 class Sides:
     """One model's trainer and engine, and the two ways to bring the engine to the trainer's weights."""
 
@@ -89,7 +66,6 @@ class Sides:
             checkpoint=self.info,
         ).build()  # fmt: skip
         self.generator = Generator(folder, EngineOptions(kv_cache_gib=0.25, max_num_seqs=8), policy_version="v0")
-        self.client = _EngineClient(self.generator)
         self.tokenizer_dir = tokenizer_dir
         self.store = ObjectStore(f"file://{work}/store")
         self.work = work
@@ -104,12 +80,12 @@ class Sides:
         return f"v{self.rounds}"
 
     def by_group(self, bucket_mb: int = BUCKET_MB) -> None:
-        from forge_core.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInit
+        from forge_core.rollout.weight_transfer import GeneratorClient, GlooTrainerEngine, GlooTrainerInit
         from forge_core.run.weight_sync import MIB, HeldPolicySource
 
-        self.client.version = self._next_version()
+        client = GeneratorClient(self.generator, self._next_version())
         init = GlooTrainerInit("127.0.0.1", _free_port(), 2, bucket_mb * MIB, 120.0, rank=0)
-        sender = GlooTrainerEngine.trainer_init(init, client=self.client, source=HeldPolicySource(self.trainer))
+        sender = GlooTrainerEngine.trainer_init(init, client=client, source=HeldPolicySource(self.trainer))
         sender.send_weights()
         sender.shutdown()
 

@@ -238,6 +238,18 @@ def _get(ref, name: str, timeout: float | None = None) -> Any:
         raise HostLost(f"{name}: {_first_line(exc)}") from None
 
 
+def call_all(actors: list, method: str, args: list[tuple], names: list[str], timeout_s: float) -> list:
+    """`method(*args[k])` of the object hosted by each `actors[k]` (Hosted.actor), all at once, from any process
+    (a hosted object may call others); their values in order. The first method's own exception as itself;
+    TimeoutError naming `names` of those not done within `timeout_s`; HostLost when an actor or its node died."""
+    refs = [actor.call.remote(method, *arguments) for actor, arguments in zip(actors, args, strict=True)]
+    try:
+        return _get(refs, ", ".join(names), timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        late = [name for name, ref in zip(names, refs) if not ray.wait([ref], timeout=0)[0]]
+        raise TimeoutError(f"{', '.join(late)}: {method} not done within {timeout_s:g} s") from None
+
+
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 

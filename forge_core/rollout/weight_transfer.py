@@ -332,6 +332,29 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
         self.group = None
 
 
+class GeneratorClient:
+    """vLLM's VLLMWeightSyncClient over a Generator of this process (forge_core.rollout.generator): what
+    forge_core.run.weight_sync's client does through Ray, for an engine at hand. After the round trip the
+    generator serves `version`."""
+
+    def __init__(self, generator: Any, version: str) -> None:
+        self.generator, self.version = generator, version
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.generator.weight_transfer("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.generator.weight_transfer("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.generator.weight_transfer("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.generator.weight_transfer("finish_weight_update")
+        self.generator.weight_transfer("shutdown_weight_transfer_engine")
+        self.generator.weights_received(weight_version or self.version, 0.0)
+
+
 def _register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, GlooEngine)

@@ -33,6 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forge_core.artifacts.policy import PolicyRef
+from forge_core.compute.actors import call_all
 from forge_core.models.hf import titan_to_hf_state_dict
 from forge_core.run.resources import FlowResources
 from forge_core.run.scaffold import HeldPolicy
@@ -105,14 +106,9 @@ class EngineGroupClient:
         self.timeout_s = timeout_s
 
     def _on_every_engine(self, method: str, args_of) -> list:
-        import ray
-
-        refs = [target.actor.call.remote(method, *args_of(k, target)) for k, target in enumerate(self.engines)]
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            late = [t.name for t, ref in zip(self.engines, refs) if not ray.wait([ref], timeout=0)[0]]
-            raise TimeoutError(f"weight transfer: {', '.join(late)} did not finish {method} in {self.timeout_s:g} s")
+        args = [args_of(k, target) for k, target in enumerate(self.engines)]
+        names = [target.name for target in self.engines]
+        return call_all([target.actor for target in self.engines], method, args, names, self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         offsets = [init_info["rank_offset"] + sum(t.workers for t in self.engines[:k]) for k in range(len(self.engines))]
@@ -173,8 +169,6 @@ def trainer_pusher(resources: FlowResources, policy: PolicyRef):
 def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> float | None:
     """Bring the engines `behind` (HostedEngines serving another version) to `policy` from the run's trainer group
     when it holds it; the seconds it took, None when the group does not hold it, is busy or the push failed."""
-    from forge_core.run.trainer_group import forget_trainer_group
-
     with resources.lock:
         trainer = resources.trainer_group
     if trainer is None or trainer.lost() is not None:
@@ -193,7 +187,10 @@ def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> fl
             policy.stage_uri, ", ".join(engine.name for engine in behind), type(exc).__name__, exc,
         )  # fmt: skip
         trainer.busy.release()
-        forget_trainer_group(resources, trainer)
+        with resources.lock:
+            current = resources.trainer_group is trainer
+        if current:
+            resources.stop_trainer_group(failing=True)
         return None
     trainer.busy.release()
     for engine in behind:

@@ -112,7 +112,9 @@ class ProcessKeeper:
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 continue
             with self._lock:
-                self.seen.setdefault((record.pid, record.create_time), record)
+                # The latest command line: a process first seen between its fork and its exec (a launcher's
+                # child) shows its parent's until the exec, however briefly.
+                self.seen[(record.pid, record.create_time)] = record
 
     def _watch(self) -> None:
         while not self._stop_watching.wait(SAMPLE_EVERY_S):

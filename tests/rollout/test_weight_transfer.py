@@ -17,7 +17,12 @@ from torch.distributed.tensor import DTensor
 from vllm.distributed.weight_transfer.base import ParamMeta
 
 from forge_core.config import load_config
-from forge_core.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInit, plan_buckets
+from forge_core.rollout.weight_transfer import (
+    GeneratorClient,
+    GlooTrainerEngine,
+    GlooTrainerInit,
+    plan_buckets,
+)
 from forge_core.run.weight_sync import HeldPolicySource
 from tests.rollout.conftest import ENGINE_POLICY_VERSION, MODEL_CFG
 
@@ -29,27 +34,6 @@ def test_buckets_cover_every_parameter_in_order_within_the_bound():
     assert [list(b) for b in plan_buckets(params, bucket_bytes=1000)] == [[0, 1, 2, 3, 4]]
     assert [list(b) for b in plan_buckets(params, bucket_bytes=1)] == [[0], [1], [2], [3], [4]]  # one each
     assert plan_buckets([], bucket_bytes=1) == []
-
-
-class _InProcessClient:
-    """What EngineGroupClient does through Ray, straight into the test's in-process engine."""
-
-    def __init__(self, generator, version: str) -> None:
-        self.generator, self.version = generator, version
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.generator.weight_transfer("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self.generator.weight_transfer("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self.generator.weight_transfer("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self.generator.weight_transfer("finish_weight_update")
-        self.generator.weight_transfer("shutdown_weight_transfer_engine")
-        self.generator.weights_received(self.version, 0.0)
 
 
 def _vllm_state(generator) -> dict[str, torch.Tensor]:
@@ -84,7 +68,7 @@ def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_p
     # Buckets far smaller than the model: several broadcasts, parameters split across them.
     init = GlooTrainerInit("127.0.0.1", _free_port(), world_size=2, bucket_bytes=64 * 1024, timeout_s=60, rank=0)
     sender = GlooTrainerEngine.trainer_init(
-        init, client=_InProcessClient(generator, version), source=HeldPolicySource(trainer)
+        init, client=GeneratorClient(generator, version), source=HeldPolicySource(trainer)
     )
     assert len(plan_buckets(HeldPolicySource(trainer).metadata(), init.bucket_bytes)) > 3
     sender.send_weights()
