@@ -49,6 +49,7 @@ from forge_core.rollout.generator import Generator
 from forge_core.rollout.protocol import EngineLost, PolicyVersionMismatch
 from forge_core.rollout.router import EngineRouter
 from forge_core.rollout.types import Prompt, Sample
+from forge_core.rollout.weight_transfer import GeneratorClient
 from forge_core.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,10 @@ class EngineHost:
         self.policy = self._fetch(stage_uri)
         options = EngineOptions.from_config(cfg.rollout, seed=seed)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forge-engine-{index}")
-        self._transfer_started = 0.0
         self.generator = self._on_engine_thread(
             Generator, self.policy.local_dir, options, policy_version=self.policy.version
         )
+        self._transfer = GeneratorClient(self.generator)
 
     def _on_engine_thread(self, fn, *args, **kwargs):
         return self._engine_thread.submit(fn, *args, **kwargs).result()
@@ -115,23 +116,20 @@ class EngineHost:
         return self.describe()
 
     # The engine side of a weight transfer (forge_core.run.weight_sync drives it from a trainer rank): vLLM's
-    # round trip, each step on the engine thread.
+    # round trip (forge_core.rollout.weight_transfer.GeneratorClient), each step on the engine thread.
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._on_engine_thread(self.generator.weight_transfer, "init_weight_transfer_engine", init_info)
+        self._on_engine_thread(self._transfer.init_weight_transfer_engine, init_info)
 
     def start_weight_update(self) -> None:
-        self._transfer_started = time.perf_counter()
-        self._on_engine_thread(self.generator.weight_transfer, "start_weight_update")
+        self._on_engine_thread(self._transfer.start_weight_update)
 
     def update_weights(self, update_info: dict) -> None:
-        self._on_engine_thread(self.generator.weight_transfer, "update_weights", update_info)
+        self._on_engine_thread(self._transfer.update_weights, update_info)
 
     def finish_weight_update(self, policy_version: str) -> dict:
         """End the transfer: the engine serves `policy_version` from now on."""
-        self._on_engine_thread(self.generator.weight_transfer, "finish_weight_update")
-        self._on_engine_thread(self.generator.weight_transfer, "shutdown_weight_transfer_engine")
-        self.generator.weights_received(policy_version, time.perf_counter() - self._transfer_started)
+        self._on_engine_thread(self._transfer.finish_weight_update, policy_version)
         return self.describe()
 
     def generate(

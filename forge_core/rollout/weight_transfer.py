@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import datetime
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -333,17 +334,19 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
 
 
 class GeneratorClient:
-    """vLLM's VLLMWeightSyncClient over a Generator of this process (forge_core.rollout.generator): what
-    forge_core.run.weight_sync's client does through Ray, for an engine at hand. After the round trip the
-    generator serves `version`."""
+    """vLLM's VLLMWeightSyncClient over a Generator of this process (forge_core.rollout.generator): the engine
+    side of a round trip, for an engine at hand (EngineHost's, or a test's). After it the generator serves
+    `version`, its reload time the round trip's."""
 
-    def __init__(self, generator: Any, version: str) -> None:
+    def __init__(self, generator: Any, version: str = "") -> None:
         self.generator, self.version = generator, version
+        self._started = 0.0
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.generator.weight_transfer("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self) -> None:
+        self._started = time.perf_counter()
         self.generator.weight_transfer("start_weight_update")
 
     def update_weights(self, update_info: dict) -> None:
@@ -352,7 +355,7 @@ class GeneratorClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.generator.weight_transfer("finish_weight_update")
         self.generator.weight_transfer("shutdown_weight_transfer_engine")
-        self.generator.weights_received(weight_version or self.version, 0.0)
+        self.generator.weights_received(weight_version or self.version, time.perf_counter() - self._started)
 
 
 def _register() -> None:
