@@ -7,14 +7,15 @@ long-lived engine and trainer against the restart-per-iteration path, against TR
 Every measured run is the real flow in this process on a private Prefect API (see bench/_flow_runs.py):
 vLLM rollout tasks, torchrun GRPO tasks, evaluations, commits. Prepare and SFT run once per model into a base
 store that each variant copies, so they are cache hits there and the variants start from the same policy.
-An iteration's wall time is read from the Prefect API: from the end of the previous evaluation (the flow moves
-on) to the end of this iteration's GRPO task, so it holds the rollout task, the GRPO task and the flow's own
-time between them, not the evaluation. Its compute is what the manifests record: `generation_s` (the vLLM
-generate calls), `train/score_logprobs_s` (the trainer's forward over the whole rollout batch that scores each
-sample under the policy that sampled it, the PPO ratio's denominator: it grows with the batch like the steps
-do) and `train/fit_s` (the trainer's fit: the optimizer steps with their per-step batch slicing and metric
-logging, which grow with the steps; `train/time_s`, the steps alone, is in details as `step_s`); the rest (process, engine and model start-up, weight load and reload, export, commit, orchestration) is the
-fixed overhead.
+An iteration's wall time is read from the Prefect API: from the end of the previous evaluation (the flow moves on)
+to the end of this iteration's GRPO task, so it holds the rollout task, the GRPO task and the flow's own time
+between them, not the evaluation. Its compute is what the manifests record: `generation_s` (the vLLM generate
+calls), `train/score_logprobs_s` (the trainer's forward over the whole rollout batch that scores each sample under
+the policy that sampled it, the correction's ratio denominator: it grows with the batch like the steps do; 0 where
+no correction asks for it, as in (a) and (b)) and `train/fit_s` (the trainer's fit: the optimizer steps with their
+per-step batch slicing and metric logging, which grow with the steps; `train/time_s`, the steps alone, is in
+details as `step_s`); the rest (process, engine and model start-up, weight load and reload, export, commit,
+orchestration) is the fixed overhead.
 
 Three results, one file each:
 - `grpo_iteration.overhead` (a): demo model and batch (llama3 tiny, 512 prompts x 8 samples, 32 optimizer

@@ -7,17 +7,21 @@ One process holds the trainer (a torchtitan engine started from an HF folder, as
 engine serves the same folder from a process of its own (vLLM's engine core; fp32 on CPU). Per model, alternating
 after a warm-up, the seconds until the engine serves the trainer's current weights:
 
-- value (group): forge_core.run.weight_sync's path: a transfer group of the trainer and the engine (gloo), the
-  weights gathered, cast to the export dtype and streamed in buckets of rollout.weight_sync.bucket_mb, loaded in
-  place (forge_core.rollout.weight_transfer), the group's set-up included (a push makes its group);
+- value (shared memory): forge_core.run.weight_sync's path for an engine on the sender's node: a transfer group
+  of the trainer and the engine (gloo), the weights gathered, cast to the export dtype and packed in buckets of
+  whole decoder layers (up to rollout.weight_sync.bucket_mb) into shared memory, each loaded by the engine from
+  there while the next is packed, the group pacing the buckets (forge_core.rollout.weight_transfer), the
+  group's set-up included (a push makes its group);
+- group: the path for an engine on another node, the same buckets broadcast over the group (here over the
+  loopback socket);
 - baseline (store): the path without it: the trainer's export (gather, write the HF folder, upload into a local
   `file://` store, commit), then the engine's side (download into an empty policy cache, verify every file's
   sha256, reload the folder in place). A local folder is the fastest store there is: on S3 the store path only
   gets slower.
 
 value/baseline for the 0.47B model is the result (target <= 0.25); details hold both models, each path's
-seconds, the group path with LARGE_BUCKET_MB buckets beside the default, the bytes moved, the group's rate, and
-an estimate for an 8B model on one 400 Gb/s link (assumptions stated there).
+seconds, the bytes moved, each path's rate, and an estimate for an 8B model on one 400 Gb/s link (assumptions
+stated there).
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ from forge_core.config.schema import WeightSyncConfig
 BENCH_NAME = "weight_sync"
 TARGET = "<=0.25"
 BUCKET_MB = WeightSyncConfig().bucket_mb  # the default
-# A larger bucket, measured beside it: above glibc's largest mmap threshold (32 MiB) every bucket is mapped afresh.
-LARGE_BUCKET_MB = 64
 # (label, dim, layers): the demo's model size (llama3 `tiny`: dim 128, 2 layers) and a Llama of ~0.47B parameters.
 MODELS = (("demo", 128, 2), ("llama-0.47b", 1280, 24))
 LINK_GBPS = 400.0
@@ -79,12 +81,14 @@ class Sides:
                 local.add_(1e-4)
         return f"v{self.rounds}"
 
-    def by_group(self, bucket_mb: int = BUCKET_MB) -> None:
+    def by_group(self, shared_memory: bool) -> None:
         from forge_core.rollout.weight_transfer import GeneratorClient, GlooTrainerEngine, GlooTrainerInit
         from forge_core.run.weight_sync import MIB, HeldPolicySource
 
         client = GeneratorClient(self.generator, self._next_version())
-        init = GlooTrainerInit("127.0.0.1", _free_port(), 2, bucket_mb * MIB, 120.0, rank=0)
+        init = GlooTrainerInit(
+            "127.0.0.1", _free_port(), 2, BUCKET_MB * MIB, 120.0, shared_memory=shared_memory, rank=0
+        )
         sender = GlooTrainerEngine.trainer_init(init, client=client, source=HeldPolicySource(self.trainer))
         sender.send_weights()
         sender.shutdown()
@@ -130,25 +134,26 @@ def measure(label: str, dim: int, layers: int, root: Path, repeats: int) -> dict
     sides = Sides(folder, tokenizer_dir, root / f"{label}-work")
     try:
         times = interleave(
-            {"group": sides.by_group, "store": sides.by_store, "group_large": lambda: sides.by_group(LARGE_BUCKET_MB)},
+            {
+                "shared_memory": lambda: sides.by_group(shared_memory=True),
+                "group": lambda: sides.by_group(shared_memory=False),
+                "store": sides.by_store,
+            },
             warmup=1,
             repeats=repeats,
         )
         weight_bytes = sides.weight_bytes()
     finally:
         sides.close()
-    group_s, store_s = times["group"], times["store"]
-    group, store = median(group_s), median(store_s)
+    medians = {path: median(seconds) for path, seconds in times.items()}
     return {
-        f"group_{LARGE_BUCKET_MB}mb_median_s": round(median(times["group_large"]), 3),
         "parameters": params,
         "weight_bytes": weight_bytes,
-        "group_s": [round(s, 3) for s in group_s],
-        "store_s": [round(s, 3) for s in store_s],
-        "group_median_s": round(group, 3),
-        "store_median_s": round(store, 3),
-        "ratio": round(group / store, 3),
-        "group_rate_gb_s": round(weight_bytes / group / 1e9, 3),
+        **{f"{path}_s": [round(s, 3) for s in seconds] for path, seconds in times.items()},
+        **{f"{path}_median_s": round(seconds, 3) for path, seconds in medians.items()},
+        "ratio": round(medians["shared_memory"] / medians["store"], 3),
+        "group_ratio": round(medians["group"] / medians["store"], 3),
+        **{f"{path}_rate_gb_s": round(weight_bytes / medians[path] / 1e9, 3) for path in ("shared_memory", "group")},
     }
 
 
@@ -165,17 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     bytes_8b = 8e9 * 2  # bf16
     write_result(
         BENCH_NAME,
-        value=result["group_median_s"],
+        value=result["shared_memory_median_s"],
         baseline=result["store_median_s"],
         target=TARGET,
         unit="s",
         details={
-            "encoding": f"value = seconds until the engine serves the trainer's weights over a transfer group, "
-            f"baseline = through a local file store (export, upload, commit, download, verify, reload); model "
-            f"{main_label}",
+            "encoding": f"value = seconds until an engine on the trainer's node serves the trainer's weights "
+            f"(a transfer group, the buckets through shared memory), baseline = through a local file store (export, "
+            f"upload, commit, download, verify, reload); group = the buckets broadcast over the group (an engine on "
+            f"another node); model {main_label}",
             "models": results,
             "bucket_mb": BUCKET_MB,
-            "transport": "gloo over loopback between this process and vLLM's engine-core process, fp32",
+            "transport": "this process and vLLM's engine-core process on one host, fp32: shared-memory files "
+            "paced by a gloo group, or gloo broadcasts over the loopback socket",
             "estimate_8b_400gbps_s": round(bytes_8b / (LINK_GBPS / 8 * 1e9), 2),
             "estimate_assumptions": "8B parameters in bf16 (16 GB) broadcast once over one 400 Gb/s link at line "
             "rate (NCCL on GPUs, one sender per node, engines on other nodes receiving at once); the gather on the "

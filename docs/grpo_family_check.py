@@ -64,7 +64,8 @@ def variants(corrections: list[str]) -> dict[str, list[str]]:
         table[f"async-{correction}"] = [*ASYNC, f"grpo.correction.type={correction}"]
     table["gspo"] = ["grpo.loss.type=gspo"]  # its own clip defaults (3e-4 / 4e-4: LossConfig.clip_range)
     table["cispo"] = ["grpo.loss.type=cispo"]
-    return table
+    # The check compares the mismatch of every variant, those without a correction included.
+    return {name: ["grpo.correction.measure_mismatch=true", *overrides] for name, overrides in table.items()}
 
 
 def grpo_manifest_means(summary_path: str, store_root: str) -> dict[str, float]:

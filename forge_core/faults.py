@@ -9,6 +9,10 @@
                                             samples have completed in it (0: as soon as the first requests are
                                             queued, i.e. mid-generation); an in-process engine dies with the
                                             worker
+      kill_vllm_transfer:<buckets>          the vLLM process that receives a weight transfer
+                                            (forge_core.rollout.weight_transfer) SIGKILLs itself once it has
+                                            loaded <buckets> buckets (@<stage>: the stage that started the
+                                            engine)
       hang_engine:<index>                   engine <index> of the run's engine actors
                                             hangs in its first generate request (node-loss drills)
       storage_outage:<seconds>[:<match>]    from the first storage call whose description contains <match>
@@ -46,12 +50,14 @@ FAULT_ONCE_ENV = "FORGE_FAULT_ONCE"
 STAGE_ENV = "FORGE_STAGE"
 RANK_ACTIONS = ("kill_rank", "raise_rank", "hang_rank")
 KILL_VLLM = "kill_vllm"
+KILL_VLLM_TRANSFER = "kill_vllm_transfer"
 HANG_ENGINE = "hang_engine"
 STORAGE_OUTAGE = "storage_outage"
-_ACTIONS = (*RANK_ACTIONS, KILL_VLLM, HANG_ENGINE, STORAGE_OUTAGE)
+_ACTIONS = (*RANK_ACTIONS, KILL_VLLM, KILL_VLLM_TRANSFER, HANG_ENGINE, STORAGE_OUTAGE)
 _USAGE = (
     "expected <action>:<rank>:<step> with action one of "
-    f"{list(RANK_ACTIONS)} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples>, {HANG_ENGINE}:<index> or "
+    f"{list(RANK_ACTIONS)} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples>, {KILL_VLLM_TRANSFER}:<buckets>, "
+    f"{HANG_ENGINE}:<index> or "
     f"{STORAGE_OUTAGE}:<seconds>[:<match>], each optionally followed by @<stage>"
 )
 
@@ -124,7 +130,7 @@ def _parse_entry(spec: str, entry: str) -> Fault:
         if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):
             raise bad()
         return Fault(action, rank=int(parts[1]), step=int(parts[2]), stage=stage_name)
-    if action == KILL_VLLM:
+    if action in (KILL_VLLM, KILL_VLLM_TRANSFER):
         if len(parts) != 2 or not parts[1].isdigit():
             raise bad()
         return Fault(action, samples=int(parts[1]), stage=stage_name)
@@ -281,6 +287,15 @@ def kill_vllm_engine(why: str, find_engines: Callable[[], list]) -> list[int]:
         except psutil.Error:
             continue
     return pids
+
+
+def maybe_kill_in_transfer(buckets: int) -> None:
+    """SIGKILL this process (a vLLM worker receiving a weight transfer) when a kill_vllm_transfer fault is due
+    after `buckets` loaded buckets."""
+    for index, fault in _active_faults((KILL_VLLM_TRANSFER,)):
+        if buckets >= fault.samples and _claim_once(index):
+            _announce(f"kill_vllm_transfer after {buckets} bucket(s): SIGKILL pid {os.getpid()}")
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---- storage_outage (every ObjectStore call) -------------------------------------------------------------

@@ -863,9 +863,10 @@ class CorrectionConfig:
     sequence's w, 0 above mis_threshold; geo_mask = a sequence is kept (weight 1) only when the geometric mean
     of its w lies in [geo_low, geo_high], else masked; icepop = token-level, w inside [icepop_low,
     icepop_high], 0 outside. none = the ratio against the sampler's logprobs, no weight. Masked tokens keep
-    their place in the loss's normaliser."""
+    their place in the loss's normaliser. A type other than none scores the batch (and logs the mismatch/*
+    metrics); none does so only with measure_mismatch."""
 
-    # none | tis | mis | geo_mask | icepop (above). The mismatch metrics are logged whatever the type.
+    # none | tis | mis | geo_mask | icepop (above).
     type: Literal["none", "tis", "mis", "geo_mask", "icepop"] = "none"
     # tis: the cap on each token's weight (verl, SkyRL: ~2).
     tis_cap: float = 2.0
@@ -879,6 +880,11 @@ class CorrectionConfig:
     icepop_low: float = 0.5
     # icepop: the upper bound on each token's weight.
     icepop_high: float = 2.0
+    # With type none the loss never reads the trainer's logprobs of the sampling policy, so the stage does not
+    # score the batch for them; true scores it anyway to log the mismatch/* metrics (one no-grad forward per
+    # rollout batch). The first step's generator_gap/* (trainer vs sampler, before any update) is logged
+    # either way.
+    measure_mismatch: bool = False
 
     def check(self) -> list[str]:
         errors = []

@@ -143,6 +143,37 @@ class Engine(Configurable):
             self.model, self.dist.device_type, config.total_steps
         )
         self.peak_flops = _gpu_peak_flops(self.device)
+        self.restarted = False  # True once `restart` made it another stage's engine
+
+    # ---- a kept engine for the next stage ---------------------------------------------------------------------
+
+    def restarts_as(self, config: Config) -> bool:
+        """Whether `restart(config)` gives what `config.build()` would: the same model, layout, precision and
+        seed (the optimizer, the schedule's length and the weights folder may differ)."""
+        mine, theirs = self.config, config
+        return (mine.model, mine.vocab_size, mine.training, mine.seed, mine.checkpoint) == (
+            theirs.model, theirs.vocab_size, theirs.training, theirs.seed, theirs.checkpoint
+        )
+
+    def restart(self, config: Config) -> Engine:
+        """Collective: this engine as `config.build()` would build it when `config.init_weights_dir` holds the
+        export of its current weights: the weights rounded through the export dtype (what loading the export
+        gives), a fresh optimizer and LR schedule over `config.total_steps`, gradients cleared and the RNG
+        seeded from `config.seed` again. Needs `restarts_as(config)`. Returns this engine."""
+        assert self.restarts_as(config), "restart needs an engine built from the same model config"
+        with torch.no_grad():
+            for value in self.model.state_dict().values():
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if local.is_floating_point() and local.dtype != self.export_dtype:
+                    local.copy_(local.to(self.export_dtype))
+        self.model.zero_grad(set_to_none=True)
+        self.config = config
+        self.restarted = True
+        seed_everything(config.seed, self.dist.rank)
+        self.optimizers, self.lr_schedulers = config.optimizer.build(
+            self.model, self.dist.device_type, config.total_steps
+        )
+        return self
 
     # ---- build steps --------------------------------------------------------------------------------------
 

@@ -88,6 +88,8 @@ class Correction(ABC):
     """One train-inference mismatch correction (see the module docstring)."""
 
     name: ClassVar[str]
+    # Whether the loss reads `old_logprobs_BL` (the trainer's logprobs under the sampling policy's weights).
+    reads_old_logprobs: ClassVar[bool] = True
 
     def ratio_base(self, batch: RLBatch) -> torch.Tensor:
         """The logprobs the PPO ratio is taken against: the trainer's own logprobs of the sampling policy."""
@@ -119,6 +121,7 @@ class NoCorrection(Correction):
     existed (and equal to torchtitan's DAPOLoss)."""
 
     name: ClassVar[str] = "none"
+    reads_old_logprobs: ClassVar[bool] = False
 
     def ratio_base(self, batch: RLBatch) -> torch.Tensor:
         return batch.generator_logprobs_BL

@@ -12,9 +12,12 @@ with vLLM's factories when imported:
 
 A group is one sender (a trainer rank, rank 0 of the group) and the engines it serves (ranks 1..K). The sender
 streams the weights in buckets of at most `bucket_bytes` (a parameter larger than that is a bucket of its own):
-each bucket is one gloo broadcast of the parameters' bytes, which the engines cut along the same plan (both
-sides plan from the same metadata) and load with the model's `load_weights`, two buckets travelling while the
-next is filled or loaded. Nothing is written to disk.
+each bucket is one gloo broadcast of the parameters' bytes (`GroupBuckets`), which the engines cut along the
+same plan (both sides plan from the same metadata) and load with the model's `load_weights`, two buckets
+travelling while the next is filled or loaded. When every engine of a group runs on the sender's host
+(`GlooTrainerInit.shared_memory`), the buckets, whole decoder layers each, go through two shared-memory files
+instead, the engines load them from there in place, and the group only paces them (`SharedMemoryBuckets`): the
+CPU counterpart of vLLM's CUDA-IPC backend, without the loopback socket's copies. Nothing is written to disk.
 
 `REGISTRATION` names a worker extension whose import registers the backend, so an engine core that runs in a
 process of its own (vLLM's multiprocessing) knows it too.
@@ -23,11 +26,16 @@ process of its own (vLLM's multiprocessing) knows it too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import logging
+import os
+import re
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -45,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from forge_core.faults import maybe_kill_in_transfer
 from forge_core.rollout.engine import TRANSFER_BACKEND, TRANSFER_REGISTRATION
 
 log = logging.getLogger(__name__)
@@ -87,21 +96,26 @@ class GlooTrainerInit(TrainerInitInfo):
     world_size: int
     bucket_bytes: int
     timeout_s: float = TRANSFER_TIMEOUT_S
+    # Every engine of the group runs on this host: the buckets go through shared memory (SharedMemoryBuckets).
+    shared_memory: bool = False
 
 
 @dataclass
 class GlooUpdate(WeightTransferUpdateInfo):
-    """One round's parameters, in the order the sender streams them."""
+    """One round's parameters, in the order the sender streams them, and the shared-memory files the buckets
+    go through (none: through the group)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    segments: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, meta: Sequence[ParamMeta]) -> GlooUpdate:
+    def of(cls, meta: Sequence[ParamMeta], segments: Sequence[str] = ()) -> GlooUpdate:
         return cls(
-            [m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta]
-        )
+            [m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta],
+            list(segments),
+        )  # fmt: skip
 
     def params(self) -> list[ParamMeta]:
         return [
@@ -114,19 +128,38 @@ def nbytes(meta: ParamMeta) -> int:
     return torch.Size(meta.shape).numel() * torch.empty((), dtype=meta.dtype).element_size()
 
 
-def plan_buckets(params: Sequence[ParamMeta], bucket_bytes: int) -> list[range]:
-    """Consecutive runs of parameter indices, each at most `bucket_bytes` unless one parameter alone is larger."""
-    buckets: list[range] = []
-    start, size = 0, 0
+def plan_buckets(
+    params: Sequence[ParamMeta], bucket_bytes: int, together: Callable[[str], str] | None = None
+) -> list[range]:
+    """Consecutive runs of parameter indices, each at most `bucket_bytes` unless one unit alone is larger. A unit
+    is one parameter, or with `together` a run of consecutive parameters of one `together(name)`: a bucket never
+    splits a unit."""
+    units: list[range] = []
     for index, meta in enumerate(params):
-        size_k = nbytes(meta)
-        if index > start and size + size_k > bucket_bytes:
-            buckets.append(range(start, index))
-            start, size = index, 0
-        size += size_k
-    if start < len(params):
-        buckets.append(range(start, len(params)))
+        if units and together is not None and together(meta.name) == together(params[units[-1].start].name):
+            units[-1] = range(units[-1].start, index + 1)
+        else:
+            units.append(range(index, index + 1))
+    buckets: list[range] = []
+    size = 0
+    for unit in units:
+        unit_bytes = sum(nbytes(params[k]) for k in unit)
+        if buckets and size + unit_bytes <= bucket_bytes:
+            buckets[-1] = range(buckets[-1].start, unit.stop)
+            size += unit_bytes
+        else:
+            buckets.append(unit)
+            size = unit_bytes
     return buckets
+
+
+_DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def decoder_layer(name: str) -> str:
+    """The decoder layer an HF parameter name belongs to ("model.layers.3"); the name itself outside one."""
+    match = _DECODER_LAYER.match(name)
+    return match.group(1) if match else name
 
 
 def open_group(
@@ -170,6 +203,125 @@ def pipelined(buckets: Iterator[tuple[Any, torch.Tensor]], group: torch.distribu
         yield done
 
 
+def bucket_sizes(params: Sequence[ParamMeta], buckets: Sequence[range]) -> list[int]:
+    """The byte size of each bucket of a plan."""
+    return [sum(nbytes(params[k]) for k in bucket) for bucket in buckets]
+
+
+class GroupBuckets:
+    """Buckets as gloo broadcasts over the group, IN_FLIGHT of them travelling at once (any hosts)."""
+
+    paths: tuple[str, ...] = ()  # no files
+
+    @staticmethod
+    def plan(params: Sequence[ParamMeta], bucket_bytes: int) -> list[range]:
+        return plan_buckets(params, bucket_bytes)
+
+    def sender_ring(self, largest: int) -> list[torch.Tensor]:
+        # Reused: when bucket k is filled, the broadcast of bucket k - IN_FLIGHT has ended (`pipelined` waits for
+        # it before starting the next), and fresh pages would cost a fault each.
+        return [torch.empty(largest, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
+
+    def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
+        for _ in pipelined(((None, buffer) for buffer in filled), group):
+            pass
+
+    def receive(self, group: torch.distributed.ProcessGroup, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+        # A fresh buffer per bucket: vLLM's layerwise reload keeps views of a layer's weights until the layer is
+        # complete, so a buffer is never reused.
+        fresh = (torch.empty(size, dtype=torch.uint8) for size in sizes)
+        yield from pipelined(((buffer, buffer) for buffer in fresh), group)
+
+    def loaded(self) -> None:
+        """A received bucket is the engine's own: nothing to copy out."""
+
+    def close(self) -> None:
+        """Nothing outlives a round."""
+
+
+def _pace(group: torch.distributed.ProcessGroup) -> None:
+    """A barrier of the group (gloo's broadcast does not wait for its receivers; an all-reduce does)."""
+    group.allreduce([torch.zeros(1, dtype=torch.uint8)]).wait()
+
+
+class SharedMemoryBuckets:
+    """Buckets through shared-memory files of one host; the group carries no bytes, it only paces the round.
+
+    Bucket k is written into file k % 2. The sender fills bucket k, then every member passes barrier k; an
+    engine loads bucket k straight from the file while the sender fills bucket k + 1 into the other one, and
+    reaches barrier k + 1 only when done, so the sender never overwrites a bucket an engine still reads. A last
+    barrier after the last bucket lets the sender remove the files.
+
+    vLLM's layerwise reload keeps the tensors it is given until their layer is complete, so buckets hold whole
+    decoder layers (`decoder_layer`), and after each bucket the engine copies out of the file whatever vLLM
+    still keeps of it (a layer that completes only at the end, such as a padded embedding). Without vLLM's
+    record of what it keeps (`_layerwise_buffers`), the engine copies every bucket out instead."""
+
+    COUNT = 2
+
+    def __init__(self, paths: Sequence[str], size: int, owner: bool) -> None:
+        self.paths = list(paths)
+        self.owner = owner
+        self.buffers = [torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8) for path in paths]
+
+    @staticmethod
+    def plan(params: Sequence[ParamMeta], bucket_bytes: int) -> list[range]:
+        return plan_buckets(params, bucket_bytes, together=decoder_layer)
+
+    @classmethod
+    def create(cls, size: int) -> SharedMemoryBuckets:
+        """The sender's files of `size` bytes each (in /dev/shm where the host has it)."""
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        stem = f"forgeflow-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return cls([os.path.join(folder, f"{stem}-{k}") for k in range(cls.COUNT)], size, owner=True)
+
+    def sender_ring(self, largest: int) -> list[torch.Tensor]:
+        return self.buffers
+
+    def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
+        for _ in filled:
+            _pace(group)
+        _pace(group)
+
+    def receive(self, group: torch.distributed.ProcessGroup, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+        buffered = _layerwise_buffers()
+        for k, size in enumerate(sizes):
+            _pace(group)
+            view = self.buffers[k % len(self.buffers)][:size]
+            yield view if buffered is not None else view.clone()
+        _pace(group)
+
+    def loaded(self) -> None:
+        """After a bucket's load: copy out of the files what vLLM still keeps of them."""
+        buffered = _layerwise_buffers()
+        if buffered is None:
+            return  # every bucket was copied out whole
+        files = {buffer.untyped_storage().data_ptr() for buffer in self.buffers}
+        for info in list(buffered.values()):
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in files:
+                        bound.arguments[key] = value.clone()
+
+    def close(self) -> None:
+        """Unmap the files; the sender also removes them."""
+        self.buffers = []
+        if self.owner:
+            for path in self.paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+
+def _layerwise_buffers() -> Any:
+    """vLLM's record of the tensors its layerwise reload keeps until their layer is complete (module -> info
+    whose `loaded_weights` holds the loaders' bound arguments), or None where this vLLM has none."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return None
+    return LAYERWISE_INFO
+
+
 # ---- the engine side (in vLLM's worker) -------------------------------------------------------------------------
 
 
@@ -209,17 +361,19 @@ class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
         if self.group is None:
             raise RuntimeError("the gloo weight transfer was not initialized: call init_weight_transfer_engine first")
         params = update_info.params()
-
-        def empty_buckets():
-            for bucket in plan_buckets(params, self.bucket_bytes):
-                metas = [params[k] for k in bucket]
-                # A fresh buffer per bucket: vLLM's layerwise reload keeps views of a layer's weights until the
-                # layer is complete, so a buffer is never reused.
-                buffer = torch.empty(sum(nbytes(m) for m in metas), dtype=torch.uint8)
-                yield (buffer, metas), buffer
-
-        for buffer, metas in pipelined(empty_buckets(), self.group):
-            self.model.load_weights(list(_unpacked(buffer, metas)))
+        shared = bool(update_info.segments)
+        buckets = (SharedMemoryBuckets if shared else GroupBuckets).plan(params, self.bucket_bytes)
+        sizes = bucket_sizes(params, buckets)
+        path: GroupBuckets | SharedMemoryBuckets = GroupBuckets()
+        if shared:
+            path = SharedMemoryBuckets(update_info.segments, max(sizes, default=0), owner=False)
+        try:
+            for loaded, buffer in enumerate(path.receive(self.group, sizes), start=1):
+                self.model.load_weights(list(_unpacked(buffer, [params[k] for k in buckets[loaded - 1]])))
+                path.loaded()
+                maybe_kill_in_transfer(loaded)
+        finally:
+            path.close()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator after each update; a gloo broadcast has completed already.
@@ -248,10 +402,17 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
     init_info_cls = GlooTrainerInit
 
     def __init__(
-        self, *, client: VLLMWeightSyncClient, source: WeightSource | None, is_sender: bool, bucket_bytes: int
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None,
+        is_sender: bool,
+        bucket_bytes: int,
+        shared_memory: bool = False,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes = bucket_bytes
+        self.shared_memory = shared_memory
         self.group: torch.distributed.ProcessGroup | None = None
 
     @classmethod
@@ -260,7 +421,10 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
     ) -> GlooTrainerEngine:
         if source is None:
             raise ValueError("the gloo weight transfer streams a WeightSource; pass source=")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes,
+            shared_memory=init_info.shared_memory,
+        )  # fmt: skip
         if not engine.is_sender:
             return engine
         worker_init = GlooInit(
@@ -289,43 +453,40 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
                 pass
             return
         assert self.group is not None, "trainer_init opens the sender's group"
+        buckets = (SharedMemoryBuckets if self.shared_memory else GroupBuckets).plan(params, self.bucket_bytes)
+        sizes = bucket_sizes(params, buckets)
+        path = SharedMemoryBuckets.create(max(sizes, default=0)) if self.shared_memory else GroupBuckets()
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(1, thread_name_prefix="forge-weights-update")
         try:
-            received = pool.submit(self.client.update_weights, dataclasses.asdict(GlooUpdate.of(params)))
-            self._broadcast(params)
+            update = GlooUpdate.of(params, path.paths)
+            received = pool.submit(self.client.update_weights, dataclasses.asdict(update))
+            path.send(self.group, self._filled(params, buckets, path.sender_ring(max(sizes, default=0))))
             received.result()
         finally:
             # A failed broadcast leaves the engines waiting in theirs: never join their call here.
             pool.shutdown(wait=False)
+            path.close()
         self.client.finish_weight_update()
 
-    def _broadcast(self, params: list[ParamMeta]) -> None:
+    def _filled(
+        self, params: list[ParamMeta], buckets: list[range], ring: list[torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
+        """Each bucket packed into the next buffer of `ring` (the path's: it says when one may be refilled)."""
         pairs = iter(self.source)  # type: ignore[arg-type]
-
-        buckets = plan_buckets(params, self.bucket_bytes)
-        largest = max((sum(nbytes(params[k]) for k in bucket) for bucket in buckets), default=0)
-        # IN_FLIGHT buffers, reused: when bucket k is filled, the broadcast of bucket k - IN_FLIGHT has ended
-        # (`pipelined` waits for it before starting the next), and fresh pages would cost a fault each.
-        ring = [torch.empty(largest, dtype=torch.uint8) for _ in range(min(IN_FLIGHT, len(buckets)))]
-
-        def filled_buckets():
-            for index, bucket in enumerate(buckets):
-                metas = [params[k] for k in bucket]
-                buffer = ring[index % len(ring)][: sum(nbytes(m) for m in metas)]
-                for (_, slot), k in zip(_unpacked(buffer, metas), bucket, strict=True):
-                    name, tensor = next(pairs)
-                    expected = params[k]
-                    if name != expected.name or tuple(tensor.shape) != expected.shape:
-                        raise ValueError(
-                            f"weight source: parameter {k} is {name} {tuple(tensor.shape)}, its metadata said "
-                            f"{expected.name} {expected.shape}"
-                        )
-                    slot.copy_(tensor.detach())  # cast to the wire dtype and packed in one copy
-                yield None, buffer
-
-        for _ in pipelined(filled_buckets(), self.group):  # type: ignore[arg-type]
-            pass
+        for index, bucket in enumerate(buckets):
+            metas = [params[k] for k in bucket]
+            buffer = ring[index % len(ring)][: sum(nbytes(m) for m in metas)]
+            for (_, slot), k in zip(_unpacked(buffer, metas), bucket, strict=True):
+                name, tensor = next(pairs)
+                expected = params[k]
+                if name != expected.name or tuple(tensor.shape) != expected.shape:
+                    raise ValueError(
+                        f"weight source: parameter {k} is {name} {tuple(tensor.shape)}, its metadata said "
+                        f"{expected.name} {expected.shape}"
+                    )
+                slot.copy_(tensor.detach())  # cast to the wire dtype and packed in one copy
+            yield buffer
         if next(pairs, None) is not None:
             raise ValueError(f"weight source: more parameters than its metadata's {len(params)}")
 

@@ -13,11 +13,16 @@ Inputs (`spec.inputs`, kinds checked by the scaffold):
              artifact, else the reference recorded by the parent `grpo` stage).
 Params: `iteration` (int, default 0) seeds the mini-batch order of this rollout batch.
 
-Before training, the engine scores every rollout row with the weights that sampled it (the row's
-`policy_uri`: the input policy in sync mode, an older one in async mode, swapped in and out like the KL
-reference): the trainer's own logprobs of the sampling policy, which the mismatch correction
-(forge_core.losses.correction, `grpo.correction`) takes the ratio against and the mismatch metrics
-(`mismatch/*`, `correction/*`) compare with the sampler's logprobs. One no-grad forward per distinct policy.
+With a mismatch correction (forge_core.losses.correction, `grpo.correction.type` other than none) the engine
+first scores every rollout row with the weights that sampled it (the row's `policy_uri`: the input policy in
+sync mode, an older one in async mode, swapped in and out like the KL reference): the trainer's own logprobs
+of the sampling policy, which the correction takes the ratio against and the mismatch metrics (`mismatch/*`,
+`correction/*`) compare with the sampler's logprobs. One no-grad forward per distinct policy. Without a
+correction the loss never reads them, so that forward runs only with `grpo.correction.measure_mismatch`.
+
+The manifest records the stage's phases (`phase/*_s`): load (policy download, model build or restart, rollout
+read), score, steps (the fit) and export (the policy's export and commit), next to the rollout stage's
+engine_start, sync, sample and reward.
 
 Output `<output_uri>` (kind `grpo`): `policy/` (committed HF folder for the next rollout), the DCP checkpoints
 `_checkpoints/step-N/` (the last one is the stage's final state), `train_summary.json` (stage metrics and
@@ -25,7 +30,10 @@ every step's metrics) and a manifest with lineage (policy, rollouts, reference) 
 
 Optimizer state: every GRPO stage starts a fresh AdamW and LR schedule over its own steps
 (`epochs * samples / mini_batch_size`). A stage is then a function of (policy weights, rollouts, config)
-alone: any policy can start it, whatever world size or optimizer wrote the parent. A retried stage resumes
+alone: any policy can start it, whatever world size or optimizer wrote the parent. A rank of the flow's
+trainer group that trained the input policy keeps its model for it (`model_init: kept`, Engine.restart: the
+weights rounded through the export dtype, as loading the export gives) instead of building one and loading
+the export (`model_init: export`); the result is the same, bitwise. A retried stage resumes
 from its own newest in-stage checkpoint (model, optimizer, schedule, RNG and step metrics), exactly.
 """
 
@@ -34,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +56,8 @@ from forge_core.config import RunConfig
 from forge_core.engine import Engine
 from forge_core.engine.distributed import broadcast_object, run_on_rank0
 from forge_core.losses.correction import mismatch_summary
-from forge_core.losses.grpo import build_policy_loss
+from forge_core.losses.grpo import ClippedPolicyLoss, build_policy_loss
+from forge_core.metrics.phases import PhaseClock
 from forge_core.models import load_hf_folder, read_hf_info
 from forge_core.run.scaffold import StageContext
 from forge_core.run.training import TrainingRun, training_process_group
@@ -181,6 +189,12 @@ def score_under_policies(
     return scores
 
 
+def scores_samplers(cfg: RunConfig, loss: ClippedPolicyLoss) -> bool:
+    """Whether the stage scores the batch under the weights that sampled it: a correction's ratio needs those
+    logprobs; without one they only feed the mismatch metrics, on request."""
+    return loss.correction.reads_old_logprobs or cfg.grpo.correction.measure_mismatch
+
+
 def attach_policy_logprobs(
     trainer: GRPOTrainer,
     rollouts: RolloutBatch,
@@ -188,20 +202,25 @@ def attach_policy_logprobs(
     inputs: GRPOInputs,
     policy_dir: Path | None,
     workdir: Path,
+    samplers: bool,
     kl_on: bool,
 ) -> RLBatch:
-    """Collective: the rollout batch with `old_logprobs_BL` (each row scored with the weights that sampled it,
-    the mismatch correction's extra forward) and, when the KL term is on, `ref_logprobs_BL` (the frozen
-    reference's). A policy that is both a sampler and the reference is scored once."""
+    """Collective: the rollout batch with, when `samplers`, `old_logprobs_BL` (each row scored with the
+    weights that sampled it) and, when the KL term is on, `ref_logprobs_BL` (the frozen reference's). A policy
+    that is both a sampler and the reference is scored once; with neither asked nothing is scored."""
     batch = rollouts.batch
     sampled_by = rollouts.sampled_by or (inputs.policy_uri.rstrip("/"),) * batch.batch_size
     reference = (inputs.reference_uri or "").rstrip("/") if kl_on else None
-    wanted = [*sampled_by, *([reference] if reference else [])]
+    wanted = [*(sampled_by if samplers else ()), *([reference] if reference else [])]
+    if not wanted:
+        return batch
     scores = score_under_policies(trainer, batch, wanted, store, inputs, policy_dir, workdir)
-    old_BL = torch.empty_like(batch.generator_logprobs_BL)
-    for uri, logprobs_BL in scores.items():
-        rows = torch.tensor([sampler == uri for sampler in sampled_by], dtype=torch.bool)
-        old_BL[rows] = logprobs_BL[rows]
+    old_BL = None
+    if samplers:
+        old_BL = torch.empty_like(batch.generator_logprobs_BL)
+        for uri, logprobs_BL in scores.items():
+            rows = torch.tensor([sampler == uri for sampler in sampled_by], dtype=torch.bool)
+            old_BL[rows] = logprobs_BL[rows]
     ref_BL = scores[reference] if reference else None
     return dataclasses.replace(batch, old_logprobs_BL=old_BL, ref_logprobs_BL=ref_BL)
 
@@ -214,9 +233,8 @@ def train(ctx: StageContext) -> None:
     iteration = int(ctx.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
     inputs = resolve_inputs(ctx, kl_on=loss.kl is not None)
-    if ctx.held is not None:
-        ctx.held.drop()  # the previous stage's model goes before this one is built
     with training_process_group(ctx) as dist:
+        phases = PhaseClock()
         policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist)
         # Every rank builds the model its policy's config.json describes (rank 0 alone holds the folder).
         checkpoint = broadcast_object(read_hf_info(policy_dir) if dist.is_rank0 else None)
@@ -224,24 +242,27 @@ def train(ctx: StageContext) -> None:
         rollouts = read_rollouts(store, cfg, inputs)
         steps = steps_per_batch(cfg.grpo, rollouts.batch.batch_size)
         run = TrainingRun(ctx, dist, lineage=inputs.lineage(), run_name=f"{cfg.name}-{ctx.stage.name}-{iteration}")
-        engine = run.engine(vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint)
+        # A trainer group's rank that trained the input policy goes on with that engine (TrainingRun.engine).
+        engine = run.engine(
+            vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint, weights_of=inputs.policy_uri
+        )
         trainer = GRPOTrainer(engine, cfg.grpo, loss, **run.trainer_parts(engine))
+        phases.lap("load")
         try:
-            scoring_started = time.perf_counter()
             batch = attach_policy_logprobs(
-                trainer, rollouts, store, inputs, policy_dir, workdir, kl_on=loss.kl is not None
+                trainer, rollouts, store, inputs, policy_dir, workdir,
+                samplers=scores_samplers(cfg, loss), kl_on=loss.kl is not None,
             )
             # Over the whole rollout batch (quantiles included), before any update; the steps log theirs.
-            mismatch = {
-                **mismatch_summary(batch, loss.correction),
-                "train/score_logprobs_s": time.perf_counter() - scoring_started,
-            }
+            mismatch = mismatch_summary(batch, loss.correction) if batch.old_logprobs_BL is not None else {}
+            mismatch["train/score_logprobs_s"] = phases.lap("score")
             resume = trainer.load_checkpoint()
             history = resume.data_cursor["history"] if resume is not None else []
-            fit_started = time.perf_counter()
+            phases.lap("load")  # a resumed stage's checkpoint read counts with the model's
             history = trainer.fit(
                 batch, plan_seed(cfg.seed, iteration), history, log_extra={**rollouts.stats, **mismatch}
             )
+            fit_s = phases.lap("steps")
             metrics = {
                 **rollouts.stats,
                 **summarize_steps(history),
@@ -250,10 +271,12 @@ def train(ctx: StageContext) -> None:
                 "sampler_uris": sorted(set(rollouts.sampled_by)),
                 # The optimizer steps with their per-step batch slicing, logging and checkpoints (train/time_s
                 # counts the steps alone): what the stage spends training, as against setting up and exporting.
-                "train/fit_s": time.perf_counter() - fit_started,
+                "train/fit_s": fit_s,
                 "iteration": iteration,
                 "resumed_from_step": resume.step if resume is not None else 0,
                 "optimizer_init": "fresh",
+                "model_init": "kept" if engine.restarted else "export",  # kept: the group's engine went on
+                **phases.metrics(),
             }
             run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history)
             if ctx.held is not None:

@@ -147,11 +147,15 @@ def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed:
 
 
 def engine_metrics(cfg: RunConfig, generator: GenerationEngine) -> dict:
-    """How the engine was had: started by this stage (start-up s) or the flow's service (reload s)."""
+    """How the engine was had: started by this stage (start-up s) or the flow's service (reload s: a weight
+    sync from the trainer group or a reload from the store; 0 when it served the policy already). The same
+    seconds as phases: `phase/engine_start_s` and `phase/sync_s`."""
     return {
         "engine_lifetime": cfg.rollout.engine_lifetime,
         "engine_startup_s": float(generator.startup_s),
         "engine_reload_s": float(generator.reload_s),
+        "phase/engine_start_s": float(generator.startup_s),
+        "phase/sync_s": float(generator.reload_s),
     }
 
 
@@ -189,6 +193,7 @@ class Generation:
     seconds: float = 0.0
     tokens: int = 0
     episodes: EpisodeBatch | None = None
+    reward_s: float = 0.0  # the reward functions' time
 
     def add_episodes(self, batch: EpisodeBatch) -> None:
         self.seconds += batch.generation_s
@@ -240,12 +245,14 @@ def sample_round(
     samples = generate_samples(
         generator, prompts, sampling, plan.seed, plan.environment, plan.cfg, plan.policy.local_dir, totals
     )
+    start = time.perf_counter()
     scored = plan.rewards.score(
         [s.response_text for s in samples],
         [s.ground_truth for s in samples],
         [s.ref for s in samples],
         contexts=[sample_context(s, sampling.max_new_tokens) for s in samples],
     )
+    totals.reward_s += time.perf_counter() - start
     return rollout_table(samples, scored, lineage, sampling_round=sampling_round)
 
 
@@ -288,6 +295,10 @@ def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
         "primary_reward": plan.rewards.primary_column,
         **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
         **(episode_metrics(generation.episodes) if generation.episodes is not None else {}),
+        # The iteration's phases on the rollout side (engine_metrics: the engine's; the GRPO stage records its
+        # own): sampling, the reward functions.
+        "phase/sample_s": generation_s,
+        "phase/reward_s": generation.reward_s,
         "wall_s": plan.ctx.wall_s(),
     }
     writer = plan.ctx.writer()

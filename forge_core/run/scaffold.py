@@ -53,8 +53,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class HeldPolicy:
     """What a long-lived trainer rank keeps of its last training stage: the engine it trained (its weights on
     this rank) and the stage artifact that committed them, so that the weights can be streamed to the rollout
-    engines without the store (forge_core.run.weight_sync). A stage drops what is held before it builds its
-    own engine, so a rank never holds two models."""
+    engines without the store (forge_core.run.weight_sync), and the next GRPO stage of the group trains on from
+    them instead of loading the export. A stage takes or drops what is held before it builds its own engine, so
+    a rank never holds two models."""
 
     def __init__(self) -> None:
         self.engine: Any = None
@@ -65,6 +66,13 @@ class HeldPolicy:
 
     def drop(self) -> None:
         self.engine = self.stage_uri = None
+
+    def take(self, stage_uri: str) -> Any:
+        """The held engine when it holds the weights `stage_uri` committed (the next stage trains on from them),
+        else None; either way nothing is held afterwards."""
+        engine = self.engine if self.stage_uri == stage_uri.rstrip("/") else None
+        self.drop()
+        return engine
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from forge_core.config.schema import OptimizerConfig
 from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
 from forge_core.engine.distributed import DistContext, run_on_rank0
 from forge_core.metrics import build_sinks
+from forge_core.metrics.phases import PhaseClock
 from forge_core.models import HFModelInfo
 from forge_core.run.scaffold import StageContext
 from forge_core.trainers.base import ArtifactContext, TitanTrainer
@@ -62,12 +63,24 @@ class TrainingRun:
         total_steps: int,
         init_weights_dir: str | None,
         checkpoint: HFModelInfo | None = None,
+        weights_of: str | None = None,
     ) -> Engine:
         """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder (built
-        with `checkpoint`'s architecture: what its config.json says) or from the seed."""
-        return Engine.Config.from_run_config(
+        with `checkpoint`'s architecture: what its config.json says) or from the seed. `weights_of`: the stage
+        that committed that folder; when this rank holds the engine that trained it (a trainer group's last
+        stage, HeldPolicy) with this model config, that engine is restarted (Engine.restart) instead of a new
+        one built and loaded. Whatever else the rank held is dropped first."""
+        config = Engine.Config.from_run_config(
             self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir, checkpoint=checkpoint
-        ).build()
+        )
+        held = self.ctx.held
+        kept = held.take(weights_of) if held is not None and weights_of is not None else None
+        if held is not None:
+            held.drop()
+        if kept is not None and kept.restarts_as(config):
+            return kept.restart(config)
+        del kept  # never two models on a rank
+        return config.build()
 
     def trainer_parts(self, engine: Engine) -> dict:
         """The trainer's keyword arguments every training stage passes: metric sink, in-stage checkpointer,
@@ -85,12 +98,14 @@ class TrainingRun:
         self, trainer: TitanTrainer, metrics: dict, tokenizer_dir: str | None, steps: list | None = None
     ) -> dict:
         """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics`
-        plus the policy URI, the engine's layout and `wall_s`; `train_summary.json` holds those metrics (and,
-        given `steps`, every step's). Returns the stage's metrics."""
+        plus the policy URI, the export's seconds (`phase/export_s`), the engine's layout and `wall_s`;
+        `train_summary.json` holds those metrics (and, given `steps`, every step's). Returns the stage's metrics."""
         ctx = self.ctx
+        export = PhaseClock()
         policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics)
+        export.lap("export")
         layout = {k: v for k, v in trainer.engine.describe().items() if not isinstance(v, dict)}
-        final = {**metrics, "policy_uri": policy_uri, **layout, "wall_s": ctx.wall_s()}
+        final = {**metrics, **export.metrics(), "policy_uri": policy_uri, **layout, "wall_s": ctx.wall_s()}
         trainer.sink.summary({k: v for k, v in final.items() if isinstance(v, (int, float))})
         summary = final if steps is None else {"metrics": final, "steps": steps}
         run_on_rank0(

@@ -6,18 +6,20 @@ group`).
 When a rollout or evaluate stage asks the run's engines to serve a policy that the run's trainer group holds (its
 last GRPO order trained and committed it: forge_core.run.scaffold.HeldPolicy), the engines that serve another
 version receive it from the trainer ranks: each engine from a trainer rank on its own node (from rank 0 when its
-node has none), one transfer group per such sender (forge_core.rollout.weight_transfer: vLLM's weight-transfer
-API, its gloo backend). Every trainer rank takes part, since gathering a sharded parameter is a collective of the
-ranks; a sender streams the gathered parameters, in the dtype and under the names of the exported policy, in
-buckets of `rollout.weight_sync.bucket_mb` to its engines, which load them in place and then serve the policy's
-version: the same tensors the store holds, so the same version. A group lives for one push, so an engine that
-was restarted since simply takes part in the next.
+node has none), one transfer group per such sender (forge_core.rollout.weight_transfer: vLLM's weight-transfer API,
+its gloo backend; the buckets go through shared memory when all of a sender's engines share its node). Every
+trainer rank takes part, since gathering a sharded parameter is a collective of the ranks; a sender streams the
+gathered parameters, in the dtype and under the names of the exported policy, in buckets of
+`rollout.weight_sync.bucket_mb` to its engines, which load them in place and then serve the policy's version: the
+same tensors the store holds, so the same version. A group lives for one push, so an engine that was restarted
+since simply takes part in the next.
 
 A push needs the trainer group idle: it waits for nothing and leaves the engines to the store while an order
 runs (an asynchronous run trains while it samples). A push that fails (an engine or a rank lost, a member past
 `rollout.weight_sync.timeout_s`) is logged, the trainer group is ended (a rank may wait in a gather that never
-completes; the next GRPO order places a new one), and `EngineActors.serve` then brings every engine to the policy
-from the store, restarting lost ones, as it does without a trainer.
+completes; the next GRPO order places a new one), the engines that took part are marked failed (part of their
+weights may be new), and `EngineActors.serve` then restarts them and brings every engine to the policy from the
+store, as it does without a trainer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,7 @@ class WeightPush:
     master_address: str = ""
     master_port: int = 0
     engines: tuple[EngineTarget, ...] = ()
+    shared_memory: bool = False  # every engine runs on the sender's node: the buckets go through shared memory
 
 
 # ---- on a trainer rank ------------------------------------------------------------------------------------------
@@ -143,8 +146,9 @@ def push_held_weights(held: HeldPolicy, push: WeightPush) -> float:
     if push.engines:
         world = 1 + sum(target.workers for target in push.engines)
         init = GlooTrainerInit(
-            push.master_address, push.master_port, world, push.bucket_bytes, push.timeout_s, rank=0
-        )
+            push.master_address, push.master_port, world, push.bucket_bytes, push.timeout_s,
+            shared_memory=push.shared_memory, rank=0,
+        )  # fmt: skip
         sender = GlooTrainerEngine.trainer_init(init, client=client, source=source)
     else:
         sender = GlooTrainerEngine(client=client, source=source, is_sender=False, bucket_bytes=push.bucket_bytes)
@@ -180,12 +184,14 @@ def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> fl
         held = trainer.ranks[0].call("held_stage", timeout=trainer.call_timeout_s)
         if held != policy.stage_uri.rstrip("/"):
             return None
-        seconds = _push(trainer, behind, policy, resources.cfg.rollout)
+        seconds, senders = _push(trainer, behind, policy, resources.cfg.rollout)
     except Exception as exc:  # noqa: BLE001 - the store is the fallback; the group may be stuck in a gather
         log.warning(
-            "weight sync of %s to %s failed (%s: %s); ending the trainer group, the engines take it from the store",
-            policy.stage_uri, ", ".join(engine.name for engine in behind), type(exc).__name__, exc,
+            "weight sync of %s to %s failed (%s: %s); ending the trainer group, the engines are restarted from the "
+            "store", policy.stage_uri, ", ".join(engine.name for engine in behind), type(exc).__name__, exc,
         )  # fmt: skip
+        for engine in behind:  # part of their weights may be new: a restart is the one known state
+            engine.failed = engine.failed or f"interrupted weight transfer ({type(exc).__name__})"
         trainer.busy.release()
         with resources.lock:
             current = resources.trainer_group is trainer
@@ -196,37 +202,52 @@ def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> fl
     for engine in behind:
         engine.refresh(engine.host.call("describe"))
     log.info(
-        "weight sync: %s to %d engine(s) from the trainer group in %.2f s (no store)", policy.stage_uri, len(behind),
-        seconds,
+        "weight sync: %s to %d engine(s) from the trainer group in %.2f s (no store; %s)", policy.stage_uri,
+        len(behind), seconds, senders,
     )  # fmt: skip
     return seconds
 
 
-def _push(trainer: Any, behind: list, policy: PolicyRef, rollout: Any) -> float:
-    """Every rank's part at once: an engine goes to the first rank on its node, else to rank 0."""
+def _push(trainer: Any, behind: list, policy: PolicyRef, rollout: Any) -> tuple[float, str]:
+    """Every rank's part at once: an engine goes to the first rank on its node, else to rank 0 (through shared
+    memory when all of a rank's engines share its node). Returns the seconds and who sent to whom
+    ("rank 0 -> engine 0, engine 1, shared memory; rank 1 -> engine 2"). Raises the first rank's error at once: the
+    others may wait in a collective for it, until the caller ends the group."""
     sync = rollout.weight_sync
     first_rank_on = {}
     for k, rank in enumerate(trainer.ranks):
         first_rank_on.setdefault(rank.place.node_id, k)
     served: dict[int, list[EngineTarget]] = {}
+    receivers: dict[int, list[str]] = {}
+    engine_nodes: dict[int, list[str]] = {}
     for engine in behind:
         target = EngineTarget(engine.host.actor, engine.host.place.address, rollout.tensor_parallel_size, engine.name)
-        served.setdefault(first_rank_on.get(engine.host.place.node_id, 0), []).append(target)
+        sender = first_rank_on.get(engine.host.place.node_id, 0)
+        served.setdefault(sender, []).append(target)
+        receivers.setdefault(sender, []).append(f"engine {engine.index}")
+        engine_nodes.setdefault(sender, []).append(engine.host.place.node_id)
     common = {"stage_uri": policy.stage_uri, "version": policy.version, "bucket_bytes": sync.bucket_mb * MIB,
               "timeout_s": sync.timeout_s}  # fmt: skip
     pushes = []
     for k, rank in enumerate(trainer.ranks):
         if k in served:
             port = rank.call("free_port", rank.place.address, timeout=trainer.call_timeout_s)
+            same_node = all(node == rank.place.node_id for node in engine_nodes[k])
             pushes.append(WeightPush(**common, master_address=rank.place.address, master_port=port,
-                                     engines=tuple(served[k])))  # fmt: skip
+                                     engines=tuple(served[k]), shared_memory=same_node))  # fmt: skip
+            if same_node:
+                receivers[k].append("shared memory")
         else:
             pushes.append(WeightPush(**common))
     started = time.monotonic()
     # Bounded: the rendezvous, then every bucket, each within timeout_s on its own.
     bound = sync.timeout_s * 4
-    with ThreadPoolExecutor(len(pushes), thread_name_prefix="forge-weight-push") as pool:
+    pool = ThreadPoolExecutor(len(pushes), thread_name_prefix="forge-weight-push")
+    try:
         calls = [pool.submit(rank.call, "push_weights", push, timeout=bound) for rank, push in zip(trainer.ranks, pushes)]
-        for call in calls:
+        for call in as_completed(calls):
             call.result()
-    return time.monotonic() - started
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    senders = "; ".join(f"rank {k} -> {', '.join(receivers[k])}" for k in sorted(receivers))  # "..., shared memory"
+    return time.monotonic() - started, senders

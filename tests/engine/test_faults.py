@@ -21,6 +21,12 @@ def test_hang_engine_names_an_engine_index():
         parse_faults("hang_engine:x")
 
 
+def test_kill_vllm_transfer_counts_loaded_buckets():
+    assert parse_faults("kill_vllm_transfer:2@rollout") == [Fault("kill_vllm_transfer", samples=2, stage="rollout")]
+    with pytest.raises(ValueError, match="kill_vllm_transfer:<buckets>"):
+        parse_faults("kill_vllm_transfer:")
+
+
 @pytest.mark.parametrize("spec", ["kill:1:3", "kill_rank:one:3", "kill_rank:1"])
 def test_bad_fault_specs_name_the_entry(spec):
     with pytest.raises(ValueError, match="expected <action>:<rank>:<step>"):

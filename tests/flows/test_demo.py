@@ -113,6 +113,12 @@ def test_demo_at_reduced_budgets_commits_every_stage_and_reports(prefect_api, tm
     for label in ("rollout-1", "eval-grpo-1"):
         assert manifests[label].metrics["engine_lifetime"] == "flow", label
         assert manifests[label].metrics["engine_startup_s"] == 0.0, label  # reloaded, not started again
+    # Where each stage's time went: the rollout's sampling, GRPO's steps, in the manifest and the table's column.
+    by_label = {row["stage"]: row for row in rows}
+    for label, phase in (("rollout-1", "sample"), ("grpo-1", "steps")):
+        assert manifests[label].metrics[f"phase/{phase}_s"] > 0, label
+        assert f"{phase} " in by_label[label]["phases"], by_label[label]
+    assert {"phase/load_s", "phase/score_s", "phase/export_s"} <= set(manifests["grpo-1"].metrics)
     assert manifests["prepare"].metrics["rows"]["sft"] == cfg.data.demo.num_sft
     assert manifests["sft"].metrics["steps"] == cfg.sft.steps
     # Validation-driven SFT: a validation every sft.eval_every steps, the selected step and why in the manifest

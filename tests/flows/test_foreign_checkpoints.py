@@ -78,6 +78,7 @@ def _overrides(tmp_path, family: str, checkpoint) -> list[str]:
         # the groups reward variance: GRPO steps, and its vLLM-vs-trainer logprob check has tokens to compare.
         "rollout.rewards=[{name: numeric_answer}, {name: 'tests.flows.constant_reward:coin', weight: 0.1}]",
         "sft.verifier=numeric_answer",
+        "grpo.correction.measure_mismatch=true",  # the GRPO stage rescores every rollout: the vLLM-vs-trainer check
         "rollout.engine_lifetime=flow",  # one engine and one trainer job per flow run: the cheapest CI run
         "grpo.trainer_lifetime=flow",
         "launch.sft.nproc_per_node=1",  # FSDP over 2 ranks is tested on the registered flavors

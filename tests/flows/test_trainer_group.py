@@ -9,17 +9,23 @@ On the tiny config with a reward that varies within groups (so GRPO really updat
   survives the flow;
 - its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), in this process on the
   test run's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
-  policies, bitwise, and the same step metrics;
+  policies, bitwise, and the same step metrics (a group's second iteration trains on with the engine of its
+  first, a stage loads the export);
+- a run that ends after iteration 0 and a new run of iteration 1: the new group loads the committed policy from
+  the store and commits the same policy, bitwise;
 - flow lifetime with a rank SIGKILLed mid-iteration: the task's retry places a new group, which resumes from
   the in-stage checkpoint, and the policies are again the same, bitwise;
 - a user error inside the group fails the stage FATAL with the worker's message and leaves no group;
 - the same iterations by a trainer group of one rank on each of two nodes of the pool: the same policies,
-  bitwise, also when a rank is SIGKILLed and a new group resumes.
+  bitwise, also when a rank is SIGKILLed and a new group resumes;
+- two engines on two pool nodes take each policy from the rank on their node (through shared memory when they
+  share it), and an engine whose vLLM is killed mid-transfer is restarted from the store and rejoins the next.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -156,13 +162,16 @@ def _step_metrics(store: ObjectStore, grpo_uri: str) -> list[dict]:
 
 
 @flow(name="grpo-chain")
-def grpo_chain(config_json: str, sft_uri: str, rollouts: list[str], retries: int) -> list[tuple[str, float]]:
-    """GRPO iterations on given rollout batches, with the flow's own stop hooks; (policy, task seconds) each."""
+def grpo_chain(
+    config_json: str, sft_uri: str, rollouts: list[str], retries: int, first_iteration: int = 0
+) -> list[tuple[str, float]]:
+    """GRPO iterations on given rollout batches, from `sft_uri` (or any committed policy), with the flow's own stop
+    hooks; (policy, task seconds) each."""
     cfg = config_from_dict(json.loads(config_json))
     grpo = train_grpo.with_options(retries=retries, retry_delay_seconds=0)
     policy, out = sft_uri, []
     with FlowResources.of(cfg):
-        for iteration, rollouts_uri in enumerate(rollouts):
+        for iteration, rollouts_uri in enumerate(rollouts, start=first_iteration):
             started = time.monotonic()
             policy = grpo(cfg, policy, rollouts_uri, iteration)
             out.append((policy, time.monotonic() - started))
@@ -243,6 +252,9 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
             reference = flow_run.grpo_uri(iteration)
             assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
             assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
+            # Iteration 1 of a group goes on with the engine that trained iteration 0; a stage loads the export.
+            kept = lifetime == "flow" and iteration == 1
+            assert store.read_manifest(uri).metrics["model_init"] == ("kept" if kept else "export")
     assert ray_cluster.live_actors() == []  # the chains' FlowResources ended their trainer groups
     updates = [
         m for i in (0, 1) for m in _step_metrics(flow_run.store, flow_run.grpo_uri(i)) if not m.get("skipped")
@@ -250,6 +262,31 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
     assert updates, "no GRPO step updated the policy: the comparison would prove nothing"
     (tmp_path / "grpo_task_seconds.json").write_text(json.dumps(timings))
     print(f"GRPO task wall seconds per iteration: {timings}; in the flow run: {flow_run.grpo_seconds()}")
+
+
+def test_a_new_run_goes_on_from_the_policy_the_store_committed(flow_lifetime_run, prefect_api, ray_cluster, tmp_path):
+    """A run that ends after iteration 0 (its trainer group with it, as a killed flow run's) and a new run of
+    iteration 1: the new group holds nothing, so it loads iteration 0's committed policy from the store
+    (`model_init: export`), and commits the uninterrupted run's iteration-1 policy, bitwise."""
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    store = _copy_store(flow_run, tmp_path / "resumed")
+    cfg = load_config(
+        CONFIG, [f"storage.root={store.root}", f"logging.dir={tmp_path}/runs", *COMMON, "grpo.trainer_lifetime=flow"]
+    )
+    rollouts = [
+        flow_run.store.read_manifest(flow_run.grpo_uri(i)).inputs["rollouts"].uri.replace(flow_run.store.root, store.root)
+        for i in (0, 1)
+    ]
+    [(first, _)] = grpo_chain(config_to_json(cfg), store.list_committed("sft")[0], rollouts[:1], 0)
+    assert ray_cluster.live_actors() == []  # the first run's group ended with it
+    [(second, _)] = grpo_chain(config_to_json(cfg), first, rollouts[1:], 0, first_iteration=1)
+    assert store.read_manifest(second).metrics["model_init"] == "export"
+    assert store.read_manifest(second).inputs["policy"].uri == first
+    reference = flow_run.grpo_uri(1)
+    assert flow_run.store.read_manifest(reference).metrics["model_init"] == "kept"
+    assert _step_metrics(store, second) == _step_metrics(flow_run.store, reference)
+    assert _policy_bytes(store, second) == _policy_bytes(flow_run.store, reference)
 
 
 def test_killed_rank_places_a_new_group_which_resumes(
@@ -388,4 +425,84 @@ def test_trainer_group_stopped_while_a_rank_hangs_names_it_and_leaves_nothing(
     assert result.stall.startswith("rank 1 made no progress since step 1"), result.stall
     assert not store.is_committed(plan.output_uri)
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []
+
+
+# ---- weight sync to engines on two nodes ---------------------------------------------------------------------
+
+ENGINES_ON_TWO_POOL_NODES = [
+    "rollout.num_engines=2",
+    f"launch.rollout.pool={POOL}",
+    "launch.rollout.nnodes=2",
+    "rollout.weight_sync.bucket_mb=1",  # the tiny policy's 1.6 MB in 2 buckets: a kill after the first lands mid-transfer
+]
+
+
+def test_two_engines_on_two_nodes_take_each_policy_from_the_group_and_a_killed_one_rejoins(
+    flow_lifetime_run, ray_cluster, tmp_path, monkeypatch, caplog
+):
+    """Two engines on two pool nodes and a trainer group of one rank on each of two pool nodes, both held by one
+    FlowResources as a flow run holds them. Iteration 0's push: one engine's vLLM SIGKILLs itself after the first
+    bucket; the push fails, the group is ended, and both engines serve the committed policy from the store (each
+    restarted: part of its weights may be new). Iteration 1: a new group trains, and both engines, the restarted
+    one included, receive its policy from the rank on their own node (rank 0 where none; through shared memory
+    when a rank's engines all share its node) before they sample."""
+    from forge_core.artifacts.policy import policy_ref
+    from forge_core.rollout import prompts_from_table
+    from forge_core.run.weight_sync import trainer_pusher
+
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("FORGE_FAULT", "kill_vllm_transfer:1")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
+    caplog.set_level(logging.INFO, logger="forge_core")
+    store = _copy_store(flow_run, tmp_path / "sync")
+    overrides = [f"storage.root={store.root}", f"logging.dir={tmp_path}/runs", *COMMON, "grpo.trainer_lifetime=flow"]
+    cfg = load_config(CONFIG, [*overrides, *ON_TWO_POOL_NODES, *ENGINES_ON_TWO_POOL_NODES])
+    rollouts = [
+        flow_run.store.read_manifest(flow_run.grpo_uri(i)).inputs["rollouts"].uri.replace(flow_run.store.root, store.root)
+        for i in (0, 1)
+    ]
+    prompts = prompts_from_table(store.reader(store.list_committed("data")[0]).read_table("rl_prompts.parquet"))[:4]
+    policy_uri = store.list_committed("sft")[0]
+    with FlowResources.of(cfg) as resources:
+        with resources.engine_actors(seed=0) as engines:
+            engines.serve(policy_ref(store, policy_uri))  # both engines up on the SFT policy, from the store
+        for iteration, rollouts_uri in enumerate(rollouts):
+            inputs = {"policy": policy_uri, "rollouts": rollouts_uri}
+            plan = plan_stage(cfg, store, "grpo", inputs=inputs, params={"iteration": iteration})
+            write_spec(store, plan.spec)
+            result = runner_for(cfg, "grpo").run(plan, lambda line: None, Cancel())
+            assert result.outcome is Outcome.SUCCESS, result
+            policy_uri = plan.output_uri
+            policy = policy_ref(store, policy_uri)
+            with resources.lock:
+                ranks_on = {rank.place.node_id: k for k, rank in reversed(list(enumerate(resources.trainer_group.ranks)))}
+            caplog.clear()
+            with resources.engine_actors(seed=0) as engines:
+                router = engines.serve(policy, "rollout", push=trainer_pusher(resources, policy))
+                engine_nodes = {node["node_rank"]: node["node_id"] for node in engines.placement()["nodes"]}
+                assert router.policy_version == policy.version and len(router.live) == 2
+                samples = router.generate(prompts, cfg.rollout.sampling, seed=iteration)  # refused by a stale engine
+                assert len(samples) == len(prompts) * cfg.rollout.sampling.group_size
+            if iteration == 0:
+                assert marker.exists(), "the fault never fired: nothing was tested"
+                assert f"weight sync of {policy_uri} to " in caplog.text and " failed (" in caplog.text, caplog.text
+                assert resources.trainer_group is None  # ended; iteration 1 places a new one
+                assert "interrupted weight transfer" in caplog.text, caplog.text  # both restarted from the store
+                continue
+            expected: dict[int, list[int]] = {}
+            for index in sorted(engine_nodes):
+                expected.setdefault(ranks_on.get(engine_nodes[index], 0), []).append(index)
+            node_of_rank = {k: node for node, k in ranks_on.items()}
+            # A rank whose engines all share its node sends through shared memory, else over the group.
+            senders = "; ".join(
+                f"rank {k} -> {', '.join(f'engine {i}' for i in expected[k])}"
+                + (", shared memory" if all(engine_nodes[i] == node_of_rank[k] for i in expected[k]) else "")
+                for k in sorted(expected)
+            )
+            assert f"weight sync: {policy_uri} to 2 engine(s) from the trainer group" in caplog.text, caplog.text
+            assert f"(no store; {senders})" in caplog.text, (senders, caplog.text)
+            assert len(set(engine_nodes.values())) == 2, engine_nodes
     assert ray_cluster.live_actors() == []

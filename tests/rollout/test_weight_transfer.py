@@ -4,14 +4,17 @@ gloo backend of vLLM's weight-transfer API, driven as forge_core.run.weight_sync
 The trainer is a real torchtitan engine started from the world's policy with its weights moved; the receiving
 engine is a real in-process vLLM engine. After a transfer, every parameter of vLLM's model equals, bitwise, what
 the same engine holds after reloading the folder the trainer's export writes: the transfer delivers the
-exported policy, not an approximation of it.
+exported policy, not an approximation of it; over the group's broadcasts and through shared memory alike.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import socket
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from vllm.distributed.weight_transfer.base import ParamMeta
@@ -21,6 +24,7 @@ from forge_core.rollout.weight_transfer import (
     GeneratorClient,
     GlooTrainerEngine,
     GlooTrainerInit,
+    decoder_layer,
     plan_buckets,
 )
 from forge_core.run.weight_sync import HeldPolicySource
@@ -36,6 +40,18 @@ def test_buckets_cover_every_parameter_in_order_within_the_bound():
     assert plan_buckets([], bucket_bytes=1) == []
 
 
+def test_shared_memory_buckets_never_split_a_decoder_layer():
+    names = ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.0.k.weight",
+             "model.layers.1.q.weight", "model.layers.1.k.weight", "model.layers.10.q.weight", "model.norm.weight"]  # fmt: skip
+    params = [ParamMeta(name, torch.float32, (4,)) for name in names]  # 16 bytes each
+    assert [decoder_layer(n) for n in names[:4]] == ["model.embed_tokens.weight", "model.layers.0", "model.layers.0",
+                                                     "model.layers.1"]  # fmt: skip
+    # 40 bytes: a layer's 32 bytes never share a bucket with a neighbour's, and are never cut.
+    assert [list(b) for b in plan_buckets(params, 40, together=decoder_layer)] == [[0], [1, 2], [3, 4], [5, 6]]
+    # 8 bytes, less than one parameter: each layer is still one bucket.
+    assert [list(b) for b in plan_buckets(params, 8, together=decoder_layer)] == [[0], [1, 2], [3, 4], [5], [6]]
+
+
 def _vllm_state(generator) -> dict[str, torch.Tensor]:
     def read(worker):
         return {k: v.detach().clone() for k, v in worker.model_runner.model.state_dict().items()}
@@ -49,7 +65,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_path):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["over-the-group", "shared-memory"])
+def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_path, shared_memory):
     from forge_core.engine import Engine
     from forge_core.models import write_hf_folder
 
@@ -66,7 +83,10 @@ def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_p
 
     version = "transferred"
     # Buckets far smaller than the model: several broadcasts, parameters split across them.
-    init = GlooTrainerInit("127.0.0.1", _free_port(), world_size=2, bucket_bytes=64 * 1024, timeout_s=60, rank=0)
+    init = GlooTrainerInit(
+        "127.0.0.1", _free_port(), world_size=2, bucket_bytes=64 * 1024, timeout_s=60, shared_memory=shared_memory,
+        rank=0,
+    )  # fmt: skip
     sender = GlooTrainerEngine.trainer_init(
         init, client=GeneratorClient(generator, version), source=HeldPolicySource(trainer)
     )
@@ -75,6 +95,8 @@ def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_p
     sender.shutdown()
     transferred = _vllm_state(generator)
     assert generator.policy_version == version
+    # The sender removes its shared-memory files once the engine has copied the last bucket out.
+    assert not glob.glob(f"/dev/shm/forgeflow-weights-{os.getpid()}-*")
 
     exported = write_hf_folder(
         trainer.full_state_dict(dtype=trainer.export_dtype), cfg.model, world.vocab_size, tmp_path / "export",

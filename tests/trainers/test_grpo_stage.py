@@ -55,7 +55,9 @@ REQUIRED_METRICS = (
 class Setup:
     def __init__(self, tmp_path):
         self.tmp = tmp_path
-        self.cfg = grpo_test_config(tmp_path, "grpo.loss.kl_coef=0.05", "grpo.checkpoint_every=2")
+        self.cfg = grpo_test_config(
+            tmp_path, "grpo.loss.kl_coef=0.05", "grpo.checkpoint_every=2", "grpo.correction.measure_mismatch=true"
+        )
         self.store = ObjectStore.from_config(self.cfg.storage)
         tokenizer = demo_tokenizer(tmp_path)
         policy = plain_policy(self.cfg, tokenizer.vocab_size, seed=3)
@@ -78,11 +80,12 @@ class Setup:
         start = time.monotonic()
         return launch(spec, log=lambda line: print(f"[{time.monotonic() - start:6.1f}s] {line}"))
 
-    def run_in_process(self, name: str) -> None:
-        """The stage as one plain process (world size 1): here, in the test process."""
+    def run_in_process(self, name: str, cfg=None) -> None:
+        """The stage as one plain process (world size 1): here, in the test process (`cfg`: another config)."""
+        spec_uri = grpo_spec(cfg or self.cfg, self.store, self.store.artifact_uri("grpo", name), self.inputs)
         try:
             with intra_op_threads(1):
-                run_spec(read_spec(self.spec_uri(name)))
+                run_spec(read_spec(spec_uri))
         finally:
             destroy_distributed()
 
@@ -147,6 +150,28 @@ def test_one_rank_and_two_ranks_give_the_same_update(setup):
     worst = max(((w1[k] - w2[k]).norm() / (w1[k] - start[k]).norm().clamp(min=1e-12)).item() for k in w1)
     print(f"1 vs 2 ranks: max relative update difference {worst:.3e}")
     assert worst < 1e-4, worst
+
+
+def test_without_a_correction_the_sampler_scoring_is_skipped_and_the_update_is_the_same(setup):
+    """With correction none the loss never reads the old logprobs: unless asked to measure the mismatch, the
+    stage skips that forward, and trains exactly as the measuring run did."""
+    cfg = grpo_test_config(setup.tmp, "grpo.loss.kl_coef=0.05", "grpo.checkpoint_every=2")
+    setup.run_in_process("unmeasured", cfg)
+    measured = setup.store.read_manifest(setup.store.artifact_uri("grpo", "one-rank")).metrics
+    unmeasured = setup.store.read_manifest(setup.store.artifact_uri("grpo", "unmeasured")).metrics
+    assert "mismatch/logprob_diff_max" in measured
+    assert not [k for k in unmeasured if k.startswith(("mismatch/", "correction/"))], unmeasured
+    assert unmeasured["generator_gap/max"] == measured["generator_gap/max"]  # from the first step, either way
+    for metrics in (measured, unmeasured):
+        assert {"phase/load_s", "phase/score_s", "phase/steps_s", "phase/export_s"} <= set(metrics), metrics
+    untimed = ("step_time_s", "tokens_per_s")
+    steps = [setup.summary(name)["steps"] for name in ("one-rank", "unmeasured")]
+    unmeasured_keys = ("mismatch/", "correction/")
+    assert [{k: v for k, v in m.items() if k not in untimed and not k.startswith(unmeasured_keys)} for m in steps[0]] == [
+        {k: v for k, v in m.items() if k not in untimed} for m in steps[1]
+    ]
+    w_measured, w_unmeasured = setup.weights("one-rank"), setup.weights("unmeasured")
+    assert all(torch.equal(w_measured[k], w_unmeasured[k]) for k in w_measured)
 
 
 def test_interrupted_stage_resumes_mid_stage_exactly(setup, monkeypatch):
