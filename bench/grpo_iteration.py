@@ -22,7 +22,7 @@ Three results, one file each:
   steps on 2 ranks); value = fixed-overhead share of the iteration wall time with `rollout.engine_lifetime`
   and `grpo.trainer_lifetime` = flow, baseline = the same share with both = stage (an engine start and a
   torchrun start per iteration). Iterations after the first (which starts the long-lived processes) count;
-  the first is in details. Target (the issue's): value <= 10%, written as ratio <= 0.10 / baseline.
+  the first is in details. Target: value <= 10%, written as ratio <= 0.10 / baseline.
 - `grpo_iteration.vs_trl` (b): llama3 `medium` (~27M parameters), 16 prompts x 8 samples x up to 32 tokens,
   one optimizer step per iteration, sync mode, both lifetimes = flow; baseline = TRL's `GRPOTrainer.train()`
   in this process on the same weights (our SFT export) and prompts (bench/_trl_iteration.py). Median of the
@@ -58,9 +58,9 @@ SMALL_EVAL = ["eval.num_prompts=64"]
 
 # (a) the demo as shipped (model, batch, optimizer steps), a shorter SFT that already answers in format.
 DEMO_WORKLOAD = ["sft.steps=100", *SMALL_EVAL]
-# (b) the TRL comparison: 16 prompts x 8 samples x up to 32 new tokens on a ~27M model, one optimizer
+# (b) the TRL comparison: 16 prompts x 8 samples x up to 32 new tokens on a ~27M model, one optimizer
 # step per iteration. One SFT step at a negligible learning rate keeps the random initialisation, whose
-# answers run long (tens of tokens, many to the cap) as in the measurement of TRL; a real SFT step
+# answers run long (tens of tokens, many to the cap): real generation and training for both; a real SFT step
 # would already teach the 5-token answer format and leave little to generate or train on.
 MEDIUM_WORKLOAD = [
     "model.flavor=medium",
@@ -256,7 +256,7 @@ def measure_overhead(workdir: Path, iterations: int) -> dict:
         details={
             "encoding": (
                 "value = fixed-overhead share of the iteration wall time with the long-lived engine and trainer, "
-                "baseline = the same with both restarted per iteration; the target is the issue's value <= 0.10, "
+                "baseline = the same with both restarted per iteration; the target is value <= 0.10, "
                 "expressed on the ratio"
             ),
             "value_target": f"<={target_share}",

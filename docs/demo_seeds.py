@@ -1,4 +1,5 @@
-"""Runs the demo for several seeds and writes what the README shows: the 5-seed learning table and the output.
+"""Runs the demo for several seeds and writes what the docs show of it: the five-seed learning table, seed 0's
+output and plot.
 
     .venv/bin/python docs/demo_seeds.py                    # seeds 0-4, fresh store per seed (~50 min)
     .venv/bin/python docs/demo_seeds.py --seeds 0 --no-readme   # one seed, only print the measurements
@@ -6,11 +7,12 @@
 Each seed is one `python -m flows.demo seed=N` process (exactly what `make demo` runs, plus the seed) on a fresh
 store and runs folder under `--work-dir`, so every stage really runs and the timings are real. While it runs,
 the resident memory of its whole process tree (flow, Prefect, torchrun ranks, vLLM) is sampled every 0.5 s;
-the table reports the peak of that sum. Results land in docs/demo_seeds.json and between the README markers
-`<!-- demo-seeds:start/end -->` (table) and `<!-- demo-output:start/end -->` (the first seed's terminal output,
-progress bars removed, its temporary paths shown as the demo's defaults). Both record the machine they were
-measured on (`machine_facts`: CPU model, the ISA torch's CPU kernels use, torch build): exact accuracies differ
-between CPUs, since floating-point kernels differ between instruction sets (README, "Does it learn?").
+the table reports the peak of that sum. Results land in docs/demo_seeds.json, between the README's
+`<!-- demo-seeds:start/end -->` markers (the table), between docs/getting-started.md's
+`<!-- demo-output:start/end -->` markers (the first seed's terminal output, progress bars removed, its temporary
+paths shown as the demo's defaults) and in docs/img/demo-curves.png (the first seed's plot). The table records
+the machine it was measured on (`machine_facts`: CPU model, the ISA torch's CPU kernels use, torch build): exact
+accuracies differ between CPUs (docs/getting-started.md, "Does it learn?").
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +33,9 @@ import torch
 from bench.harness import TreeMemorySampler
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+README = REPO / "README.md"  # the five-seed table
+GETTING_STARTED = REPO / "docs" / "getting-started.md"  # seed 0's output
+PLOT = REPO / "docs" / "img" / "demo-curves.png"  # seed 0's curves, beside the README's table
 RESULTS = REPO / "docs" / "demo_seeds.json"
 
 
@@ -165,7 +170,7 @@ def seeds_table(results: list[dict], machine: dict) -> str:
 def replace_between(text: str, marker: str, body: str) -> str:
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     if start not in text or end not in text:
-        raise SystemExit(f"README.md lost its {start} ... {end} markers")
+        raise SystemExit(f"lost the {start} ... {end} markers")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--work-dir", type=Path, default=REPO / ".forge-seeds")
-    parser.add_argument("--no-readme", action="store_true", help="print the results, leave README.md alone")
+    parser.add_argument("--no-readme", action="store_true", help="print the results, leave the docs alone")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every seed's run")
     args = parser.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -195,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = [{k: v for k, v in r.items() if k not in ("output", "summary_path")} for r in results]
     RESULTS.write_text(json.dumps({"machine": machine, "overrides": args.overrides, "seeds": runs}, indent=2) + "\n")
-    text = replace_between(README.read_text(), "demo-seeds", table)
-    text = replace_between(text, "demo-output", f"```\n{results[0]['output']}\n```")
-    README.write_text(text)
-    print(f"wrote {README} and {RESULTS}")
+    README.write_text(replace_between(README.read_text(), "demo-seeds", table))
+    GETTING_STARTED.write_text(
+        replace_between(GETTING_STARTED.read_text(), "demo-output", f"```\n{results[0]['output']}\n```")
+    )
+    shutil.copyfile(Path(results[0]["summary_path"]).with_name("curves.png"), PLOT)  # the flow's own plot
+    print(f"wrote {README}, {GETTING_STARTED}, {PLOT} and {RESULTS}")
     return 0
 
 

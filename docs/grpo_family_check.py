@@ -1,4 +1,4 @@
-"""The GRPO-family learning check (README, "Off-policy correction and the GRPO family"): held-out accuracy of
+"""The GRPO-family learning check (docs/grpo.md, "Off-policy correction and the GRPO family"): held-out accuracy of
 the demo with the loss and correction variants, per seed.
 
     .venv/bin/python docs/grpo_family_check.py                  # 3 seeds x 5 variants, ~2 h on an idle 2-core box
@@ -16,7 +16,7 @@ and evaluation differ. The report gives each variant's accuracy after SFT and af
 seed, the mean gain over seeds, and, from the GRPO manifests, the mean sampler-vs-trainer mismatch
 (mismatch/logprob_diff_mean), the share of tokens the correction masked or truncated, and the extra
 forward's time against the optimizer steps'. Results go to `<work-dir>/grpo_family_check.json`; the full
-run (not --quick) also writes docs/grpo_family_check.json and the README table between
+run (not --quick) also writes docs/grpo_family_check.json and the table of docs/grpo.md between
 `<!-- grpo-family:start -->` and `<!-- grpo-family:end -->` unless --no-readme.
 """
 
@@ -33,9 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo_seeds import README, REPO, replace_between, run_seed
+from demo_seeds import REPO, replace_between, run_seed
 
 RESULTS = REPO / "docs" / "grpo_family_check.json"
+PAGE = REPO / "docs" / "grpo.md"
 ASYNC = ["grpo.mode=async", "grpo.max_staleness=2"]
 # 1 seed, 2 iterations, small budgets: proves every variant runs end to end, measures nothing.
 QUICK = [
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corrections", nargs="+", default=["tis"], choices=["tis", "mis", "geo_mask", "icepop"])
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 iterations, small budgets")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".forge-family-check")
-    parser.add_argument("--no-readme", action="store_true", help="print the results, leave README.md alone")
+    parser.add_argument("--no-readme", action="store_true", help="print the results, leave docs/grpo.md alone")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run")
     args = parser.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
@@ -166,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick or args.no_readme:
         return 0
     RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
-    README.write_text(replace_between(README.read_text(), "grpo-family", table))
-    print(f"wrote {README} and {RESULTS}")
+    PAGE.write_text(replace_between(PAGE.read_text(), "grpo-family", table))
+    print(f"wrote {PAGE} and {RESULTS}")
     return 0
 
 

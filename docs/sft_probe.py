@@ -11,7 +11,7 @@ policy on the first `eval.num_prompts` prompts of the eval split, scored by the 
 in torch (forge_core.trainers.validation.greedy_decode) rather than by vLLM: the flow's eval-sft stage, up to
 vLLM's own kernels. It prints one JSON line per seed: the validation curve (step, loss, exact match), the
 selected step and why, steps run, the held-out accuracy and the wall time. This is how the demo's SFT settings
-were chosen (README, "Does it learn?"); a 500-step run takes about 2 minutes on an idle 2-core machine.
+were chosen (docs/getting-started.md, "Does it learn?"); a 500-step run takes about 2 minutes on an idle 2-core machine.
 """
 
 from __future__ import annotations

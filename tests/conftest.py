@@ -170,23 +170,12 @@ def file_store(tmp_path):
     return ObjectStore(f"file://{tmp_path}/store", retries=TEST_RETRIES, retry_backoff_s=TEST_RETRY_BACKOFF_S)
 
 
-# Suites not yet seen passing as part of the whole suite: `make test` leaves them out, `make test-all` runs
-# them; a new late suite may go here.
-UNVERIFIED_SUITES: tuple[str, ...] = ()
 # Suites whose tests run stages, which run on a Ray cluster: the test run's (module docstring).
 STAGE_SUITES = tuple(
     f"tests/{area}/"
     for area in ("bench", "deploy", "envs", "faults", "flows", "gpu", "integration", "models", "rollout", "run",
                  "security", "trainers")
 )  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    root = str(config.rootpath)
-    for item in items:
-        rel = str(item.path)[len(root) + 1 :] if str(item.path).startswith(root) else str(item.path)
-        if rel.startswith(UNVERIFIED_SUITES):
-            item.add_marker(pytest.mark.unverified)
 
 
 @pytest.fixture(scope="session")

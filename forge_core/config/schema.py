@@ -154,7 +154,7 @@ class DemoTaskConfig:
     num_digits: int = 2
     # Labelled examples for SFT. At 2 digits, with 2000 labels every seed tried learns to add within 1000 SFT
     # steps (the step varies by seed and CPU); with 1000 some seeds only memorise them and stay near 10%
-    # (README, "Does it learn?").
+    # (docs/getting-started.md, "Does it learn?").
     num_sft: int = 2000
     # Unlabelled prompts (with ground truth for the reward) for GRPO rollouts.
     num_rl: int = 7000
@@ -405,8 +405,8 @@ class SFTConfig:
     patience: int | None = None
     # Stop at the first validation whose select_metric reaches this (exact match >= target, loss <= target) and
     # export its weights: SFT as a cold start for RL, leaving RL room to improve. null = no target. The demo's 0.4
-    # stops SFT once the policy adds (README, "Does it learn?"); set null to train to the best validation (and
-    # with select_metric=loss, set a loss target or null).
+    # stops SFT once the policy adds (docs/getting-started.md, "Does it learn?"); set null to train to the best
+    # validation (and with select_metric=loss, set a loss target or null).
     target: float | None = 0.4
     checkpoint_every: int = 100
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

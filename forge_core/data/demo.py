@@ -3,7 +3,7 @@
 A record is `Q: 123+045=? A: ` -> `<answer>0168</answer>`: both operands have `num_digits` digits, the sum
 has `num_digits + 1`, all zero-padded, so every answer of a difficulty has the same length and a reward can
 check it exactly (`check_answer`) or digit by digit (`per_digit_score`). The answer sits in a tag so a format
-reward (`has_answer_tag`) measures something real. The demo's budgets (README, "Does it learn?") rest on what
+reward (`has_answer_tag`) measures something real. The demo's budgets (docs/getting-started.md, "Does it learn?") rest on what
 was measured with this format and the demo's BPE: at 2 digits, SFT of the tiny model on 1000 labels sometimes
 only memorises them (~10% held out) and on 1500 labels jumps to 30-75% after 300-450 steps; at 3 digits, 1000
 labels give 1-2% on every seed tried.

@@ -205,7 +205,7 @@ class ClippedPolicyLoss(Loss):
     the global normalizer. Subclasses say how per-token losses are summed and what one micro-batch adds to the
     denominator (the aggregation), and may replace the surrogate (GSPO, CISPO)."""
 
-    # Entropy is only logged (it is computed without grad), but the issue's metrics require it.
+    # Entropy is only logged (it is computed without grad), but every GRPO step reports it.
     needs_entropy = True
     max_reduced_metrics = frozenset({"ratio_max", "logprob_gap_max"}) | MISMATCH_MAX_KEYS
     surrogate = staticmethod(clipped_surrogate)

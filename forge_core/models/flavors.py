@@ -194,7 +194,7 @@ def _flavor(family: str, **sizes) -> Architecture:
     return Architecture(family=family, **{**defaults, **sizes})
 
 
-# forgeflow's CPU flavors. llama3 `tiny` is the demo model of DESIGN.md section 8 (hidden 128, 2 layers,
+# forgeflow's CPU flavors. llama3 `tiny` is the demo model (hidden 128, 2 layers,
 # 4 heads: ~0.53M parameters with a 15-symbol vocab); `small` mirrors torchtitan's debugmodel (dim 256,
 # 6 layers, Llama-3 RoPE scaling) with grouped-query attention, ~5M parameters with a small vocab; `medium`
 # (dim 512, 8 layers, head dim 64, ~27M parameters) is the size where vLLM starts to beat transformers' generate

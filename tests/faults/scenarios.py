@@ -383,7 +383,7 @@ def planned_outages(bucket: str) -> list[PlannedOutage]:
         PlannedOutage("commit-wait", rf"^(HEAD|GET) {data_manifest}", True, after=rf"^PUT {data_manifest}"),
         # Then the task reads the committed manifest for the stage's Prefect artifacts.
         PlannedOutage("publishing", rf"^GET {data_manifest}", True),
-        # The SFT task's first storage call: its new store checks the bucket (the call the issue saw fail).
+        # The SFT task's first storage call: its new store checks the bucket (the call that failed first in an outage).
         PlannedOutage("planning", rf"^HEAD /{b}$", True),
         PlannedOutage(
             "checkpoint", rf"^PUT /{b}/run/sft/[^ ]*/_checkpoints/step-4/[^ ]*\.metadata(\.tmp)?$", False

@@ -3,8 +3,8 @@ flow lifetimes of the engine and the trainer).
 
 The reduced run keeps the demo's config (task, model, 2 torchrun ranks, vLLM), shrinks the budgets and adds
 per-digit credit to the reward (see REDUCED): it checks every stage's committed manifest, a real GRPO
-update, the printed report and the README's rollout query.
-The full demo (slow marker) checks the issue's learning target: GRPO adds >= 10 points of held-out accuracy.
+update, the printed report and the rollout query of docs/storage-layout.md.
+The full demo (slow marker) checks the demo's learning target: GRPO adds >= 10 points of held-out accuracy.
 
     .venv/bin/python -m pytest tests/flows/test_demo.py -q -m "not slow"     # reduced, ~3 min
     .venv/bin/python -m pytest tests/flows/test_demo.py -q -m slow           # the full demo, seeds 0-4, ~50 min
@@ -32,7 +32,7 @@ ITERATIONS = 1
 # Budgets: 64 rollouts per iteration (2 optimizer steps of 32), 20 SFT steps, 64 held-out prompts.
 # After 20 SFT steps the policy writes `<answer>..</answer>` but no sum exactly, so the demo's exact-match
 # reward alone is 0 for every sample and GRPO would skip every step. Per-digit partial credit, added as a
-# second component (exact match stays the primary one: accuracy and the README's query use it), differs
+# second component (exact match stays the primary one: accuracy and the docs' query use it), differs
 # within a group, so the reduced GRPO stage really updates the policy.
 PER_DIGIT_REWARD = (
     'rollout.rewards=[{"name": "exact_answer", "weight": 1.0}, {"name": "per_digit", "weight": 0.5}]'
@@ -76,11 +76,11 @@ def _run_demo(overrides: list[str]) -> tuple[dict, str]:
     return summary, out.getvalue()
 
 
-def _readme_query_example() -> str:
-    """The python block after `<!-- example: query-rollouts -->` in README.md."""
-    text = (REPO / "README.md").read_text()
+def _docs_query_example() -> str:
+    """The python block after `<!-- example: query-rollouts -->` in docs/storage-layout.md."""
+    text = (REPO / "docs" / "storage-layout.md").read_text()
     match = re.search(r"<!-- example: query-rollouts -->\s*```python\n(.*?)```", text, re.DOTALL)
-    assert match, "README.md lost its query-rollouts example"
+    assert match, "docs/storage-layout.md lost its query-rollouts example"
     return match.group(1)
 
 
@@ -165,11 +165,11 @@ def test_demo_at_reduced_budgets_commits_every_stage_and_reports(prefect_api, tm
     assert len(wandb_runs) == 1 + ITERATIONS  # the SFT run and one per GRPO stage
     assert f"wandb sync {(tmp_path / 'runs').resolve()}/*/wandb/offline-run-*" in printed
 
-    # The README's query example runs against this store and sees every iteration's rollouts.
-    example = _readme_query_example().replace("file://./.forge-store", f"file://{tmp_path}/store")
+    # The docs' query example runs against this store and sees every iteration's rollouts.
+    example = _docs_query_example().replace("file://./.forge-store", f"file://{tmp_path}/store")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(example, "README.md:query-rollouts", "exec"), {})  # noqa: S102 - the README example itself
+        exec(compile(example, "docs/storage-layout.md:query-rollouts", "exec"), {})  # noqa: S102 - the docs example itself
     for iteration in range(ITERATIONS):
         assert re.search(rf"│\s+{iteration}\s+│\s+{samples}\s+│", out.getvalue()), out.getvalue()
 

@@ -72,7 +72,7 @@ def test_registry_flavor_keeps_real_sizes_on_meta():
 @pytest.mark.parametrize(
     ("family", "flavor", "vocab_size", "low", "high"),
     [
-        ("llama3", "tiny", 15, 0.50e6, 0.56e6),  # DESIGN.md section 8's 0.53M demo model
+        ("llama3", "tiny", 15, 0.50e6, 0.56e6),  # the 0.53M demo model
         ("llama3", "small", 64, 4.0e6, 7.0e6),
         ("qwen3", "tiny", 15, 0.25e6, 0.6e6),
         ("qwen2", "tiny", 15, 0.25e6, 0.6e6),
