@@ -17,6 +17,7 @@ import time
 from flows.local_prefect import use_local_server_settings
 from forge_core.config import ConfigError, load_config
 from forge_core.credentials import hide_credentials_in_overrides
+from forge_core.stages import all_stages
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -61,7 +62,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for run in asyncio.run(_recent_flow_runs(args.limit)):
         state = run.state.name if run.state else "?"
         print(f"{run.id}  {run.name:<28} {state:<12} {run.start_time or ''}")
-    for kind in ("data", "sft", "rollouts", "grpo", "eval"):
+    for kind in dict.fromkeys(stage.kind for stage in all_stages()):  # every registered stage's kind
         uris = store.list_committed(kind)
         print(f"{kind:<9} {len(uris)} committed" + (f", newest {uris[-1]}" if uris else ""))
     return 0

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prefect import Task, flow, get_run_logger
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
@@ -46,11 +46,11 @@ from flows.report import (
 from forge_core.config import RunConfig, load_config
 from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.launch import install_sigterm_handler, reap_orphaned_launches
-from forge_core.run.plan import LAUNCHER_BACKSTOP_S
 from forge_core.run.resources import FlowResources, with_run_id
 from forge_core.storage import ObjectStore
+from forge_core.timings import LAUNCHER_BACKSTOP_S
 from forge_core.trainers.staleness import rollouts_to_start
-from tasks import evaluate, generate_rollouts, prepare_data, train_grpo, train_sft
+from tasks import run_as_task, stage_task
 
 
 @dataclass
@@ -94,15 +94,6 @@ class PipelineSummary:
                 *(["", f"**GRPO stopped early**: {self.stopped}"] if self.stopped else []),
             ]
         )
-
-
-@dataclass(frozen=True)
-class StageTasks:
-    prepare: Task
-    sft: Task
-    rollout: Task
-    grpo: Task
-    evaluate: Task
 
 
 def flow_config(config: str, overrides: list[str] | None, run_id: str | None) -> RunConfig:
@@ -184,21 +175,12 @@ def _eval_point(store: ObjectStore, label: str, policy_uri: str, eval_uri: str) 
     return EvalPoint(label, policy_uri, eval_uri, float(metrics["accuracy"]), float(metrics["mean_reward"]))
 
 
-def stage_tasks(cfg: RunConfig) -> StageTasks:
-    """The stage tasks with each stage's retry budget from `launch.<stage>.retries`."""
-    return StageTasks(
-        prepare=prepare_data.with_options(retries=cfg.launch.for_stage("prepare").retries),
-        sft=train_sft.with_options(retries=cfg.launch.for_stage("sft").retries),
-        rollout=generate_rollouts.with_options(retries=cfg.launch.for_stage("rollout").retries),
-        grpo=train_grpo.with_options(retries=cfg.launch.for_stage("grpo").retries),
-        evaluate=evaluate.with_options(retries=cfg.launch.for_stage("evaluate").retries),
-    )
-
-
 class _StageClock:
-    """Runs stage tasks in order, logging one line per start and finish, and keeps their wall times."""
+    """Runs stages as their tasks (tasks.run_as_task) in order, logging one line per start and finish, and keeps
+    their wall times."""
 
-    def __init__(self, logger):
+    def __init__(self, cfg: RunConfig, logger):
+        self._cfg = cfg
         self._logger = logger
         self.records: list[StageRecord] = []
 
@@ -206,10 +188,10 @@ class _StageClock:
         self._logger.info("stage %s: done in %.1fs -> %s", label, seconds, uri)
         self.records.append(StageRecord(label, uri, seconds))
 
-    def __call__(self, label: str, task: Task, *args) -> str:
+    def __call__(self, label: str, stage: str, inputs: dict[str, str], params: dict | None = None) -> str:
         self._logger.info("stage %s: start", label)
         started = time.monotonic()
-        uri = task(*args)
+        uri = run_as_task(self._cfg, stage, inputs, params)
         self.record(label, uri, time.monotonic() - started)
         return uri
 
@@ -238,11 +220,11 @@ class _RolloutLane:
     that is rollout k alone, awaited at once: today's sequential flow."""
 
     def __init__(
-        self, clock: _StageClock, task: Task, cfg: RunConfig, resources: FlowResources, data_uri: str
+        self, clock: _StageClock, cfg: RunConfig, resources: FlowResources, data_uri: str
     ):
         self._clock = clock
         self._cfg = cfg
-        self._task = task
+        self._task = stage_task(cfg, "rollout")
         self._resources = resources
         self._data_uri = data_uri
         self._mode = cfg.grpo.mode
@@ -261,8 +243,8 @@ class _RolloutLane:
         after = self._submitted[-1] if self._submitted else None
         get_run_logger().info("stage %s: start (submitted; sampled by policy %d)", label, sampler)
         future = self._task.submit(
-            self._cfg, policy_uri, self._data_uri, iteration, sampler,
-            wait_for=[after.future] if after else None,
+            self._cfg, "rollout", {"policy": policy_uri, "data": self._data_uri},
+            {"iteration": iteration, "policy_iteration": sampler}, wait_for=[after.future] if after else None,
         )
         stage = _SubmittedStage(label, future, time.monotonic(), after)
         future.add_done_callback(lambda _: setattr(stage, "done_at", time.monotonic()))
@@ -329,34 +311,34 @@ def run_pipeline(cfg: RunConfig, resources: FlowResources) -> PipelineSummary:
     """The stage graph; called inside a flow so every stage is a task run."""
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
-    t = stage_tasks(cfg)
-    run = _StageClock(logger)
+    run = _StageClock(cfg, logger)
 
-    data_uri = run("prepare", t.prepare, cfg)
-    sft_uri = run("sft", t.sft, cfg, data_uri)
+    data_uri = run("prepare", "prepare", {})
+    sft_uri = run("sft", "sft", {"data": data_uri})
     summary = PipelineSummary(
         flow_run_id=str(flow_run.get_id() or "local"),
         data_uri=data_uri,
         sft_uri=sft_uri,
         final_policy_uri=sft_uri,
     )
-    eval_uri = run("eval-sft", t.evaluate, cfg, sft_uri, data_uri)
+    eval_uri = run("eval-sft", "evaluate", {"policy": sft_uri, "data": data_uri})
     summary.evals.append(_eval_point(store, "sft", sft_uri, eval_uri))
     logger.info("after SFT: accuracy %.3f", summary.evals[-1].accuracy)
 
     policies = [sft_uri]  # by policy index: SFT = 0, after GRPO iteration k = k+1
-    lane = _RolloutLane(run, t.rollout, cfg, resources, data_uri)
+    lane = _RolloutLane(run, cfg, resources, data_uri)
     no_signal = _NoSignalWatch(cfg.grpo.max_no_signal_iterations, logger)
     try:
         for iteration in range(cfg.grpo.iterations):
             n = iteration + 1
             lane.submit_ready(policies)
             rollouts_uri = lane.result(iteration)
-            policies.append(run(f"grpo-{n}", t.grpo, cfg, policies[iteration], rollouts_uri, iteration))
+            inputs = {"policy": policies[iteration], "rollouts": rollouts_uri}
+            policies.append(run(f"grpo-{n}", "grpo", inputs, {"iteration": iteration}))
             summary.stopped = no_signal.check(f"grpo-{n}", store.read_manifest(policies[n]).metrics)
             summary.rollouts.append(rollouts_uri)
             lane.drain()  # also the rollouts of later iterations a stop leaves unused: nothing stays in flight
-            eval_uri = run(f"eval-grpo-{n}", t.evaluate, cfg, policies[n], data_uri)
+            eval_uri = run(f"eval-grpo-{n}", "evaluate", {"policy": policies[n], "data": data_uri})
             summary.evals.append(_eval_point(store, f"grpo-{n}", policies[n], eval_uri))
             logger.info("after GRPO iteration %d: accuracy %.3f", n, summary.evals[-1].accuracy)
             if summary.stopped:

@@ -12,11 +12,13 @@ The numbers come from the committed manifests, so a report can be rebuilt from t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from forge_core.metrics.key_metrics import fmt as _fmt
 from forge_core.metrics.phases import phase_seconds
+from forge_core.stages import stage_of_kind
 from forge_core.storage import Manifest, ObjectStore
 
 
@@ -25,17 +27,6 @@ class StageRecord:
     label: str  # e.g. "sft", "rollout-1", "eval-grpo-2"
     uri: str
     seconds: float  # wall time of the task as the flow saw it (0 when skipped quickly)
-
-
-# The manifest metric each artifact kind is summarised by, as the stage workers name it:
-# prepare writes `rows` ({split: count}), sft `final_loss` and its selection (`selected_step` of `steps`,
-# `selected_by`, the validation's `val_exact_match` / `eval_loss`), rollout `reward_mean` and `pass_rate`,
-# grpo the advantage statistics of its rollout batch (`reward/mean`) and `final/loss`, evaluate `accuracy`.
-def _data_metric(m: Mapping) -> str:
-    rows = m.get("rows")
-    if isinstance(rows, Mapping):
-        return "rows " + " ".join(f"{split}={count}" for split, count in rows.items())
-    return f"rows {_fmt(rows)}"
 
 
 def no_learning_signal(metrics: Mapping) -> str | None:
@@ -59,52 +50,10 @@ def no_signal_fix(max_iterations: int) -> str:
     )
 
 
-def _grpo_metric(m: Mapping) -> str:
-    # A batch whose every group scored equal rewards has no advantage to learn from: GRPO skips all its
-    # steps and writes no loss. Say so rather than print a missing loss.
-    if m.get("train/steps") == 0 and m.get("train/skipped_steps"):
-        return f"no update (equal rewards in every group) on reward {_fmt(m.get('reward/mean'))}"
-    return f"loss {_fmt(m.get('final/loss'))} on reward {_fmt(m.get('reward/mean'))}"
-
-
-def _sft_metric(m: Mapping) -> str:
-    # Which step's weights the stage exported and why (sft.select): "last", "best" or "early_stop".
-    text = f"loss {_fmt(m.get('final_loss'))}"
-    if m.get("selected_step") is None:
-        return text
-    exact_match = m.get("val_exact_match")
-    if exact_match is not None:
-        validation = f"val exact match {_fmt(exact_match)}"
-    else:
-        validation = f"val loss {_fmt(m.get('eval_loss'))}"
-    return f"{text}, step {m['selected_step']}/{m.get('steps')} ({m.get('selected_by')}): {validation}"
-
-
-_KEY_METRICS: dict[str, Callable[[Mapping], str]] = {
-    "data": _data_metric,
-    "sft": _sft_metric,
-    "rollouts": lambda m: f"reward {_fmt(m.get('reward_mean'))} pass {_fmt(m.get('pass_rate'))}",
-    "grpo": _grpo_metric,
-    "eval": lambda m: f"accuracy {_fmt(m.get('accuracy'))}" + _tool_use(m),
-}
-
-
-def _tool_use(m: Mapping) -> str:
-    """Episode evaluations (rollout.env) also say how often the policy called a tool."""
-    rate = m.get("env/tool_call_rate")
-    return "" if rate is None else f" tool calls {_fmt(rate)}"
-
-
 def key_metric(manifest: Manifest) -> str:
-    """The one number a reader looks for first in each kind of artifact ("" for unknown kinds)."""
-    describe = _KEY_METRICS.get(manifest.kind)
-    return describe(manifest.metrics) if describe else ""
-
-
-def _fmt(value) -> str:
-    if isinstance(value, bool) or value is None:
-        return "n/a" if value is None else str(value)
-    return f"{value:.3f}" if isinstance(value, (int, float)) else str(value)
+    """The line a reader looks for first in an artifact: its stage's `key_metric` ("" for a kind without one)."""
+    stage = stage_of_kind(manifest.kind)
+    return stage.describe_metrics(manifest.metrics) if stage is not None else ""
 
 
 def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
-from flows.post_train import flow_resources, kill_launches, stage_tasks, start_flow
+from flows.post_train import flow_resources, kill_launches, start_flow
 from flows.promotion import check_same_tokenizer, promote_if_better, promotion_pointer
 from forge_core.credentials import hide_credentials_in_overrides
 from forge_core.storage import ObjectStore
+from tasks import run_as_task
 
 
 @dataclass
@@ -56,23 +57,25 @@ def _retrain(cfg) -> dict:
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
     pointer = promotion_pointer(cfg)
-    t = stage_tasks(cfg)
+    data_uri = run_as_task(cfg, "prepare", {})
 
-    data_uri = t.prepare(cfg)
+    def evaluate(policy_uri: str) -> str:
+        return run_as_task(cfg, "evaluate", {"policy": policy_uri, "data": data_uri})
 
     def accuracy_of(policy_uri: str) -> float:
         """An incumbent's held-out accuracy on this run's data (same tokenizer required)."""
         check_same_tokenizer(store, policy_uri, data_uri)
-        return _accuracy(store, t.evaluate(cfg, policy_uri, data_uri))
+        return _accuracy(store, evaluate(policy_uri))
 
     incumbent = store.pointer_state(pointer)
     # Both policies are scored on the same, current held-out split.
     incumbent_accuracy = accuracy_of(incumbent.uri) if incumbent.uri else None
-    policy_uri = incumbent.uri or t.sft(cfg, data_uri)
+    policy_uri = incumbent.uri or run_as_task(cfg, "sft", {"data": data_uri})
     for iteration in range(cfg.grpo.iterations):
-        rollouts_uri = t.rollout(cfg, policy_uri, data_uri, iteration)
-        policy_uri = t.grpo(cfg, policy_uri, rollouts_uri, iteration)
-    candidate_accuracy = _accuracy(store, t.evaluate(cfg, policy_uri, data_uri))
+        on_policy = {"iteration": iteration, "policy_iteration": iteration}
+        rollouts_uri = run_as_task(cfg, "rollout", {"policy": policy_uri, "data": data_uri}, on_policy)
+        policy_uri = run_as_task(cfg, "grpo", {"policy": policy_uri, "rollouts": rollouts_uri}, {"iteration": iteration})
+    candidate_accuracy = _accuracy(store, evaluate(policy_uri))
 
     decision = promote_if_better(
         store, pointer, policy_uri, candidate_accuracy, incumbent, incumbent_accuracy, accuracy_of

@@ -37,6 +37,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,12 +102,17 @@ class Stage:
     # The config key that chooses the stage's lifetime ("stage" | "flow"), and what serves it with "flow".
     lifetime_key: str | None = None
     flow_runner: FlowRunner | None = None
-    description: str = ""
+    description: str = ""  # one line: what it does (the Prefect task's description)
     params: tuple[str, ...] = ()  # the params it reads (documentation: params are free-form JSON)
+    task_name: str = ""  # the Prefect task that runs it, as its task runs are named in the UI; "" = `name`
+    # "module:function" turning its manifest's metrics into the stage table's key-metric line; None = none.
+    key_metric: str | None = None
 
     def __post_init__(self) -> None:
         if ":" not in self.entry:
             raise ValueError(f"stage {self.name!r}: entry={self.entry!r}; give 'module:function'")
+        if self.key_metric is not None and ":" not in self.key_metric:
+            raise ValueError(f"stage {self.name!r}: key_metric={self.key_metric!r}; give 'module:function' or None")
         if (self.lifetime_key is None) != (self.flow_runner is None):
             raise ValueError(
                 f"stage {self.name!r}: lifetime_key={self.lifetime_key!r} and flow_runner={self.flow_runner!r} "
@@ -120,11 +126,24 @@ class Stage:
         return next((i for i in self.inputs if i.name == name), None)
 
     @property
+    def task(self) -> str:
+        """The name of the Prefect task that runs it."""
+        return self.task_name or self.name
+
+    def describe_metrics(self, metrics: Mapping) -> str:
+        """Its key-metric line for a manifest's `metrics` ("" when it names no key metric)."""
+        if self.key_metric is None:
+            return ""
+        module, _, function = self.key_metric.partition(":")
+        return getattr(importlib.import_module(module), function)(metrics)
+
+    @property
     def module(self) -> str:
         return self.entry.partition(":")[0]
 
 
 _POLICY = ("sft", "grpo")  # the kinds of the stages below that produce a policy (checked by _check_builtins)
+_KEY_METRICS = "forge_core.metrics.key_metrics"
 
 BUILTIN_STAGES: tuple[Stage, ...] = (
     Stage(
@@ -134,6 +153,8 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         key_sections=("seed", "data", "model"),
         external=("data.source", "data.tokenizer.path"),
         description="sources -> tokenized sft / rl_prompts / eval tables + tokenizer",
+        task_name="prepare_data",
+        key_metric=f"{_KEY_METRICS}:data_rows",
     ),
     Stage(
         name="sft",
@@ -148,6 +169,8 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         external=("model.hf_path",),
         produces_policy=True,
         description="supervised fine-tuning under torchrun; resumes from its newest committed checkpoint",
+        task_name="train_sft",
+        key_metric=f"{_KEY_METRICS}:sft_loss_and_selection",
     ),
     Stage(
         name="rollout",
@@ -163,6 +186,8 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         flow_runner="task_process",
         params=("iteration", "policy_iteration"),
         description="vLLM samples of this iteration's prompts, scored by the reward functions",
+        task_name="generate_rollouts",
+        key_metric=f"{_KEY_METRICS}:rollout_reward",
     ),
     Stage(
         name="grpo",
@@ -181,7 +206,9 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         lifetime_key="grpo.trainer_lifetime",
         flow_runner="trainer_group",
         params=("iteration",),
-        description="one GRPO update on a committed rollout batch under torchrun",
+        description="one GRPO update on a committed rollout batch (its own launch, or the flow's trainer group)",
+        task_name="train_grpo",
+        key_metric=f"{_KEY_METRICS}:grpo_loss_on_reward",
     ),
     Stage(
         name="evaluate",
@@ -196,6 +223,7 @@ BUILTIN_STAGES: tuple[Stage, ...] = (
         lifetime_key="rollout.engine_lifetime",
         flow_runner="task_process",
         description="greedy (or pass@k) evaluation of a policy on the held-out split",
+        key_metric=f"{_KEY_METRICS}:eval_accuracy",
     ),
 )
 
@@ -224,6 +252,18 @@ def stage_names() -> tuple[str, ...]:
         return tuple(_registry)
 
 
+def all_stages() -> tuple[Stage, ...]:
+    """Every known stage's record, in `stage_names` order."""
+    _import_stage_modules()
+    with _lock:
+        return tuple(_registry.values())
+
+
+def stage_of_kind(kind: str) -> Stage | None:
+    """The stage that writes artifacts of `kind` (the first registered), or None."""
+    return next((stage for stage in all_stages() if stage.kind == kind), None)
+
+
 def is_stage(name: str) -> bool:
     return _lookup(name) is not None
 
@@ -245,7 +285,7 @@ def is_builtin(stage: Stage) -> bool:
 
 def policy_kinds() -> tuple[str, ...]:
     """Artifact kinds that hold a `policy/` (an HF folder a training or sampling stage can start from)."""
-    return tuple(dict.fromkeys(s.kind for s in BUILTIN_STAGES if s.produces_policy))
+    return tuple(dict.fromkeys(s.kind for s in all_stages() if s.produces_policy))
 
 
 def _lookup(name: str) -> Stage | None:

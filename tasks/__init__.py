@@ -1,23 +1,5 @@
-"""Prefect tasks, one per pipeline stage, and one generic task for any registered stage (see tasks/stages.py)."""
+"""The Prefect task that runs any registered stage (see tasks/stages.py)."""
 
-from tasks.stages import (
-    evaluate,
-    generate_rollouts,
-    prepare_data,
-    run_stage,
-    run_stage_task,
-    stage_task,
-    train_grpo,
-    train_sft,
-)
+from tasks.stages import run_as_task, run_stage, run_stage_task, stage_task
 
-__all__ = [
-    "evaluate",
-    "generate_rollouts",
-    "prepare_data",
-    "run_stage",
-    "run_stage_task",
-    "stage_task",
-    "train_grpo",
-    "train_sft",
-]
+__all__ = ["run_as_task", "run_stage", "run_stage_task", "stage_task"]

@@ -1,4 +1,4 @@
-"""Prefect tasks, one per pipeline stage, and one generic task for any stage of the registry.
+"""The Prefect task that runs any stage of the registry, named and described by its registry record.
 
 Each task: plan the stage (content-addressed output), return at once if that output is committed (a re-run
 after a failure resumes at the failed stage), otherwise write the spec, run the stage on the Ray cluster through
@@ -11,9 +11,9 @@ Retries: retryable failures (a rank killed, the stage's deadline, a lost node, t
 retried with exponential backoff and jitter; fatal ones (bad config or data) fail at once with the worker's
 message. A retried SFT/GRPO stage resumes from its last committed in-stage checkpoint (the worker does that).
 
-    from tasks import stage_task, train_sft
-    sft_uri = train_sft(cfg, data_uri)                           # inside a flow
-    out_uri = stage_task(cfg, "dedupe")(cfg, "dedupe", {"data": data_uri})   # any registered stage
+    from tasks import run_as_task, stage_task
+    sft_uri = run_as_task(cfg, "sft", {"data": data_uri})        # inside a flow: a task run named train_sft
+    future = stage_task(cfg, "rollout").submit(cfg, "rollout", inputs, {"iteration": 0, "policy_iteration": 0})
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from forge_core.run.plan import StagePlan, plan_stage
 from forge_core.run.runner import Cancel, Runner
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
+from forge_core.stages import stage_named
 from forge_core.storage import ObjectStore, new_attempt_id
 
 STAGE_RETRIES = 2
@@ -230,54 +231,24 @@ _stage_task = task(
 
 @_stage_task(name="run_stage")
 def run_stage_task(cfg: RunConfig, stage: str, inputs: dict[str, str] | None = None, params: dict | None = None) -> str:
-    """Any stage of the registry (forge_core.stages) as a task: a stage added through the registry alone needs
-    no task of its own. Name it after its stage with `stage_task`."""
+    """Any stage of the registry (forge_core.stages) as a task; `stage_task` names it after its stage."""
     return run_stage(cfg, stage, dict(inputs or {}), params)
 
 
 def stage_task(cfg: RunConfig, stage: str) -> Task:
-    """The generic task named after `stage`, with its retry budget `launch.<stage>.retries`."""
-    return run_stage_task.with_options(name=stage, retries=cfg.launch.for_stage(stage).retries)
+    """The task that runs `stage`, as its registry record names and describes it (`Stage.task`,
+    `Stage.description`), with its retry budget `launch.<stage>.retries`.
 
-
-@_stage_task(name="prepare_data")
-def prepare_data(cfg: RunConfig) -> str:
-    """Data prep: sources -> tokenized sft / rl_prompts / eval tables + tokenizer."""
-    return run_stage(cfg, "prepare", inputs={})
-
-
-@_stage_task(name="train_sft")
-def train_sft(cfg: RunConfig, data_uri: str) -> str:
-    """Supervised fine-tuning under torchrun; resumes from its last committed checkpoint."""
-    return run_stage(cfg, "sft", inputs={"data": data_uri})
-
-
-@_stage_task(name="generate_rollouts")
-def generate_rollouts(
-    cfg: RunConfig, policy_uri: str, data_uri: str, iteration: int, policy_iteration: int | None = None
-) -> str:
-    """vLLM rollouts for GRPO iteration `iteration`, sampled by `policy_uri` whose policy index is
-    `policy_iteration` (SFT = 0, after GRPO iteration k = k+1; None = `iteration`, on-policy), scored by the
-    reward functions. Every row records the index, for the GRPO stage's staleness check."""
-    sampler = iteration if policy_iteration is None else policy_iteration
-    return run_stage(
-        cfg,
-        "rollout",
-        inputs={"policy": policy_uri, "data": data_uri},
-        params={"iteration": iteration, "policy_iteration": sampler},
+    Raises:
+        ValueError: `stage` is not registered.
+    """
+    record = stage_named(stage)
+    return run_stage_task.with_options(
+        name=record.task, description=record.description, retries=cfg.launch.for_stage(stage).retries
     )
 
 
-@_stage_task(name="train_grpo")
-def train_grpo(cfg: RunConfig, policy_uri: str, rollouts_uri: str, iteration: int) -> str:
-    """One GRPO update on a committed rollout batch under torchrun: its own launch, or an order to the flow
-    run's trainer group with `grpo.trainer_lifetime: flow` (forge_core.run.runners chooses)."""
-    return run_stage(
-        cfg, "grpo", inputs={"policy": policy_uri, "rollouts": rollouts_uri}, params={"iteration": iteration}
-    )
-
-
-@_stage_task(name="evaluate")
-def evaluate(cfg: RunConfig, policy_uri: str, data_uri: str) -> str:
-    """Greedy (or pass@k) evaluation of a policy on the held-out split."""
-    return run_stage(cfg, "evaluate", inputs={"policy": policy_uri, "data": data_uri})
+def run_as_task(cfg: RunConfig, stage: str, inputs: dict[str, str], params: dict | None = None) -> str:
+    """Run `stage` as its task (`stage_task`) on `inputs` ({input name: committed URI}) and `params`; returns
+    its committed output URI. Inside a flow it is a task run of that flow."""
+    return stage_task(cfg, stage)(cfg, stage, inputs, params)

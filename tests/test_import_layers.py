@@ -28,7 +28,7 @@ PACKAGES = ("forge_core", "tasks", "flows")
 
 # Lowest first. Units in one tuple are siblings: neither may import the other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("forge_core.credentials", "forge_core.stages"),
+    ("forge_core.credentials", "forge_core.stages", "forge_core.timings"),
     ("forge_core.config",),
     ("forge_core.faults",),
     ("forge_core.storage",),

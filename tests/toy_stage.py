@@ -20,8 +20,14 @@ TOY = register_stage(
         inputs=(StageInput("data", ("data",), "a committed data artifact (sft.parquet)"),),
         key_sections=("seed", "data"),
         description="counts the SFT rows of a data artifact",
+        key_metric="tests.toy_stage:rows_line",
     )
 )
+
+
+def rows_line(metrics) -> str:
+    """Its line in the stage table."""
+    return f"rows {metrics.get('rows')}, longest {metrics.get('longest')}"
 
 
 def count_rows(ctx) -> None:

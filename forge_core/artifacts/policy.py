@@ -50,6 +50,7 @@ from forge_core.artifacts.inputs import committed_kind
 from forge_core.stages import policy_kinds
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.storage.manifest import Manifest
+from forge_core.timings import POLICY_CACHE_STALE_LEFTOVER_S
 
 POLICY_DIR = "policy"  # the policy inside a training stage's artifact
 POLICY_KIND = "policy"  # the kind of that nested artifact's manifest
@@ -64,8 +65,6 @@ DEFAULT_MAX_POLICIES = 8
 DEFAULT_MAX_GB = 50.0
 _COMPLETE_MARKER = ".forge-complete"  # written last into a cached folder; its mtime is the folder's last use
 _LOCK_SUFFIX = ".lock"
-# Leftovers of a process that died mid-download or mid-removal are cleared once this old.
-_STALE_LEFTOVER_S = 3600.0
 
 
 WEIGHTS_SUFFIX = ".safetensors"
@@ -268,7 +267,7 @@ def _remove_if_unused(folder: Path) -> bool:
 
 
 def _clear_stale_leftovers(root: Path) -> None:
-    cutoff = time.time() - _STALE_LEFTOVER_S
+    cutoff = time.time() - POLICY_CACHE_STALE_LEFTOVER_S
     for leftover in [*root.glob(".*.partial"), *root.glob(".*.trash")]:
         with contextlib.suppress(OSError):
             if leftover.stat().st_mtime < cutoff:

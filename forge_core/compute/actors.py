@@ -40,12 +40,11 @@ from forge_core.compute.cluster import POOL_LABEL, ComputeCluster
 from forge_core.compute.gang import NodePlace, PlacementUnavailable
 from forge_core.compute.tuning import flow_thread_setting, process_start_environment, take_cpu_share
 from forge_core.launch.errors import RetryableStageError
+from forge_core.timings import ACTOR_REVIVE_PAUSE_S
 
 log = logging.getLogger(__name__)
 
 _END = object()
-# Between two tries of Hosted.revive: each try already waits for Ray's own refusal (a connection attempt).
-REVIVE_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -317,7 +316,7 @@ class Hosted:
             except ray.exceptions.ActorUnavailableError as exc:
                 if time.monotonic() >= deadline:
                     raise HostLost(f"{self.name}: not back within {timeout_s:g} s: {_first_line(exc)}") from None
-                time.sleep(REVIVE_PAUSE_S)
+                time.sleep(ACTOR_REVIVE_PAUSE_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 raise HostLost(f"{self.name}: not coming back: {_first_line(exc)}") from None
 

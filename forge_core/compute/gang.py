@@ -8,7 +8,7 @@
 
 - Placement: `nnodes` bundles of `gpus_per_node` GPUs and `cpus_per_node` CPUs, STRICT_SPREAD (one bundle per
   node, all or nothing), each on a node labelled `forgeflow.pool=<pool>`. While it waits, the log says every
-  WAIT_REPORT_S what for and what the pool has; a `stop` meanwhile ends the attempt CANCELLED. A group not ready
+  PLACEMENT_WAIT_REPORT_S what for and what the pool has; a `stop` meanwhile ends the attempt CANCELLED. A group not ready
   within `wait_s` is removed and the attempt fails with `PlacementUnavailable` (retryable: capacity may free
   up), naming what the stage asked and what the pool has.
 - Launch: the agent of bundle k (a Ray actor holding that bundle's GPUs; Ray sets their CUDA_VISIBLE_DEVICES)
@@ -43,15 +43,12 @@ from forge_core.compute.cluster import POOL_LABEL, ComputeCluster
 from forge_core.compute.tuning import process_start_environment, take_cpu_share
 from forge_core.launch import LaunchResult, LaunchSpec, Outcome, RetryableStageError, start
 from forge_core.launch.spec import NodeRendezvous
+from forge_core.timings import GANG_STOP_MARGIN_S, PLACEMENT_WAIT_REPORT_S
 
 log = logging.getLogger(__name__)
 
 LogSink = Callable[[str], None]
 TAIL_LINES = 60
-# How long ending the agents may take beyond the launches' own kill grace before they are killed outright.
-STOP_MARGIN_S = 15.0
-# While an attempt waits for its placement group, the stage's log says what it waits for this often.
-WAIT_REPORT_S = 30.0
 _END = object()
 
 
@@ -243,7 +240,7 @@ class Gang:
 
     def _wait_for_placement(self) -> bool:
         """True once the placement group is ready; False when the attempt was stopped meanwhile (its result is
-        then CANCELLED). What it waits for is logged every WAIT_REPORT_S.
+        then CANCELLED). What it waits for is logged every PLACEMENT_WAIT_REPORT_S.
 
         Raises:
             PlacementUnavailable: the group was not ready within `wait_s`.
@@ -268,7 +265,7 @@ class Gang:
                     f"{self.cluster.describe_pool(request.pool)}. Fix: add nodes to the pool (ray start --labels "
                     f"{POOL_LABEL}=<pool>), free the busy ones, or lower nnodes/gpus_per_node"
                 )
-            if time.monotonic() - reported >= WAIT_REPORT_S:
+            if time.monotonic() - reported >= PLACEMENT_WAIT_REPORT_S:
                 reported = time.monotonic()
                 self.log(
                     f"{self.name}: still waiting for {request.describe()} ({waited:.0f} of {self.wait_s:g} s); "
@@ -346,15 +343,15 @@ class Gang:
         self._why = reason
         self._stopped.set()
         with self._changed:  # a start still waiting for its placement notices the stop within a second
-            self._changed.wait_for(lambda: self.result is not None or self.nodes, timeout=STOP_MARGIN_S)
+            self._changed.wait_for(lambda: self.result is not None or self.nodes, timeout=GANG_STOP_MARGIN_S)
         if not self.nodes:
             return self.result
         self._stop_nodes(reason)
-        result = self.wait(self.spec.kill_grace_s + STOP_MARGIN_S)
+        result = self.wait(self.spec.kill_grace_s + GANG_STOP_MARGIN_S)
         if result is None:
             for node in self.nodes:
                 if not node.ended:
-                    self._ended(node, lost=f"did not end within {self.spec.kill_grace_s + STOP_MARGIN_S:g} s")
+                    self._ended(node, lost=f"did not end within {self.spec.kill_grace_s + GANG_STOP_MARGIN_S:g} s")
             result = self._finish()
         return result
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from forge_core.engine.preflight import HostDevices
 from forge_core.launch.spec import DEADLINE_ENV
+from forge_core.timings import DEFAULT_PROCESS_GROUP_TIMEOUT_S, PROCESS_GROUP_TIMEOUT_MARGIN_S
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,6 @@ def _backend_for(device_type: str) -> str:
 
 # Whether the default process group was created by init_distributed (and so is destroy_distributed's to end).
 _group_created_here = False
-# Collectives' timeout outside a forge_core launch (no deadline to stay above), and the margin above one.
-DEFAULT_PROCESS_GROUP_TIMEOUT_S = 600.0
-PROCESS_GROUP_TIMEOUT_MARGIN_S = 60.0
 
 
 def process_group_timeout_s() -> float:

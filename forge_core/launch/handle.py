@@ -23,11 +23,15 @@ from forge_core.launch.output import LogSink, OutputPump
 from forge_core.launch.process_tree import ExitStatus, ProcessTree, peek_exit_status
 from forge_core.launch.result import LaunchResult, Outcome, RankError
 from forge_core.launch.spec import LaunchSpec, build_command, build_env
+from forge_core.timings import (
+    LAUNCH_KILL_WAIT_S,
+    LAUNCH_OUTPUT_DRAIN_S,
+    LAUNCH_POLL_S,
+    LAUNCH_SHUTDOWN_MARGIN_S,
+    LAUNCH_SNAPSHOT_EVERY_S,
+)
 
 _logger = logging.getLogger(__name__)
-_POLL_S = 0.05
-_SNAPSHOT_EVERY_S = 0.5
-_OUTPUT_DRAIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ class LaunchHandle:
                 self._pump.emit_own(f"process tree ended; SIGKILL was needed for pids {killed}")
             status = self._reap()
             self._end_leftovers()
-            if not self._pump.join(_OUTPUT_DRAIN_S):
+            if not self._pump.join(LAUNCH_OUTPUT_DRAIN_S):
                 self._pump.emit_own("output pipe still open after the launch ended; tail may be incomplete")
             self._result = self._classify(status, stop)
         except BaseException as e:  # a supervisor bug must still end the tree and release the waiter
@@ -185,8 +189,8 @@ class LaunchHandle:
             if now >= next_snapshot:
                 # Remember descendants while the tree is intact: once torchrun dies they are reparented.
                 self._tree.snapshot()
-                next_snapshot = now + _SNAPSHOT_EVERY_S
-            self._cancel.wait(_POLL_S)
+                next_snapshot = now + LAUNCH_SNAPSHOT_EVERY_S
+            self._cancel.wait(LAUNCH_POLL_S)
 
     def _reap(self) -> ExitStatus:
         """Read the root's real status, then let Popen (and only Popen) reap it."""
@@ -194,7 +198,7 @@ class LaunchHandle:
         while status is None:
             status = peek_exit_status(self._proc.pid)
             if status is None:
-                time.sleep(_POLL_S)
+                time.sleep(LAUNCH_POLL_S)
         self._proc.wait()
         if not status.lost and self._proc.returncode != status.returncode:
             # Someone reaped between our peek and Popen's wait; Popen's number is the ECHILD fallback.
@@ -290,10 +294,6 @@ _stops: dict[int, Callable[[str], object]] = {}
 _hooks_installed = False
 _previous_sigterm = None
 _sigterms = 0
-# terminate_all_live's bound: the largest kill grace plus this (output drain, supervisor bookkeeping), then
-# SIGKILL and at most KILL_WAIT_S more.
-SHUTDOWN_MARGIN_S = 5.0
-KILL_WAIT_S = 5.0
 
 
 def start(
@@ -335,8 +335,8 @@ def terminate_all_live(
 
     Called by the flow on cancellation or crash; also runs at interpreter exit and on SIGTERM. Every
     supervisor ends its tree in parallel (SIGTERM, the launch's `kill_grace_s`, SIGKILL). `timeout_s` bounds
-    the whole wait (default: the largest kill grace + SHUTDOWN_MARGIN_S); a tree still there then is
-    SIGKILLed at once and given KILL_WAIT_S more. So this returns within max(kill_grace_s) + 10 s (20 s
+    the whole wait (default: the largest kill grace + LAUNCH_SHUTDOWN_MARGIN_S); a tree still there then is
+    SIGKILLed at once and given LAUNCH_KILL_WAIT_S more. So this returns within max(kill_grace_s) + 10 s (20 s
     with the default 10 s grace), inside Prefect's 30 s between a cancel's SIGTERM and its SIGKILL.
     """
     handles = live_handles()
@@ -344,7 +344,7 @@ def terminate_all_live(
         handle.cancel(reason)
     stops = _run_stops(reason)
     if timeout_s is None:
-        timeout_s = max((h.spec.kill_grace_s for h in handles), default=0.0) + SHUTDOWN_MARGIN_S
+        timeout_s = max((h.spec.kill_grace_s for h in handles), default=0.0) + LAUNCH_SHUTDOWN_MARGIN_S
     deadline = time.monotonic() + timeout_s
     for handle in handles:
         try:
@@ -358,11 +358,11 @@ def terminate_all_live(
     results = []
     for handle in handles:
         try:
-            results.append(handle.wait(KILL_WAIT_S))
+            results.append(handle.wait(LAUNCH_KILL_WAIT_S))
         except TimeoutError:
             _logger.error("launch %s did not end even after SIGKILL", handle.launch_id)
     for thread in stops:
-        thread.join(max(0.0, deadline + KILL_WAIT_S - time.monotonic()))
+        thread.join(max(0.0, deadline + LAUNCH_KILL_WAIT_S - time.monotonic()))
     return results
 
 

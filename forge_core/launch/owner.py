@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import psutil
 
 from forge_core.launch.errors import RetryableStageError
+from forge_core.timings import CREATE_TIME_TOLERANCE_S, OWNER_POLL_S
 
 # Set by the launcher in every launch (forge_core.launch.spec.build_env): `<pid>:<create time>` of itself.
 OWNER_ENV = "FORGE_LAUNCH_OWNER"
@@ -45,13 +46,6 @@ OWNER_ENV = "FORGE_LAUNCH_OWNER"
 # time>@<boot id>` of the flow process.
 FLOW_OWNER_ENV = "FORGE_FLOW_OWNER"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-# How often a watchdog checks its owner: a launch outlives its owner by about this plus one process scan.
-OWNER_POLL_S = 1.0
-# psutil's create time is the start in clock ticks since boot plus the boot time, which Linux derives from the
-# wall clock anew on every read: it moves by a second when the clock is stepped or slewed across a second (VMs),
-# so one process read by two processes can differ by 1 s. Another process reusing the pid within this window
-# would need the pid space to wrap in it.
-CREATE_TIME_TOLERANCE_S = 1.5
 
 
 class OwnerGone(RetryableStageError):

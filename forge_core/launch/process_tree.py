@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import psutil
 
 from forge_core.launch.spec import LAUNCH_ID_ENV
-
-_POLL_S = 0.05
+from forge_core.timings import PROCESS_TREE_POLL_S
 
 
 @dataclass(frozen=True)
@@ -201,4 +200,4 @@ def _send(processes: Iterable[psutil.Process], sig: signal.Signals) -> None:
 def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(is_alive(p) for p in processes) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+        time.sleep(PROCESS_TREE_POLL_S)

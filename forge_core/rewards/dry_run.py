@@ -24,10 +24,9 @@ from forge_core.data.pipeline import reference_examples
 from forge_core.rewards.isolation import RewardIsolation
 from forge_core.rewards.registry import RewardFunctionError
 from forge_core.rewards.scoring import SAMPLE_FIELDS, RewardComponent, RewardSet, example_context
+from forge_core.timings import REWARD_DRY_RUN_TIMEOUT_S
 
 DRY_RUN_ROWS = 16
-# A dry run's per-sample bound (rollout.reward_timeout_s when lower): validate must not wait long on a hang.
-DRY_RUN_TIMEOUT_S = 5.0
 
 
 def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
@@ -42,7 +41,7 @@ def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
     layout = "demo" if cfg.data.source == "demo" else cfg.data.layout
     # User functions run in the isolated reward workers, bounded in time, as the stages run them.
     isolation = dataclasses.replace(
-        RewardIsolation.from_config(cfg.rollout), timeout_s=min(cfg.rollout.reward_timeout_s, DRY_RUN_TIMEOUT_S)
+        RewardIsolation.from_config(cfg.rollout), timeout_s=min(cfg.rollout.reward_timeout_s, REWARD_DRY_RUN_TIMEOUT_S)
     )
     sets = [RewardSet.from_config(cfg.rollout.rewards, isolation=isolation)]
     verifier = getattr(cfg.sft, "verifier", None)

@@ -52,6 +52,7 @@ from forge_core.launch import add_stop
 from forge_core.launch.errors import RetryableStageError
 from forge_core.launch.owner import Owner
 from forge_core.rewards.registry import RewardFunctionError
+from forge_core.timings import REWARD_WORKER_STARTUP_S
 
 if TYPE_CHECKING:
     from forge_core.config.schema import RewardComponentConfig, RolloutConfig
@@ -62,8 +63,6 @@ WORKER_MODULE = "forge_core.rewards.worker"
 MAX_ATTEMPTS = 2
 FAILURE_FRACTION = 0.1
 FAILURE_FLOOR = 3
-# A fresh worker imports forge_core.rewards and the user's reward modules before its first answer.
-STARTUP_TIMEOUT_S = 120.0
 TIMEOUTS, CRASHES, ZEROED = "reward/timeouts", "reward/crashes", "reward/zeroed"
 # What a worker's environment keeps of its parent's (besides LC_*, and PYTHONPATH, which it sets): what
 # Python, locales and temp files need, and FORGE_LAUNCH_ID, by which a launch's process tree is found and
@@ -173,7 +172,7 @@ class _Worker:
     def request(self, message: dict) -> None:
         """Send a score request and wait until the worker has its rewards built (imports included)."""
         self.conn.send(("score", message))
-        kind, _, payload = self.next_answer(STARTUP_TIMEOUT_S, "to build the rewards")
+        kind, _, payload = self.next_answer(REWARD_WORKER_STARTUP_S, "to build the rewards")
         if kind == "error":
             raise RewardFunctionError(payload)
         assert kind == "ready", kind
@@ -316,7 +315,7 @@ class RewardPool:
         worker = self._worker(0, env_allow)
         try:
             worker.conn.send(("call", {**request, "calls": [calls[i] for i in todo]}))
-            kind, _, payload = worker.next_answer(STARTUP_TIMEOUT_S, f"to import {fn}")
+            kind, _, payload = worker.next_answer(REWARD_WORKER_STARTUP_S, f"to import {fn}")
         except _Failed as failure:
             self._replace(0)
             raise RewardWorkerError(f"worker pid {worker.proc.pid} did not start {fn}: {failure}") from None

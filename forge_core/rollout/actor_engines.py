@@ -51,11 +51,10 @@ from forge_core.rollout.router import EngineRouter
 from forge_core.rollout.types import Prompt, Sample
 from forge_core.rollout.weight_transfer import GeneratorClient
 from forge_core.storage import ObjectStore
+from forge_core.timings import ENGINE_CLOSE_S
 
 log = logging.getLogger(__name__)
 
-# An engine's time to shut vLLM down before its actor is ended.
-ENGINE_CLOSE_S = 30.0
 # How often Ray builds an engine again in its slot after its process or node died (a lost node's engine comes
 # back on a live node of the pool); an engine that keeps dying is given up and the stage fails.
 ENGINE_RESTARTS = 3

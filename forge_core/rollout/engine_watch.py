@@ -26,10 +26,11 @@ import threading
 
 import psutil
 
+from forge_core.timings import ENGINE_WATCH_POLL_S
+
 log = logging.getLogger(__name__)
 
 ENGINE_PROCESS_NAME = "VLLM::EngineCore"
-_POLL_S = 0.5
 _EXIT_RETRYABLE = 75  # forge_core.launch.EXIT_RETRYABLE (EX_TEMPFAIL), when no exception was recorded
 _engine_died = threading.Event()
 _exit_hook_lock = threading.Lock()
@@ -69,7 +70,7 @@ class EngineDeathWatch:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(_POLL_S):
+        while not self._stop.wait(ENGINE_WATCH_POLL_S):
             dead = [p for p in self._processes if not _alive(p)]
             if dead:
                 self._fail_outputs(dead)

@@ -55,13 +55,12 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from forge_core.faults import maybe_kill_in_transfer
 from forge_core.rollout.engine import TRANSFER_BACKEND, TRANSFER_REGISTRATION
+from forge_core.timings import WEIGHT_TRANSFER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 BACKEND = TRANSFER_BACKEND
 REGISTRATION = TRANSFER_REGISTRATION
-# How long a group's members wait for each other (rendezvous and each broadcast) before failing.
-TRANSFER_TIMEOUT_S = 300.0
 # Buckets travelling at once: the next is filled (sender) or loaded (engine) while one travels.
 IN_FLIGHT = 2
 
@@ -83,7 +82,7 @@ class GlooInit(WeightTransferInitInfo):
     world_size: int
     bucket_bytes: int
     listen_address: str = "127.0.0.1"
-    timeout_s: float = TRANSFER_TIMEOUT_S
+    timeout_s: float = WEIGHT_TRANSFER_TIMEOUT_S
 
 
 @dataclass
@@ -95,7 +94,7 @@ class GlooTrainerInit(TrainerInitInfo):
     master_port: int
     world_size: int
     bucket_bytes: int
-    timeout_s: float = TRANSFER_TIMEOUT_S
+    timeout_s: float = WEIGHT_TRANSFER_TIMEOUT_S
     # Every engine of the group runs on this host: the buckets go through shared memory (SharedMemoryBuckets).
     shared_memory: bool = False
 

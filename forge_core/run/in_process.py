@@ -16,7 +16,7 @@ object (validated once, by the flow), and the runner interface's contract (forge
   (EngineLost), a policy version mismatch or a transient storage error is RETRYABLE, and anything
   unclassified is FATAL as it would be for a lone rank. Reason, message, fix and traceback tail are kept.
 - stop (the deadline, a cancel): the run's engine actors are stopped, which ends the stage's calls into
-  them (a retry starts fresh engines); the thread gets _STOP_GRACE_S to notice and end.
+  them (a retry starts fresh engines); the thread gets STAGE_THREAD_STOP_GRACE_S to notice and end.
 - log: the stage's own log records (loggers under `forge_core`, from its thread and the engine start-up
   threads it spawns) go to `log`, as a worker's output lines would.
 
@@ -37,12 +37,11 @@ from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
 from forge_core.run.scaffold import run_spec
+from forge_core.timings import STAGE_THREAD_STOP_GRACE_S
 
 # Threads a stage spawns whose records belong to it (EngineActors.serve starts engines on these,
 # forge_core.rewards.isolation scores on these with several reward workers).
 _STAGE_THREAD_PREFIXES = ("forge-engine-ensure", "forge-reward-")
-# After stopping the engines, how long the stage's thread gets to notice and end.
-_STOP_GRACE_S = 30.0
 
 
 class TaskProcessRunner(FlowProcessRunner):
@@ -80,7 +79,7 @@ class _ThreadAttempt:
 
     def stop(self, reason: str) -> LaunchResult | None:
         self._resources.stop_engines()  # its engine calls fail now, and the thread ends
-        self._thread.join(_STOP_GRACE_S)
+        self._thread.join(STAGE_THREAD_STOP_GRACE_S)
         if self._thread.is_alive():
             self._relay.__exit__(None, None, None)
             return None

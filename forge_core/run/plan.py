@@ -30,11 +30,7 @@ from forge_core.run.external import KEYED_BY_CONTENT_ONLY, external_fingerprints
 from forge_core.run.spec import StageSpec
 from forge_core.stages import OPERATIONAL_KEYS, STAGE_MODULES_ENV, Stage, is_builtin, stage_named
 from forge_core.storage import ObjectStore, code_version, content_key
-
-# The launcher's own deadline on a stage worker is a backstop: the runner that started the worker ends it at
-# launch.<stage>.deadline_s (forge_core.run.runners, one deadline path for every runner); only if that runner
-# could not, the launcher ends it this much after the deadline and its kill grace.
-LAUNCHER_BACKSTOP_S = 60.0
+from forge_core.timings import LAUNCHER_BACKSTOP_S
 
 
 @dataclass(frozen=True)

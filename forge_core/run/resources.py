@@ -14,7 +14,7 @@ it through the config it holds. It holds the run's connection to the Ray cluster
 here, and only here:
 
 - `close(failing=False)` (the block's normal end): the trainer group's ranks leave their process group first
-  (bounded), the engines get STOP_GRACE_S to shut vLLM down;
+  (bounded), the engines get ENGINE_CLOSE_S to shut vLLM down;
 - `close(failing=True)` (the block ends with an exception): the trainer group's actors are killed at once, the
   engines get ENGINE_STOP_GRACE_ON_FAILURE_S;
 - `abort(reason)` (the flow's cancel/crash hook, the rollout lane abandoning rollouts in flight): the same, after
@@ -43,11 +43,10 @@ from forge_core.compute.cluster import ComputeCluster, connect
 from forge_core.config import RunConfig, section_to_dict
 from forge_core.launch import terminate_all_live
 from forge_core.stages import Stage
+from forge_core.timings import ENGINE_CLOSE_S, ENGINE_STOP_GRACE_ON_FAILURE_S
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = 30.0  # each engine's time to shut vLLM down at a flow's normal end
-ENGINE_STOP_GRACE_ON_FAILURE_S = 3.0
 
 # This process's run identity when the config names none (a flow always does: launch.run_id).
 _PROCESS_RUN_ID = f"process-{uuid.uuid4().hex}"
@@ -172,7 +171,7 @@ class FlowResources:
         """"stage" or "flow": the stage's lifetime setting in this run's config ("stage" when it has none)."""
         return section_to_dict(self.cfg, stage.lifetime_key) if stage.lifetime_key else "stage"
 
-    def stop_engines(self, grace_s: float = STOP_GRACE_S) -> list[int]:
+    def stop_engines(self, grace_s: float = ENGINE_CLOSE_S) -> list[int]:
         """Stop the run's engine actors (each gets `grace_s` to shut vLLM down); returns their pids. Nothing when
         there are none."""
         with self.engines_lock:
@@ -216,7 +215,7 @@ class FlowResources:
 
     def _stop(self, failing: bool) -> None:
         trainer_group = self.stop_trainer_group(failing)
-        engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else STOP_GRACE_S)
+        engines = self.stop_engines(ENGINE_STOP_GRACE_ON_FAILURE_S if failing else ENGINE_CLOSE_S)
         with self._cluster_lock:  # last: the trainer group and engine actors above are ended through it
             cluster, self._cluster = self._cluster, None
         if cluster is not None:

@@ -21,7 +21,7 @@ Each starts an `Attempt`; `Runner.run` supervises it the same way for all of the
 
 - deadline: past `launch.<stage>.deadline_s` the attempt is stopped and the result is RETRYABLE, "deadline of
   N s exceeded", naming the rank that made no progress when the ranks' heartbeats tell (the launcher's own
-  deadline on a worker launch is a backstop behind this one: forge_core.run.plan.LAUNCHER_BACKSTOP_S);
+  deadline on a worker launch is a backstop behind this one: forge_core.timings.LAUNCHER_BACKSTOP_S);
 - cancellation: `cancel.request(reason)` from another thread (a lost lease, the flow's cancel) stops the attempt
   and the result is CANCELLED;
 - classification: a worker's exit is classified by the launcher; an exception raised here (starting the
@@ -45,9 +45,9 @@ from forge_core.launch.classify import exception_result
 from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
 from forge_core.stages import FlowRunner, stage_named
+from forge_core.timings import RUNNER_POLL_S
 
 LogSink = Callable[[str], None]
-POLL_S = 0.2  # how often a runner looks at its cancel request while the attempt runs
 
 
 class Cancel:
@@ -119,7 +119,7 @@ class Runner(ABC):
             if cancel.is_requested():
                 stopped = attempt.stop(cancel.reason)
                 return self._cancelled(stopped, cancel.reason, started)
-            result = attempt.wait(min(POLL_S, deadline_s - elapsed))
+            result = attempt.wait(min(RUNNER_POLL_S, deadline_s - elapsed))
             if result is not None:
                 return dataclasses.replace(result, duration_s=time.monotonic() - started)
 

@@ -57,14 +57,10 @@ from forge_core.run.spec import read_spec
 from forge_core.run.weight_sync import WeightPush, push_held_weights
 from forge_core.stages import stage_named
 from forge_core.storage.manifest import PLACEMENT_ENV
+from forge_core.timings import TRAINER_CLOSE_S, TRAINER_RANK_CALL_S, TRAINER_RENDEZVOUS_S
 
 log = logging.getLogger(__name__)
 
-# How long the ranks may take to join the group's rendezvous once all are placed.
-RENDEZVOUS_S = 300.0
-# A rank's time to answer a heartbeat question or to leave its process group at a normal end.
-RANK_CALL_S = 10.0
-CLOSE_S = 30.0
 
 
 # ---- on the node -------------------------------------------------------------------------------------------------
@@ -171,7 +167,7 @@ class GroupShape:
 class TrainerGroup:
     """The run's trainer ranks on their nodes (module docstring)."""
 
-    call_timeout_s = RANK_CALL_S
+    call_timeout_s = TRAINER_RANK_CALL_S
 
     def __init__(self, shape: GroupShape, group: HostGroup, ranks: list[Hosted], placement: dict) -> None:
         self.shape = shape
@@ -211,7 +207,7 @@ class TrainerGroup:
             local_rank = (lambda k: 0) if request.gpus else (lambda k: k % per_node)
             with ThreadPoolExecutor(world, thread_name_prefix="forge-trainer-join") as pool:
                 joins = [
-                    pool.submit(rank.call, "join", master, port, local_rank(k), placement, timeout=RENDEZVOUS_S)
+                    pool.submit(rank.call, "join", master, port, local_rank(k), placement, timeout=TRAINER_RENDEZVOUS_S)
                     for k, rank in enumerate(ranks)
                 ]
                 for joined in joins:
@@ -233,7 +229,7 @@ class TrainerGroup:
         return next((why for rank in self.ranks if (why := rank.lost()) is not None), None)
 
     def probe(self) -> tuple[dict[int, Heartbeat], dict[int, str]]:
-        """Ask every rank at once (each bounded by RANK_CALL_S): the last heartbeat of each that answered, and why
+        """Ask every rank at once (each bounded by TRAINER_RANK_CALL_S): the last heartbeat of each that answered, and why
         each one whose actor or node died is gone. A rank that is only slow to answer is in neither."""
 
         def ask(k: int) -> tuple[int, Heartbeat | None, str | None]:
@@ -241,7 +237,7 @@ class TrainerGroup:
             if rank.lost() is not None:
                 return k, None, rank.lost()
             try:
-                return k, rank.call("heartbeat", timeout=RANK_CALL_S), None
+                return k, rank.call("heartbeat", timeout=TRAINER_RANK_CALL_S), None
             except HostLost as exc:
                 return k, None, str(exc)
             except Exception:  # noqa: BLE001 - no answer in time: not known to be gone
@@ -264,12 +260,12 @@ class TrainerGroup:
 
 def _end(ranks: list[Hosted], group: HostGroup, failing: bool) -> None:
     """End `ranks` and give `group` back. A failing group's ranks may sit in a collective that never completes,
-    so they are ended at once; at a normal end each first leaves its process group (CLOSE_S)."""
+    so they are ended at once; at a normal end each first leaves its process group (TRAINER_CLOSE_S)."""
 
     def end(rank: Hosted) -> None:
         if failing:
             rank.mark_lost("ended with its group")  # no close call: ended at once
-        rank.close(CLOSE_S)
+        rank.close(TRAINER_CLOSE_S)
 
     if ranks:
         with ThreadPoolExecutor(len(ranks), thread_name_prefix="forge-trainer-close") as pool:

@@ -12,7 +12,7 @@ folders, `_MANIFEST.json`, `_SUCCESS`) are not content and are skipped in folder
 
 A file's sha256 is cached under what proves its bytes did not change: (path, size, mtime_ns, ctime_ns, inode)
 on a local disk, (path, size, ETag) on S3; other filesystems (http, memory) are hashed every time. A local
-file changed less than `RACY_WINDOW_S` before it was hashed is not cached: file timestamps are coarser than
+file changed less than `FINGERPRINT_RACY_WINDOW_S` before it was hashed is not cached: file timestamps are coarser than
 writes (git's "racy clean" problem), so a same-size rewrite right after planning is still seen. The cache is
 one JSON file, `$FORGE_HASH_CACHE` (default `$XDG_CACHE_HOME/forgeflow/content-hashes.json`; `off` disables
 it), private to the user, bounded to `MAX_CACHE_ENTRIES` (the oldest entries go first); concurrent writers
@@ -34,9 +34,10 @@ from typing import ClassVar
 
 import fsspec
 
+from forge_core.timings import FINGERPRINT_RACY_WINDOW_S
+
 CACHE_ENV = "FORGE_HASH_CACHE"
 MAX_CACHE_ENTRIES = 4096
-RACY_WINDOW_S = 2.0
 _CHUNK_BYTES = 4 << 20
 _CACHE_FORMAT = 1
 
@@ -111,7 +112,7 @@ def _validator(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if "file" in protocols or "local" in protocols:
         st = os.stat(path)
-        if time.time() - max(st.st_mtime, st.st_ctime) < RACY_WINDOW_S:
+        if time.time() - max(st.st_mtime, st.st_ctime) < FINGERPRINT_RACY_WINDOW_S:
             return None
         identity = ["file", os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         return json.dumps(identity)

@@ -1,7 +1,7 @@
 """One retry policy for every storage call: exponential backoff on transient errors, fail fast otherwise.
 
 A transient failure (connection refused or reset, timeouts, throttling, 5xx) is retried with backoff
-`storage.retry_backoff_s * 2**n` (at most `MAX_SLEEP_S` between tries) until BOTH budgets are spent: at least
+`storage.retry_backoff_s * 2**n` (at most `STORAGE_RETRY_MAX_SLEEP_S` between tries) until BOTH budgets are spent: at least
 `storage.retries` retries, and retries for at least `storage.retry_horizon_s` seconds since the call first
 failed. The horizon (default 300 s) is what rides out an S3 brown-out or a restarting MinIO in the task process
 and in workers alike; the count keeps a few quick retries when the horizon is set to 0 (tests). What still
@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from forge_core.faults import maybe_fail_storage_call
 from forge_core.storage.errors import StorageAccessError, StorageUnavailable
+from forge_core.timings import STORAGE_RETRY_MAX_SLEEP_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -124,7 +125,6 @@ def is_already_there(exc: BaseException) -> bool:
     )
 
 
-MAX_SLEEP_S = 30.0  # the longest wait between two tries of one call
 
 
 class Retrier:
@@ -136,7 +136,7 @@ class Retrier:
     """
 
     def __init__(
-        self, retries: int, backoff_s: float, max_sleep_s: float = MAX_SLEEP_S, horizon_s: float = 0.0
+        self, retries: int, backoff_s: float, max_sleep_s: float = STORAGE_RETRY_MAX_SLEEP_S, horizon_s: float = 0.0
     ) -> None:
         if retries < 0:
             raise ValueError(f"storage.retries={retries}: must be >= 0")

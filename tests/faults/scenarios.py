@@ -57,7 +57,7 @@ from prefect import flow
 from flows.last_run import find_run
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
-from tasks import generate_rollouts, prepare_data, train_sft
+from tasks import run_as_task, stage_task
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous on purpose: the suite must pass on a loaded 2-core box; every wait ends early on success.
@@ -267,9 +267,11 @@ SFT_FAULTS = "hang_rank:1:1@sft,kill_rank:1:3@sft,kill_vllm:0@rollout"
 @flow(name="faults-sft-rollout")
 def sft_then_rollout(config_json: str) -> dict[str, str]:
     cfg = config_from_dict(json.loads(config_json))
-    data_uri = prepare_data(cfg)
-    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(cfg, data_uri)
-    rollouts_uri = generate_rollouts.with_options(retries=1, retry_delay_seconds=0)(cfg, sft_uri, data_uri, 0)
+    data_uri = run_as_task(cfg, "prepare", {})
+    sft_uri = stage_task(cfg, "sft").with_options(retries=2, retry_delay_seconds=0)(cfg, "sft", {"data": data_uri})
+    rollouts_uri = stage_task(cfg, "rollout").with_options(retries=1, retry_delay_seconds=0)(
+        cfg, "rollout", {"policy": sft_uri, "data": data_uri}, {"iteration": 0, "policy_iteration": 0}
+    )
     return {"data": data_uri, "sft": sft_uri, "rollouts": rollouts_uri}
 
 
@@ -394,8 +396,8 @@ def planned_outages(bucket: str) -> list[PlannedOutage]:
 @flow(name="faults-sft-on-s3")
 def sft_on_s3(config_json: str) -> dict[str, str]:
     cfg = config_from_dict(json.loads(config_json))
-    data_uri = prepare_data.with_options(retries=2, retry_delay_seconds=0)(cfg)
-    sft_uri = train_sft.with_options(retries=2, retry_delay_seconds=0)(cfg, data_uri)
+    data_uri = stage_task(cfg, "prepare").with_options(retries=2, retry_delay_seconds=0)(cfg, "prepare", {})
+    sft_uri = stage_task(cfg, "sft").with_options(retries=2, retry_delay_seconds=0)(cfg, "sft", {"data": data_uri})
     return {"data": data_uri, "sft": sft_uri}
 
 

@@ -10,7 +10,7 @@ from fault_kit import TINY_CONFIG, flow_run, task_runs
 from prefect import flow
 
 from forge_core.config import config_from_dict, config_to_json, load_config
-from tasks import prepare_data
+from tasks import stage_task
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ BAD_ROWS = (3, 7, 11, 15)
 @flow(name="faults-prepare-only")
 def prepare_only(config_json: str) -> str:
     cfg = config_from_dict(json.loads(config_json))
-    return prepare_data.with_options(retries=2, retry_delay_seconds=0)(cfg)
+    return stage_task(cfg, "prepare").with_options(retries=2, retry_delay_seconds=0)(cfg, "prepare", {})
 
 
 @pytest.mark.fault(

@@ -19,7 +19,7 @@ from prefect import flow
 
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
-from tasks import prepare_data, train_sft
+from tasks import stage_task
 
 pytestmark = pytest.mark.integration
 
@@ -27,13 +27,13 @@ pytestmark = pytest.mark.integration
 @flow(name="faults-fatal-prepare")
 def prepare_only(config_json: str) -> str:
     cfg = config_from_dict(json.loads(config_json))
-    return prepare_data.with_options(retries=2, retry_delay_seconds=0)(cfg)
+    return stage_task(cfg, "prepare").with_options(retries=2, retry_delay_seconds=0)(cfg, "prepare", {})
 
 
 @flow(name="faults-fatal-sft")
 def sft_only(config_json: str, data_uri: str) -> str:
     cfg = config_from_dict(json.loads(config_json))
-    return train_sft.with_options(retries=2, retry_delay_seconds=0)(cfg, data_uri)
+    return stage_task(cfg, "sft").with_options(retries=2, retry_delay_seconds=0)(cfg, "sft", {"data": data_uri})
 
 
 def _config(root: Path, storage: list[str], *more: str) -> str:

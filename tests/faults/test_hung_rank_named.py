@@ -8,8 +8,7 @@ import re
 import pytest
 from fault_kit import attempts
 
-from forge_core.engine.distributed import PROCESS_GROUP_TIMEOUT_MARGIN_S
-from forge_core.run.plan import LAUNCHER_BACKSTOP_S
+from forge_core.timings import LAUNCHER_BACKSTOP_S, PROCESS_GROUP_TIMEOUT_MARGIN_S
 
 pytestmark = pytest.mark.integration
 

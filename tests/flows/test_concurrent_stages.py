@@ -28,7 +28,7 @@ from forge_core.run.plan import plan_stage
 from forge_core.storage import LeaseLost, ObjectStore
 from forge_core.storage.generations import GenerationLog
 from forge_core.storage.lease import lease_prefix
-from tasks import prepare_data
+from tasks import run_as_task
 from tasks.stages import run_stage
 
 pytestmark = pytest.mark.integration
@@ -144,7 +144,7 @@ def stage_run_losing_its_lease(config_json: str, data_uri: str) -> str:
 
 @flow(name="sft-losing-its-lease")
 def sft_losing_its_lease(config_json: str) -> str:
-    return stage_run_losing_its_lease(config_json, prepare_data(config_from_dict(json.loads(config_json))))
+    return stage_run_losing_its_lease(config_json, run_as_task(config_from_dict(json.loads(config_json)), "prepare", {}))
 
 
 def test_a_holder_that_lost_its_lease_cancels_its_launch_and_fails_retryably(

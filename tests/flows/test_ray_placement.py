@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from flows.post_train import flow_resources, post_train, stage_tasks, start_flow
+from flows.post_train import flow_resources, post_train, start_flow
 from forge_core.config import load_config
 from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
 from forge_core.launch import terminate_all_live
 from forge_core.storage import ObjectStore
+from tasks import run_as_task
 from tests.ray_cluster import POOL
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -110,8 +111,7 @@ def test_after_the_flow_nothing_of_it_is_left_on_the_cluster(pool_run, ray_clust
 def prepare_and_sft(config: str, overrides: list[str]) -> str:
     cfg = start_flow(config, overrides)
     with flow_resources(cfg):
-        tasks = stage_tasks(cfg)
-        return tasks.sft(cfg, tasks.prepare(cfg))
+        return run_as_task(cfg, "sft", {"data": run_as_task(cfg, "prepare", {})})
 
 
 def sft_overrides(root: Path, *extra: str) -> list[str]:

@@ -17,7 +17,7 @@ from prefect_readers import task_runs
 
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
-from tasks import prepare_data, train_sft
+from tasks import run_as_task, stage_task
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +27,9 @@ SKIPPED_LOG = "output already committed"  # what run_stage logs when it skips a 
 @flow(name="sft-only")
 def sft_only(config_json: str, sft_retries: int) -> str:
     cfg = config_from_dict(json.loads(config_json))
-    data_uri = prepare_data(cfg)
-    return train_sft.with_options(retries=sft_retries, retry_delay_seconds=0)(cfg, data_uri)
+    data_uri = run_as_task(cfg, "prepare", {})
+    sft = stage_task(cfg, "sft").with_options(retries=sft_retries, retry_delay_seconds=0)
+    return sft(cfg, "sft", {"data": data_uri})
 
 
 def _task_run_log(task_run_id) -> str:

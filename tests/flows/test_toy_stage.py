@@ -14,7 +14,7 @@ from test_stage_tasks import SKIPPED_LOG, _task_run_log
 
 from forge_core.config import config_from_dict, config_to_json, load_config
 from forge_core.storage import ObjectStore
-from tasks import prepare_data, stage_task
+from tasks import run_as_task
 from tests import toy_stage
 
 pytestmark = pytest.mark.integration
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 @flow(name="toy-stage")
 def toy_flow(config_json: str) -> dict[str, str]:
     cfg = config_from_dict(json.loads(config_json))
-    data_uri = prepare_data(cfg)
-    return {"data": data_uri, "toy": stage_task(cfg, "toy_count")(cfg, "toy_count", {"data": data_uri})}
+    data_uri = run_as_task(cfg, "prepare", {})
+    return {"data": data_uri, "toy": run_as_task(cfg, "toy_count", {"data": data_uri})}
 
 
 def test_a_stage_added_through_the_registry_alone_runs_commits_and_is_skipped_on_rerun(prefect_api, tiny_overrides):

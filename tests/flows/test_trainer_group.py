@@ -49,7 +49,7 @@ from forge_core.run.runner import Cancel
 from forge_core.run.runners import runner_for
 from forge_core.run.spec import write_spec
 from forge_core.storage import ObjectStore
-from tasks import train_grpo
+from tasks import stage_task
 from tests.ray_cluster import POOL
 
 pytestmark = pytest.mark.integration
@@ -168,12 +168,12 @@ def grpo_chain(
     """GRPO iterations on given rollout batches, from `sft_uri` (or any committed policy), with the flow's own stop
     hooks; (policy, task seconds) each."""
     cfg = config_from_dict(json.loads(config_json))
-    grpo = train_grpo.with_options(retries=retries, retry_delay_seconds=0)
+    grpo = stage_task(cfg, "grpo").with_options(retries=retries, retry_delay_seconds=0)
     policy, out = sft_uri, []
     with FlowResources.of(cfg):
         for iteration, rollouts_uri in enumerate(rollouts, start=first_iteration):
             started = time.monotonic()
-            policy = grpo(cfg, policy, rollouts_uri, iteration)
+            policy = grpo(cfg, "grpo", {"policy": policy, "rollouts": rollouts_uri}, {"iteration": iteration})
             out.append((policy, time.monotonic() - started))
     return out
 

@@ -4,13 +4,16 @@ stage registered from outside forge_core is found by another process through FOR
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import forge_core.stages as stages_module
 from forge_core.config import RunConfig, load_config, select_sections
 from forge_core.config.schema import ResourceConfig
 from forge_core.run.external import _FINGERPRINTS
@@ -27,9 +30,12 @@ from forge_core.stages import (
     register_stage,
     stage_named,
     stage_names,
+    stage_of_kind,
 )
 from forge_core.storage import ObjectStore
 from tests import toy_stage
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_builtin_stages_in_pipeline_order():
@@ -119,3 +125,66 @@ def test_another_process_finds_a_registered_stage_through_the_import_hook():
     env[STAGE_MODULES_ENV] = "tests.no_such_module"
     missing = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False)
     assert missing.returncode != 0 and "cannot import 'tests.no_such_module'" in missing.stderr
+
+
+def test_the_registry_names_the_tasks_and_the_key_metrics():
+    from tasks import stage_task
+
+    cfg = load_config(None, ["launch.sft.retries=5"])
+    sft = stage_task(cfg, "sft")
+    assert (sft.name, sft.description, sft.retries) == ("train_sft", stage_named("sft").description, 5)
+    assert stage_task(cfg, "toy_count").name == "toy_count"  # no task name of its own: the stage's
+    assert stage_named("evaluate").describe_metrics({"accuracy": 0.5}) == "accuracy 0.500"
+    assert stage_named("rollout").describe_metrics({"reward_mean": 0.25, "pass_rate": 0.5}) == "reward 0.250 pass 0.500"
+    assert stage_of_kind("toy_counts").describe_metrics({"rows": 3, "longest": 9}) == "rows 3, longest 9"
+    assert stage_of_kind("nothing") is None
+    with pytest.raises(ValueError, match="key_metric='nocolon'; give 'module:function' or None"):
+        Stage(name="bad", kind="k", entry="m:f", key_metric="nocolon")
+
+
+def test_a_registered_stage_that_produces_a_policy_adds_its_kind():
+    record = Stage(name="distill", kind="distilled", entry="m:f", produces_policy=True)
+    register_stage(record)
+    try:
+        assert policy_kinds() == ("sft", "grpo", "distilled")
+    finally:
+        with stages_module._lock:
+            del stages_module._registry["distill"]
+    assert policy_kinds() == ("sft", "grpo")
+
+
+# A literal that holds three or more built-in stage names or kinds is a list of stages kept by hand.
+_BUILTIN_WORDS = {s.name for s in BUILTIN_STAGES} | {s.kind for s in BUILTIN_STAGES}
+
+
+def _hand_written_stage_lists(path: Path) -> list[str]:
+    """"line: [the names]" of every literal in `path` that lists built-in stages."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict):
+            items = [key for key in node.keys if key is not None]
+        else:
+            continue
+        words = {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+        if len(words & _BUILTIN_WORDS) >= 3:
+            found.append(f"{node.lineno}: {sorted(words & _BUILTIN_WORDS)}")
+    return found
+
+
+def test_no_other_module_lists_the_builtin_stages():
+    modules = [p for root in ("forge_core", "tasks", "flows") for p in sorted((REPO / root).rglob("*.py"))]
+    hand_written = [
+        f"{p.relative_to(REPO)}:{hit}"
+        for p in modules
+        if p != REPO / "forge_core" / "stages.py"
+        for hit in _hand_written_stage_lists(p)
+    ]
+    assert not hand_written, "read the stages from forge_core.stages instead:\n" + "\n".join(hand_written)
+
+
+def test_the_stage_list_check_sees_a_list(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('KINDS = ("data", "sft", "rollouts")\nPAIR = {"rollout", "grpo"}\n')
+    assert _hand_written_stage_lists(module) == ["1: ['data', 'rollouts', 'sft']"]

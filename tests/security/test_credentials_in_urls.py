@@ -32,7 +32,7 @@ from forge_core.credentials import (
     reveal_url,
     scrub_text,
 )
-from tasks import prepare_data
+from tasks import run_as_task
 
 SECRETS = {
     "password": f"pw-{uuid.uuid4().hex}",
@@ -132,7 +132,7 @@ def _source_url(server: _TokenServer) -> str:
 @flow(name="security-prepare-from-a-tokenised-url")
 def prepare_from(config: str, overrides: list[str]) -> str:
     cfg = load_config(config, overrides)
-    return prepare_data(cfg)
+    return run_as_task(cfg, "prepare", {})
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ SHORT_RACY_WINDOW_S = 0.2
 def cache_file(tmp_path, monkeypatch):
     path = tmp_path / "cache" / "content-hashes.json"
     monkeypatch.setenv(CACHE_ENV, str(path))
-    monkeypatch.setattr(fingerprints, "RACY_WINDOW_S", SHORT_RACY_WINDOW_S)
+    monkeypatch.setattr(fingerprints, "FINGERPRINT_RACY_WINDOW_S", SHORT_RACY_WINDOW_S)
     return path
 
 
@@ -84,7 +84,7 @@ def test_a_rewritten_file_is_hashed_again_even_with_its_old_size_and_mtime(tmp_p
 
 
 def test_a_file_changed_within_the_racy_window_is_not_cached(tmp_path, cache_file, monkeypatch):
-    monkeypatch.setattr(fingerprints, "RACY_WINDOW_S", 3600.0)  # every file here is "just written"
+    monkeypatch.setattr(fingerprints, "FINGERPRINT_RACY_WINDOW_S", 3600.0)  # every file here is "just written"
     fresh = tmp_path / "train.jsonl"
     fresh.write_bytes(b"{}\n")
     files_fingerprint(LocalFileSystem(), {"train.jsonl": str(fresh)})
