@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, Self
+from typing import TYPE_CHECKING, Protocol, Self
 
 from forge_core.compute.cluster import ComputeCluster, connect
 from forge_core.config import RunConfig, section_to_dict
@@ -45,7 +45,24 @@ from forge_core.launch import terminate_all_live
 from forge_core.stages import Stage
 from forge_core.timings import ENGINE_CLOSE_S, ENGINE_STOP_GRACE_ON_FAILURE_S
 
+if TYPE_CHECKING:
+    from forge_core.compute.actors import Hosted
+    from forge_core.rollout.actor_engines import EngineActors
+
 log = logging.getLogger(__name__)
+
+
+class TrainerGroupSlot(Protocol):
+    """What the flow's parts use of the run's trainer group (forge_core.run.trainer_group.TrainerGroup, which
+    imports this module: the slot is typed by what it offers)."""
+
+    ranks: list[Hosted]  # one Ray actor per rank, in rank order
+    busy: threading.Lock  # held by an order while it runs and by a weight push: one collective at a time
+    call_timeout_s: float  # a rank's time to answer a short question
+
+    def describe(self) -> str: ...
+
+    def close(self, failing: bool) -> None: ...
 
 
 # This process's run identity when the config names none (a flow always does: launch.run_id).
@@ -92,11 +109,11 @@ class FlowResources:
         self.log_line = log_line or log.info
         self.lock = threading.Lock()  # guards the trainer group slot
         # The run's trainer group on the Ray cluster (forge_core.run.trainer_group.TrainerGroup), guarded by `lock`.
-        self.trainer_group: Any = None
+        self.trainer_group: TrainerGroupSlot | None = None
         # The engine actors in use (forge_core.rollout.actor_engines.EngineActors): the run's own (`flow_engines`,
         # rollout.engine_lifetime=flow) and those of stages running now. Guarded by `engines_lock`.
-        self.flow_engines: Any = None
-        self.stage_engines: set[Any] = set()
+        self.flow_engines: EngineActors | None = None
+        self.stage_engines: set[EngineActors] = set()
         self.engines_lock = threading.Lock()
         self._cluster: ComputeCluster | None = None
         self._cluster_lock = threading.Lock()
@@ -132,7 +149,7 @@ class FlowResources:
             return self._cluster
 
     @contextlib.contextmanager
-    def engine_actors(self, seed: int) -> Iterator[Any]:
+    def engine_actors(self, seed: int) -> Iterator[EngineActors]:
         """The engine actors a stage samples with (forge_core.run.engines): the run's, started by the first stage
         that asks and kept (rollout.engine_lifetime=flow), or the stage's own, ended with the block (stage)."""
         from forge_core.rollout.actor_engines import EngineActors  # imports vLLM's pieces: only when sampling
