@@ -18,7 +18,6 @@ time (`reload` to another version).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import statistics
 import tempfile
@@ -85,7 +84,7 @@ def main() -> None:
         cfg = config_from_dict({
             "storage": {"root": f"file://{root}/store"},
             "logging": {"dir": str(root / "runs")},
-            "rollout": {"sampling": dataclasses.asdict(sampling), "engine_in_process": True, "kv_cache_gib": 1},
+            "rollout": {"sampling": sampling.model_dump(), "engine_in_process": True, "kv_cache_gib": 1},
         })  # fmt: skip
         store = ObjectStore.from_config(cfg.storage)
         policy = fetch_policy(store, committed_policy(store, policy_a), cache_root=root / "cache")

@@ -191,11 +191,12 @@ class Ours:
     def family_step(self, cfg, loss_type: str, correction: str):
         """One optimizer step with another loss or correction on this trainer and batch (a correction's batch
         carries old logprobs, scored once up front: its extra forward is timed on its own)."""
+        from forge_core.config import replace
         from forge_core.config.schema import CorrectionConfig
         from forge_core.losses.grpo import build_policy_loss
 
         loss = build_policy_loss(
-            dataclasses.replace(cfg.grpo.loss, type=loss_type), MAX_NEW, CorrectionConfig(type=correction)
+            replace(cfg.grpo.loss, type=loss_type), MAX_NEW, CorrectionConfig(type=correction)
         )
         batch = self.batch
         if correction != "none":

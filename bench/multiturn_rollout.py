@@ -20,7 +20,6 @@ over its own time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -61,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     num_prompts, repeats = (8, 2) if args.quick else (NUM_PROMPTS, 5)
 
+    from forge_core.config import replace
     from forge_core.config.schema import SamplingConfig
     from forge_core.envs import EpisodeLimits, observation_encoder, run_episodes
     from forge_core.rollout.engine import EngineOptions
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         parameters = write_model(model_dir, tokenizer_dir, tokenizer, *SIZE)
         prompts = bench_prompts(tokenizer, examples[:num_prompts])
         per_turn = SamplingConfig(group_size=GROUP_SIZE, temperature=1.0, max_new_tokens=TOKENS_PER_TURN)
-        single = dataclasses.replace(per_turn, max_new_tokens=TURNS * TOKENS_PER_TURN)
+        single = replace(per_turn, max_new_tokens=TURNS * TOKENS_PER_TURN)
         env = _three_turn_environment()
         encode = observation_encoder(model_dir)
         limits = EpisodeLimits(max_turns=TURNS, max_total_tokens=256)

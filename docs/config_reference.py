@@ -1,19 +1,23 @@
-"""Writes docs/config-reference.md from the config dataclasses, so the reference is never written by hand.
+"""Writes docs/config-reference.md and docs/config.schema.json from the config schema, never by hand.
 
     .venv/bin/python docs/config_reference.py           # regenerate (what `make docs` runs)
-    .venv/bin/python docs/config_reference.py --check   # exit 1 when the file is stale (tests/docs runs this)
+    .venv/bin/python docs/config_reference.py --check   # exit 1 when either file is stale (tests/config runs this)
 
 The tables come from `python -m forge_core.config describe`: every key of forge_core/config/schema.py with its
 type, default and the comment written above the field. Change a field or its comment there, then regenerate.
+The JSON schema is the same keys for editors: a YAML config whose first line is
+`# yaml-language-server: $schema=../docs/config.schema.json` is validated and completed as it is typed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 REFERENCE = Path(__file__).resolve().parent / "config-reference.md"
+JSON_SCHEMA = Path(__file__).resolve().parent / "config.schema.json"
 
 HEADER = """# Configuration reference
 
@@ -29,27 +33,28 @@ command line as `dotted.key=value`, e.g. `make demo` takes none, `python -m flow
 """
 
 
-def render() -> str:
+def render() -> dict[Path, str]:
+    """{file: its generated text}."""
     sys.path.insert(0, str(REFERENCE.parents[1]))
     from forge_core.config import describe_config
+    from forge_core.config.describe import config_json_schema
 
-    return HEADER + describe_config()
+    return {REFERENCE: HEADER + describe_config(), JSON_SCHEMA: json.dumps(config_json_schema(), indent=1) + "\n"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the schema")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file differs from the schema")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = REFERENCE.read_text() if REFERENCE.exists() else ""
-        if current != text:
-            print(f"{REFERENCE} is stale: run `make docs` (python docs/config_reference.py)", file=sys.stderr)
-            return 1
-        return 0
-    REFERENCE.write_text(text)
-    print(f"wrote {REFERENCE}")
-    return 0
+    stale = 0
+    for path, text in render().items():
+        if not args.check:
+            path.write_text(text)
+            print(f"wrote {path}")
+        elif (path.read_text() if path.exists() else "") != text:
+            print(f"{path} is stale: run `make docs` (python docs/config_reference.py)", file=sys.stderr)
+            stale = 1
+    return stale
 
 
 if __name__ == "__main__":

@@ -604,11 +604,12 @@ class Smoke:
 
     def logprob_gap(self) -> dict:
         self.require_training()
+        from forge_core.config import replace
         from forge_core.losses.grpo import build_policy_loss
         from forge_core.trainers.grpo import GRPOTrainer
 
         samples_per_batch = len(self.samples)
-        grpo = dataclasses.replace(
+        grpo = replace(
             self.cfg.grpo, epochs=1, mini_batch_size=samples_per_batch, micro_batch_size=samples_per_batch
         )
         engine = self._engine(str(self.policy_dir), total_steps=10)

@@ -1,6 +1,8 @@
-"""Markdown reference of every config key, generated from schema.py (types, defaults, and field comments).
+"""Markdown reference and JSON schema of every config key, generated from schema.py (types, defaults and field
+comments).
 
     python -m forge_core.config describe > docs/config-reference.md
+    config_json_schema()                    # docs/config.schema.json: editors validate YAML configs with it
 
 The descriptions are the `#` comments written above (or after) each field in schema.py, read from the source
 with `ast` + `tokenize`, so the schema stays the single place where a key is documented.
@@ -9,7 +11,6 @@ with `ast` + `tokenize`, so the schema stays the single place where a key is doc
 from __future__ import annotations
 
 import ast
-import dataclasses
 import functools
 import inspect
 import io
@@ -18,7 +19,9 @@ import textwrap
 import tokenize
 from typing import Any
 
-from forge_core.config.introspect import dataclass_of, field_types, list_element_type, type_name
+from pydantic import BaseModel
+
+from forge_core.config.introspect import field_types, list_element_type, section_of, type_name
 from forge_core.config.schema import RunConfig
 
 
@@ -29,7 +32,7 @@ def describe_config() -> str:
     blocks = []
     for name, tp in field_types(RunConfig).items():
         value = getattr(default, name)
-        section_cls = dataclass_of(tp)
+        section_cls = section_of(tp)
         if section_cls is None:
             scalar_rows.extend(_rows(RunConfig, name, tp, value, name))
             continue
@@ -41,6 +44,26 @@ def describe_config() -> str:
     return "\n\n".join([top, *blocks]) + "\n"
 
 
+def config_json_schema() -> dict[str, Any]:
+    """The JSON schema of a run config (pydantic's, draft 2020-12), every key described by its schema.py comment."""
+    schema = RunConfig.model_json_schema()
+    for cls in _section_classes(RunConfig):
+        where = schema if cls is RunConfig else schema["$defs"][cls.__name__]
+        for name, text in field_help(cls).items():
+            if text:
+                where["properties"][name]["description"] = text
+    return schema
+
+
+def _section_classes(cls: type[BaseModel]) -> list[type[BaseModel]]:
+    found = [cls]
+    for tp in field_types(cls).values():
+        nested = section_of(tp) or section_of(list_element_type(tp))
+        if nested is not None and nested not in found:
+            found += [c for c in _section_classes(nested) if c not in found]
+    return found
+
+
 def _section_rows(cls: type, value: Any, prefix: str) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, tp in field_types(cls).items():
@@ -49,11 +72,11 @@ def _section_rows(cls: type, value: Any, prefix: str) -> list[tuple[str, str, st
 
 
 def _rows(owner: type, name: str, tp: Any, value: Any, key: str) -> list[tuple[str, str, str, str]]:
-    nested = dataclass_of(tp)
+    nested = section_of(tp)
     if nested is not None:
         return _section_rows(nested, value, key)
     rows = [(key, type_name(tp), _default_text(value), field_help(owner).get(name, ""))]
-    element_cls = dataclass_of(list_element_type(tp))
+    element_cls = section_of(list_element_type(tp))
     if element_cls is not None:
         # Document the element fields with the element class's own defaults, as `<list>.<i>.<field>`.
         rows.extend(_section_rows(element_cls, element_cls(), f"{key}.<i>"))
@@ -61,10 +84,10 @@ def _rows(owner: type, name: str, tp: Any, value: Any, key: str) -> list[tuple[s
 
 
 def _default_text(value: Any) -> str:
-    if dataclasses.is_dataclass(value):
-        value = dataclasses.asdict(value)
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
     if isinstance(value, list):
-        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
+        value = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
     return f"`{json.dumps(value)}`"
 
 
@@ -81,9 +104,7 @@ def _escape_cell(text: str) -> str:
 
 
 def _class_doc(cls: type) -> str:
-    doc = cls.__dict__.get("__doc__") or ""
-    # dataclass() invents a signature docstring when none is written; that is not documentation.
-    return "" if doc.startswith(cls.__name__ + "(") else inspect.cleandoc(doc)
+    return inspect.cleandoc(cls.__dict__.get("__doc__") or "")
 
 
 @functools.cache

@@ -1,47 +1,44 @@
-"""Introspection of the config dataclasses shared by the loader and the reference generator."""
+"""What the loader and the reference generator read of the schema: each section's fields and their annotations."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import types
 import typing
 from typing import Any, Literal, Union
 
+from pydantic import BaseModel
+
 from forge_core.config.schema import RunConfig
 
 
 @functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """Field name -> resolved annotation, in declaration order (schema.py uses postponed annotations)."""
-    resolved = typing.get_type_hints(cls)
-    return {f.name: resolved[f.name] for f in dataclasses.fields(cls)}
+def field_types(cls: type[BaseModel]) -> dict[str, Any]:
+    """Field name -> annotation, in declaration order."""
+    return {name: info.annotation for name, info in cls.model_fields.items()}
 
 
 @functools.cache
 def all_key_paths() -> tuple[str, ...]:
     """Every dotted key of the schema (list elements as `<list>.0.<field>`), for "did you mean" hints."""
 
-    def walk(cls: type, prefix: str) -> list[str]:
+    def walk(cls: type[BaseModel], prefix: str) -> list[str]:
         paths = []
         for name, tp in field_types(cls).items():
             key = join_key(prefix, name)
             paths.append(key)
-            nested = dataclass_of(tp) or dataclass_of(list_element_type(tp))
+            nested = section_of(tp) or section_of(list_element_type(tp))
             if nested is not None:
-                paths.extend(walk(nested, key if dataclass_of(tp) else key + ".0"))
+                paths.extend(walk(nested, key if section_of(tp) else key + ".0"))
         return paths
 
     return tuple(walk(RunConfig, ""))
 
 
-def field_names(cls: type) -> list[str]:
-    return list(field_types(cls))
-
-
-def dataclass_of(tp: Any) -> type | None:
-    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+def section_of(tp: Any) -> type[BaseModel] | None:
+    """`tp` when it is a config section class, else None."""
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
 def list_element_type(tp: Any) -> Any:
@@ -49,6 +46,15 @@ def list_element_type(tp: Any) -> Any:
         (element,) = typing.get_args(tp)
         return element
     return None
+
+
+def literal_values(tp: Any) -> tuple[Any, ...]:
+    """The values a Literal annotation allows (inside an Optional too); () for any other annotation."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return tuple(v for arg in typing.get_args(tp) for v in literal_values(arg))
+    return ()
 
 
 def type_name(tp: Any) -> str:

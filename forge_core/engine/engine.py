@@ -323,5 +323,5 @@ class Engine(Configurable):
             "attention_reason": self.attention_reason,
             "compile": self.plan.compile,
             "num_params": self.num_params,
-            "model": dataclasses.asdict(self.config.model),
+            "model": self.config.model.model_dump(),
         }

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from forge_core.config import replace
 from forge_core.config.schema import SamplingConfig
 from forge_core.envs.base import End, Environment, EpisodeState, Observation, ToolRequest
 from forge_core.rewards.isolation import CALL_TIMEOUT
@@ -177,7 +178,7 @@ def run_episodes(
             live = [e for e in live if not e.end_reason]
             if live:
                 requests = [_turn_prompt(e) for e in live]
-                samples = _generate(engine, requests, dataclasses.replace(sampling, group_size=1), seed, batch)
+                samples = _generate(engine, requests, replace(sampling, group_size=1), seed, batch)
     finally:
         for episode in running:
             episode.state.close()

@@ -9,11 +9,11 @@ depend on which other prompts share the batch, how the scheduler orders them, or
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from typing import Any
 
+from forge_core.config import replace
 from forge_core.config.schema import EvalConfig, SamplingConfig
 
 _SEED_BITS = 63
@@ -37,7 +37,7 @@ def evaluation_sampling(eval_cfg: EvalConfig, rollout_sampling: SamplingConfig) 
     answers the way it does in training.
     """
     if eval_cfg.pass_k == 1:
-        return dataclasses.replace(
+        return replace(
             rollout_sampling,
             group_size=1,
             temperature=0.0,
@@ -45,14 +45,14 @@ def evaluation_sampling(eval_cfg: EvalConfig, rollout_sampling: SamplingConfig) 
             top_k=-1,
             max_new_tokens=eval_cfg.max_new_tokens,
         )
-    return dataclasses.replace(
+    return replace(
         rollout_sampling, group_size=eval_cfg.pass_k, max_new_tokens=eval_cfg.max_new_tokens
     )
 
 
 def sampling_record(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
     """What a rollout row stores about how it was sampled (as JSON text in the `sampling_params` column)."""
-    return {**dataclasses.asdict(sampling), "seed": seed, "logprobs_mode": "raw_logprobs"}
+    return {**sampling.model_dump(), "seed": seed, "logprobs_mode": "raw_logprobs"}
 
 
 def sampling_json(sampling: SamplingConfig, seed: int) -> str:

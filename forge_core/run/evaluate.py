@@ -1,16 +1,12 @@
-"""The evaluate stage: a worker process with its own vLLM engine (`rollout.engine_lifetime: stage`), or, with
-the flow's long-lived engines (`flow`), a thread of its task's process (forge_core.run.in_process):
+"""The evaluate stage: scores a policy on held-out prompts with the run's engines.
 
     python -m forge_core.run evaluate --spec <output_uri>/_specs/<attempt>.json
 
-Inputs (`spec.inputs`, kinds checked by the worker scaffold):
+Inputs:
   policy   a committed `sft` or `grpo` artifact (its `policy/` HF folder is what gets evaluated).
-  data     a committed `data` artifact; the held-out prompts are the first `eval.num_prompts` rows of its
-           `eval.parquet`.
-Generation is greedy when `eval.pass_k == 1`, else `pass_k` samples per prompt at the rollout temperature;
-the rewards are the rollout's (`rollout.rewards`), so evaluation measures what GRPO optimises. With `rollout.env`
-each sample is a whole episode (forge_core.envs; greedy turns), and the metrics add `env/*` (tool-call rate,
-tool errors, turns).
+  data     a committed `data` artifact; the prompts are the first `eval.num_prompts` rows of `eval.parquet`.
+Generation is greedy when `eval.pass_k == 1`, else `pass_k` samples per prompt at the rollout temperature,
+scored with the rollout's rewards. With `rollout.env` each sample is a whole episode and the metrics add `env/*`.
 
 Output `<output_uri>` (kind `eval`): `results.parquet` (one row per prompt: responses, per-sample rewards,
 passed) and a manifest whose metrics hold accuracy, mean_reward, n (prompts), k and length statistics.
@@ -18,7 +14,6 @@ passed) and a manifest whose metrics hold accuracy, mean_reward, n (prompts), k 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -100,7 +95,7 @@ def run_evaluation(plan: EvalPlan, generator: GenerationEngine) -> EvalOutcome:
         "reward_versions": plan.rewards.versions(),
         "primary_reward": plan.rewards.primary_column,
         **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
-        "sampling": dataclasses.asdict(sampling),
+        "sampling": sampling.model_dump(),
         "wall_s": plan.ctx.wall_s(),
     }
     writer = plan.ctx.writer()
@@ -118,10 +113,10 @@ def run_evaluation(plan: EvalPlan, generator: GenerationEngine) -> EvalOutcome:
 
 
 def run(ctx: StageContext) -> None:
-    """Evaluate the policy on the held-out split and commit the `eval` artifact (module docstring)."""
+    """Evaluate the policy on the held-out split and commit the `eval` artifact."""
     plan = plan_evaluation(ctx)
     try:
         with stage_engines(plan.cfg, plan.policy, seed=plan.cfg.seed, stage=plan.ctx.stage.name) as generator:
             run_evaluation(plan, generator)
     finally:
-        release_policy(plan.policy)  # the cache may prune it again (an engine actor keeps its own lease)
+        release_policy(plan.policy)  # an engine actor keeps its own lease

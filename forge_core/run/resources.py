@@ -1,36 +1,26 @@
 """The flow run's long-lived parts on the Ray cluster — its engine actors and its GRPO trainer group — and their end.
 
-    with FlowResources.of(cfg, log=logger.info) as resources:     # a flow: everything ends with the block
-        ...                                                       # runners find it: FlowResources.of(cfg)
-    FlowResources.of(cfg).abort("the flow was cancelled")         # the cancel/crash hook, a failing lane
+    with FlowResources.of(cfg, log_line=logger.info) as resources:   # a flow: everything ends with the block
+        ...                                                          # runners find it: FlowResources.of(cfg)
+    FlowResources.of(cfg).abort("the flow was cancelled")            # the cancel/crash hook, a failing lane
 
-One object per flow run (keyed by `run_identity(cfg)`, `launch.run_id`, which the flow sets to its Prefect flow
-run id, so two concurrent runs of one config never share an engine or a trainer; and by the run's name and
-storage root), found by every runner that needs
-it through the config it holds. It holds the run's connection to the Ray cluster (`cluster()`: joined at
-`launch.ray_address`, or an embedded one started by the first stage that needs it), the engine actors
-(forge_core.run.engines; the run's own with `rollout.engine_lifetime: flow`) and the trainer group
-(forge_core.run.trainer_group, `grpo.trainer_lifetime: flow`). Nothing else would stop them, so the flow ends them
-here, and only here:
+One object per flow run, keyed by `run_identity(cfg)` (the flow sets `launch.run_id` to its Prefect flow run id,
+so concurrent runs of one config share nothing), the run's name and storage root. It holds the run's Ray
+connection, the flow-lifetime engine actors and trainer group; nothing else stops them, so they end here:
 
-- `close(failing=False)` (the block's normal end): the trainer group's ranks leave their process group first
-  (bounded), the engines get ENGINE_CLOSE_S to shut vLLM down;
-- `close(failing=True)` (the block ends with an exception): the trainer group's actors are killed at once, the
-  engines get ENGINE_STOP_GRACE_ON_FAILURE_S;
-- `abort(reason)` (the flow's cancel/crash hook, the rollout lane abandoning rollouts in flight): the same, after
-  every gang of this process was ended (forge_core.launch.terminate_all_live).
+- `close(failing=False)`: the trainer ranks leave their process group first (bounded), the engines get
+  ENGINE_CLOSE_S to shut vLLM down;
+- `close(failing=True)`: the trainer actors are killed at once, the engines get ENGINE_STOP_GRACE_ON_FAILURE_S;
+- `abort(reason)`: the same as failing, after every gang of this process was ended.
 
-Then the embedded cluster is shut down with the connection. Bounds: Prefect 3.7's process worker SIGKILLs a
-cancelled flow run 30 s after its SIGTERM (prefect/runner/_cancellation_manager.py, grace_seconds = 30.0); the
-stops above take a few seconds. What a SIGKILL of the flow process still leaves is Ray's to end: the actors the
-driver owns die with it (owner fate-sharing), and a launch ends within ~2 s of its node agent through its owner
-watchdog (forge_core.launch.owner).
+Then the embedded cluster is shut down. Every stop is bounded because Prefect's process worker SIGKILLs a
+cancelled flow run 30 s after its SIGTERM; after a SIGKILL, Ray ends the driver's actors and launches end through
+their owner watchdog.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -40,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, Self
 
 from forge_core.compute.cluster import ComputeCluster, connect
-from forge_core.config import RunConfig, section_to_dict
+from forge_core.config import RunConfig, replace, section_to_dict
 from forge_core.launch import terminate_all_live
 from forge_core.stages import Stage
 from forge_core.timings import ENGINE_CLOSE_S, ENGINE_STOP_GRACE_ON_FAILURE_S
@@ -54,7 +44,7 @@ log = logging.getLogger(__name__)
 
 class TrainerGroupSlot(Protocol):
     """What the flow's parts use of the run's trainer group (forge_core.run.trainer_group.TrainerGroup, which
-    imports this module: the slot is typed by what it offers)."""
+    imports this module)."""
 
     ranks: list[Hosted]  # one Ray actor per rank, in rank order
     busy: threading.Lock  # held by an order while it runs and by a weight push: one collective at a time
@@ -76,15 +66,13 @@ def run_identity(cfg: RunConfig) -> str:
 
 def with_run_id(cfg: RunConfig, run_id: str | None) -> RunConfig:
     """`cfg` with `launch.run_id` set (a fresh id when `run_id` is empty): what a flow hands its stages."""
-    launch = dataclasses.replace(cfg.launch, run_id=run_id or f"run-{uuid.uuid4().hex}")
-    return dataclasses.replace(cfg, launch=launch)
+    launch = replace(cfg.launch, run_id=run_id or f"run-{uuid.uuid4().hex}")
+    return replace(cfg, launch=launch)
 
 
 def embedded_cpus(cfg: RunConfig) -> int:
-    """Logical CPUs of the embedded cluster's one node: this host's cores, or as many as the run's long-lived parts
-    and the stages beside them hold at once (an engine, a trainer rank and a gang node hold one each). Ray's CPU
-    count only schedules here; the cores are shared as on any one machine, and too few would leave a stage waiting
-    for CPUs that never free up."""
+    """Logical CPUs of the embedded cluster's one node: this host's cores, or more when the run's long-lived
+    parts and concurrent stages hold more at once (one each), so no stage waits for CPUs that never free up."""
     held = 2 * cfg.rollout.num_engines + cfg.launch.grpo.nproc_per_node + 1  # async: two stages' engines at once
     return max(os.cpu_count() or 1, held)
 
@@ -132,12 +120,8 @@ class FlowResources:
             return resources
 
     def cluster(self) -> ComputeCluster:
-        """The run's Ray cluster: joined at `launch.ray_address`, or the embedded one started now
-        (forge_core.compute.cluster); the connection this process already has, when it has one.
-
-        Raises:
-            ValueError: the cluster is the embedded one and a stage asks for more than its one node.
-        """
+        """The run's Ray cluster: this process's connection, else joined at `launch.ray_address` or the embedded
+        one started now; ValueError when embedded and a stage asks for more than its one node."""
         with self._cluster_lock:
             if self._cluster is None:
                 self._cluster = connect(self.cfg.launch.ray_address, num_cpus=embedded_cpus(self.cfg))
@@ -150,8 +134,8 @@ class FlowResources:
 
     @contextlib.contextmanager
     def engine_actors(self, seed: int) -> Iterator[EngineActors]:
-        """The engine actors a stage samples with (forge_core.run.engines): the run's, started by the first stage
-        that asks and kept (rollout.engine_lifetime=flow), or the stage's own, ended with the block (stage)."""
+        """The engine actors a stage samples with: the run's, started by the first stage that asks and kept
+        (rollout.engine_lifetime=flow), or the stage's own, ended with the block (stage)."""
         from forge_core.rollout.actor_engines import EngineActors  # imports vLLM's pieces: only when sampling
 
         if self.cfg.rollout.engine_lifetime == "flow":
@@ -177,9 +161,8 @@ class FlowResources:
             engines.close()
 
     def serves(self, stage: Stage) -> bool:
-        """Whether the flow's long-lived parts serve `stage` (forge_core.run.runners): it is an engine client
-        (flow_runner "task_process"), where a launch of its own would only relay between the flow and its engine
-        actors, or its lifetime setting is "flow"."""
+        """Whether the flow's long-lived parts serve `stage`: it is an engine client (flow_runner
+        "task_process") or its lifetime setting is "flow"."""
         if stage.flow_runner is None:
             return False
         return stage.flow_runner == "task_process" or self.lifetime(stage) == "flow"
@@ -189,8 +172,7 @@ class FlowResources:
         return section_to_dict(self.cfg, stage.lifetime_key) if stage.lifetime_key else "stage"
 
     def stop_engines(self, grace_s: float = ENGINE_CLOSE_S) -> list[int]:
-        """Stop the run's engine actors (each gets `grace_s` to shut vLLM down); returns their pids. Nothing when
-        there are none."""
+        """Stop the run's engine actors (each gets `grace_s` to shut vLLM down); returns their pids."""
         with self.engines_lock:
             actors = [a for a in (self.flow_engines, *self.stage_engines) if a is not None]
             self.flow_engines, self.stage_engines = None, set()
@@ -205,8 +187,7 @@ class FlowResources:
         return pids
 
     def abort(self, reason: str) -> None:
-        """End everything at once: every gang of this process, the trainer group (at the same time), the engines
-        (bounded)."""
+        """End everything at once: every gang of this process and the trainer group, then the engines (bounded)."""
         group = threading.Thread(target=self.stop_trainer_group, args=(True,), name="forge-abort-trainer-group")
         group.start()
         terminate_all_live(reason=reason)
@@ -221,8 +202,8 @@ class FlowResources:
                 del _active[self.key]
 
     def stop_trainer_group(self, failing: bool) -> str:
-        """End the run's trainer group on the cluster, if there is one (forge_core.run.trainer_group: at a normal
-        end its ranks leave their process group first, bounded); returns where it ran ("" when none)."""
+        """End the run's trainer group, if any (at a normal end its ranks leave their process group first,
+        bounded); returns where it ran ("" when none)."""
         with self.lock:
             group, self.trainer_group = self.trainer_group, None
         if group is None:

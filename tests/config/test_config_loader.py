@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pickle
 
@@ -15,6 +14,7 @@ from forge_core.config import (
     config_to_dict,
     config_to_json,
     load_config,
+    replace,
     section_to_dict,
     select_sections,
     validate_config,
@@ -270,7 +270,7 @@ def test_config_from_dict_partial_and_invalid():
 
 
 def test_validate_config_catches_code_edits():
-    cfg = dataclasses.replace(RunConfig(), seed="7")
+    cfg = replace(RunConfig(), seed="7")
     with pytest.raises(ConfigError, match="seed='7': expected an int"):
         validate_config(cfg)
 
@@ -285,7 +285,7 @@ def test_defaults_are_not_shared_between_loads():
 def test_section_helpers():
     cfg = load_config(None, ["sft.steps=9"])
     assert section_to_dict(cfg, "sft")["steps"] == 9
-    assert section_to_dict(cfg, "grpo.loss") == dataclasses.asdict(cfg.grpo.loss)
+    assert section_to_dict(cfg, "grpo.loss") == cfg.grpo.loss.model_dump()
     assert section_to_dict(cfg, "seed") == 0
     assert select_sections(cfg, ["seed", "sft"]) == {"seed": 0, "sft": config_to_dict(cfg.sft)}
     with pytest.raises(KeyError, match="has no field 'nope'"):

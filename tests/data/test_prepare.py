@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from forge_core.config import config_to_dict
+from forge_core.config import config_to_dict, replace
 from forge_core.data import demo
 from forge_core.data.pipeline import prepare_data, stage_config
 from forge_core.data.schemas import PROMPTS_SCHEMA, SFT_SCHEMA, TABLES
@@ -68,8 +68,7 @@ def test_demo_artifact_holds_verifiable_splits(store):
 def test_same_inputs_and_config_give_identical_bytes_and_key(file_store):
     cfg, _, first = prepare(file_store, key="a", **SMALL_DEMO)
     cfg_again, _, second = prepare(file_store, key="b", **SMALL_DEMO)
-    changed = data_config(file_store, **SMALL_DEMO)
-    changed.seed = 1
+    changed = replace(data_config(file_store, **SMALL_DEMO), seed=1)
     reseeded = prepare_data(changed, file_store.artifact_uri("data", "d"), file_store)
 
     assert {rel: (e.size, e.sha256) for rel, e in first.files.items()} == {

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from forge_core.config import replace
 from forge_core.data.pipeline import prepare_data
 from forge_core.data.rejects import RejectThresholdExceeded
 from tests.data.conftest import data_config, put
@@ -113,5 +114,5 @@ def test_too_many_rejects_fail_with_counts_examples_and_fix_and_commit_nothing(s
     assert "mostly_bad.jsonl row 8: empty_field" in message  # the 1-based line number
     assert not store.is_committed(out)
 
-    cfg.data.max_reject_fraction = 0.3  # at the threshold: accepted
+    cfg = replace(cfg, data=replace(cfg.data, max_reject_fraction=0.3))  # at the threshold: accepted
     assert prepare_data(cfg, out, store).metrics["reject_fraction"] == pytest.approx(0.3)

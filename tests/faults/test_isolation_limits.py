@@ -63,7 +63,7 @@ def test_a_tool_sees_no_secret_of_the_flow_process(monkeypatch, pool):
 def test_a_reward_sees_no_cluster_key(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-token")
     reads_key = [
-        RewardComponentConfig("tests.rollout.rewards_for_tests:has_env", 1.0, {"name": "RAY_AUTH_TOKEN"})
+        RewardComponentConfig(name="tests.rollout.rewards_for_tests:has_env", weight=1.0, kwargs={"name": "RAY_AUTH_TOKEN"})
     ]
 
     def score(env_allow: tuple[str, ...]) -> float:

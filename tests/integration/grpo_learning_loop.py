@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from forge_core.artifacts.policy import download_policy
-from forge_core.config import RunConfig, config_to_dict, load_config
+from forge_core.config import RunConfig, config_to_dict, load_config, replace
 from forge_core.config.schema import RewardComponentConfig
 from forge_core.data import prepare_data
 from forge_core.engine import Engine, destroy_distributed
@@ -72,8 +72,7 @@ def learning_config(
             f"logging.dir={tmp}/runs",
         ],
     )
-    cfg.rollout.rewards = REWARDS[reward]
-    return cfg
+    return replace(cfg, rollout=replace(cfg.rollout, rewards=REWARDS[reward]))
 
 
 def _sft_policy(cfg: RunConfig, store: ObjectStore, data_uri: str) -> str:

@@ -37,8 +37,8 @@ def sample(length: int, reason: str) -> Sample:
 
 def test_reward_set_feeds_the_sample_facts_and_records_the_component():
     rewards = RewardSet.from_config([
-        RewardComponentConfig("exact_answer", 1.0),
-        RewardComponentConfig("overlong", 1.0, {"window": 4}),
+        RewardComponentConfig(name="exact_answer", weight=1.0),
+        RewardComponentConfig(name="overlong", weight=1.0, kwargs={"window": 4}),
     ])
     samples = [sample(3, "stop"), sample(7, "stop"), sample(8, "length")]
     scored = rewards.score(
@@ -54,7 +54,7 @@ def test_reward_set_feeds_the_sample_facts_and_records_the_component():
 
 def test_bad_overlong_kwargs_are_clear_errors():
     with pytest.raises(ValueError, match=r"rollout.rewards\[0\].kwargs=\{'windw': 4\}: do not fit"):
-        RewardSet.from_config([RewardComponentConfig("overlong", 1.0, {"windw": 4})])
+        RewardSet.from_config([RewardComponentConfig(name="overlong", weight=1.0, kwargs={"windw": 4})])
     fn = resolve_reward("overlong").fn
     with pytest.raises(ValueError, match="kwargs.window=30 must be in"):
         fn("x", "y", response_len=3, max_new_tokens=16, window=30)

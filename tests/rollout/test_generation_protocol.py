@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from forge_core.config import config_from_dict
+from forge_core.config import config_from_dict, replace
 from forge_core.rollout import EngineOptions, Generator, Prompt, prompts_from_table
 from forge_core.rollout.actor_engines import EngineActors
 from forge_core.rollout.protocol import EngineConnection, GenerationEngine
@@ -30,7 +30,7 @@ pytestmark = [
 
 ENGINE = EngineOptions(kv_cache_gib=1, max_num_seqs=64, in_process=True)
 SEED = 4
-GREEDY = dataclasses.replace(SAMPLING, group_size=1, temperature=0.0)
+GREEDY = replace(SAMPLING, group_size=1, temperature=0.0)
 # The in-process Generator; EngineRouter over two engine actors.
 KINDS = ("generator", "actors")
 

@@ -5,13 +5,13 @@ All tests share the session engine of conftest.py (one vLLM start-up for the who
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import pytest
 import torch
 import transformers
 
+from forge_core.config import replace
 from forge_core.config.schema import SamplingConfig
 from forge_core.rollout import Prompt, Sample, request_seed
 from tests.rollout.conftest import ENGINE_POLICY_VERSION, GROUP_SIZE, MAX_NEW_TOKENS, SAMPLING, write_policy
@@ -118,7 +118,7 @@ def test_logprob_parity_with_the_trainer(world, generator):
 
 def test_stop_strings_end_generation_and_stay_out_of_the_text(world, generator):
     digits = [str(d) for d in range(10)]
-    sampling = dataclasses.replace(SAMPLING, stop=digits)
+    sampling = replace(SAMPLING, stop=digits)
     samples = generator.generate(demo_prompts(world, 6), seed=2, sampling=sampling)
     tokenizer = transformers.AutoTokenizer.from_pretrained(world.policy_dir)
     stopped_on_string = [
@@ -136,7 +136,7 @@ def test_stop_strings_end_generation_and_stay_out_of_the_text(world, generator):
 
 
 def test_greedy_generation_matches_the_trainer_argmax(world, generator):
-    greedy = dataclasses.replace(SAMPLING, group_size=1, temperature=0.0)
+    greedy = replace(SAMPLING, group_size=1, temperature=0.0)
     samples = generator.generate(demo_prompts(world, 4), seed=0, sampling=greedy)
     for sample, logp in zip(samples, trainer_logprobs(world.policy_dir, samples)):
         assert sample.response_logprobs == pytest.approx(logp.tolist(), abs=1e-4)

@@ -17,7 +17,7 @@ REFS = [f"sample-{n}" for n in range(12)]
 
 
 def rewards(*components: tuple, workers: int = 1, timeout_s: float = 30.0) -> RewardSet:
-    configs = [RewardComponentConfig(name, weight, dict(kwargs)) for name, weight, kwargs in components]
+    configs = [RewardComponentConfig(name=name, weight=weight, kwargs=dict(kwargs)) for name, weight, kwargs in components]
     return RewardSet.from_config(configs, isolation=RewardIsolation(timeout_s=timeout_s, workers=workers))
 
 

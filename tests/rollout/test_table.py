@@ -52,7 +52,7 @@ LINEAGE = RolloutLineage(
 
 def build_table():
     rewards = RewardSet.from_config(
-        [RewardComponentConfig("exact_answer", 1.0), RewardComponentConfig("per_digit", 0.5)]
+        [RewardComponentConfig(name="exact_answer", weight=1.0), RewardComponentConfig(name="per_digit", weight=0.5)]
     )
     samples = hand_made_samples()
     scored = rewards.score(
