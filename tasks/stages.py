@@ -1,19 +1,12 @@
 """The Prefect task that runs any stage of the registry, named and described by its registry record.
 
-Each task: plan the stage (content-addressed output), return at once if that output is committed (a re-run
-after a failure resumes at the failed stage), otherwise write the spec, run the stage on the Ray cluster through
-its runner (forge_core.run.runners.runner_for: its own worker launch as a gang, the task's process with the
-run's engine actors, or the flow's trainer group), verify
-the committed output and publish UI artifacts. The typed RunConfig comes in as the flow validated it (a task
-parameter is an in-process object; the tasks cache nothing); only URIs go out, never tensors or tables.
-
-Retries: retryable failures (a rank killed, the stage's deadline, a lost node, transient storage) are
-retried with exponential backoff and jitter; fatal ones (bad config or data) fail at once with the worker's
-message. A retried SFT/GRPO stage resumes from its last committed in-stage checkpoint (the worker does that).
-
     from tasks import run_as_task, stage_task
     sft_uri = run_as_task(cfg, "sft", {"data": data_uri})        # inside a flow: a task run named train_sft
     future = stage_task(cfg, "rollout").submit(cfg, "rollout", inputs, {"iteration": 0, "policy_iteration": 0})
+
+Each task plans the stage, returns at once if its output is committed, else runs it through its runner, verifies
+the commit and publishes UI artifacts; only URIs go out. Retryable failures are retried with exponential
+backoff and jitter; fatal ones (bad config or data) fail at once with the worker's message.
 """
 
 from __future__ import annotations
@@ -53,11 +46,8 @@ class StageOutputMissing(RuntimeError):
 
 
 def is_retryable(task, task_run, state) -> bool:
-    """Prefect retry condition: the one classification (forge_core.launch.errors.classify_exception) of what
-    the task raised. A failed launch is retryable as the launcher classified it (`LaunchFailed.retryable`); an
-    exception of the task body itself (planning, the skip check, the spec, publishing, the trainer-job wait)
-    is classified the same way: a storage outage that outlasted storage.retry_horizon_s is retried, a config
-    error or access denied is not, and anything unclassified is not either."""
+    """Prefect retry condition: whether what the task raised is RETRYABLE by
+    forge_core.launch.errors.classify_exception (a failed launch as the launcher classified it)."""
     try:
         state.result()
     except Exception as failure:  # noqa: BLE001 - classified, never swallowed: Prefect keeps the failed state
@@ -134,19 +124,13 @@ def run_stage(
     params: dict | None = None,
     runner: Runner | None = None,
 ) -> str:
-    """Plan, skip-if-committed, take the output key's lease, run, verify. Returns the committed output URI.
+    """Plan, skip-if-committed, take the output key's lease, run, verify; returns the committed output URI.
+    `runner` defaults to the stage's own (forge_core.run.runners.runner_for).
 
-    `runner` runs the planned stage (spec written) and returns its LaunchResult; by default the stage's own
-    (forge_core.run.runners.runner_for): its own worker launch as a gang on the Ray cluster, this process
-    (rollout/evaluate with the run's engine actors) or, with a flow lifetime, the flow's trainer group (GRPO).
-
-    Two runs of one config at the same stage (two deployment runs, a retry next to a zombie): the first takes
-    the lease on the output key (forge_core.storage.lease) and computes; the other waits without holding pool
-    capacity until the output is committed (then returns it) or the lease goes stale (then computes). Each
-    attempt writes its own spec (`<output_uri>/_specs/<attempt>.json`). Whoever commits first owns the
-    artifact; an attempt that lost the commit race, or whose worker failed while another attempt committed,
-    returns the committed URI (artifacts are content-addressed: it is the same computation). A holder that
-    finds on renewal that it lost the lease cancels its own attempt, whichever runner runs it."""
+    Of two runs at the same stage, the first takes the output key's lease and computes; the other waits, holding
+    no pool capacity, until the output is committed (then returns it) or the lease goes stale (then computes).
+    An attempt that lost the commit race, or failed while another committed, returns the committed URI. A holder
+    that loses its lease cancels its attempt."""
     logger = get_run_logger()
     store = ObjectStore.from_config(cfg.storage)
     plan = plan_stage(cfg, store, stage, inputs=inputs, params=params)
@@ -236,12 +220,8 @@ def run_stage_task(cfg: RunConfig, stage: str, inputs: dict[str, str] | None = N
 
 
 def stage_task(cfg: RunConfig, stage: str) -> Task:
-    """The task that runs `stage`, as its registry record names and describes it (`Stage.task`,
-    `Stage.description`), with its retry budget `launch.<stage>.retries`.
-
-    Raises:
-        ValueError: `stage` is not registered.
-    """
+    """The task that runs `stage`, named and described by its registry record, with its retry budget
+    `launch.<stage>.retries`; ValueError when `stage` is not registered."""
     record = stage_named(stage)
     return run_stage_task.with_options(
         name=record.task, description=record.description, retries=cfg.launch.for_stage(stage).retries
@@ -249,6 +229,6 @@ def stage_task(cfg: RunConfig, stage: str) -> Task:
 
 
 def run_as_task(cfg: RunConfig, stage: str, inputs: dict[str, str], params: dict | None = None) -> str:
-    """Run `stage` as its task (`stage_task`) on `inputs` ({input name: committed URI}) and `params`; returns
-    its committed output URI. Inside a flow it is a task run of that flow."""
+    """Run `stage` as its task on `inputs` ({input name: committed URI}) and `params`; returns its committed
+    output URI. Inside a flow it is a task run of that flow."""
     return stage_task(cfg, stage)(cfg, stage, inputs, params)

@@ -2,10 +2,8 @@
 
     kind = committed_kind(store, uri, "policy", ("sft", "grpo"), "a committed sft or grpo artifact")
 
-Used by the worker scaffold for every input a stage names (forge_core.run.scaffold, from the stage registry)
-and by the policy artifact module for policies read outside a stage's inputs (a sampler, a parent's reference).
-Only a missing or unreadable manifest becomes this ValueError (fatal, naming the input); a transient storage
-error stays what it is (retryable).
+Only a missing or unreadable manifest becomes a ValueError (fatal, naming the input); a transient storage error
+propagates unchanged (retryable).
 """
 
 from __future__ import annotations

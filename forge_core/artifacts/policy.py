@@ -1,34 +1,24 @@
 """The policy artifact: the HF folder a training stage exports (`<stage>/policy`) and every later stage reads.
 
     policy_uri(store, stage_uri)                                     # <stage_uri>/policy
-    local = download_policy(store, stage_uri, workdir / "policy")    # verified copy (the trainers)
-    policy = fetch_policy(store, stage_uri)                          # verified, cached by manifest hash (vLLM)
-    export_policy_folder(store, uri, "./my-model")                   # verified copy for a user (forgeflow export)
+    local = download_policy(store, stage_uri, workdir / "policy")    # verified copy, uncached
+    policy = fetch_policy(store, stage_uri)                          # verified, cached by manifest hash
+    export_policy_folder(store, uri, "./my-model")                   # verified copy for a user
     policy.local_dir, policy.uri, policy.version, policy.manifest_sha256
 
-Layout: a training stage's artifact (`sft` or `grpo` kind, `forge_core.stages.policy_kinds()`) holds `policy/`, a
-nested committed artifact: safetensors weights, `config.json` and the tokenizer files. Which stage artifacts hold
-one, the check of that (`policy_kind`) and its messages live here and nowhere else.
+A training stage's artifact (kinds `forge_core.stages.policy_kinds()`) holds `policy/`, a nested committed
+artifact: safetensors weights, `config.json` and the tokenizer files. "Verified" means every file's size and
+sha256 are checked against that manifest.
 
-The policy version is what a generator serves and every rollout row records: a sha256 over the committed
-manifest's hashes of the weights (`*.safetensors`) and `config.json` (`weights_version`), so it is computed
-without reading the weights again, and two exports of the same weights (a retried stage) share it while any
-change of weights changes it.
+The policy version (`weights_version`) is what a generator serves and every rollout row records: computed from
+the manifest without reading the weights, shared by two exports of the same weights, changed by any change.
 
-vLLM loads from a local folder. The download goes through the artifact reader, which checks every file's size
-and sha256. Folders are kept under the policy cache, `$FORGE_POLICY_CACHE` (default: `policy-cache/` in the
-run folder `logging.dir`, which `make clean` removes; the stage logs where), named by the policy's manifest
-hash, so a stage that runs again on the same
-policy (a retry, an evaluation after a rollout) does not download it again. A folder becomes visible under its
-final name only once complete.
-
-The cache is bounded: at most `$FORGE_POLICY_CACHE_MAX_POLICIES` folders (default 8) and
-`$FORGE_POLICY_CACHE_MAX_GB` GB (default 50) in all. After each download the least recently used folders
-(last fetched or served) are removed until both bounds hold, except folders in use: a process using a cached
-policy holds a shared lock on `<cache>/<hash>.lock` (`fetch_policy` until `release_policy`; an engine actor
-for the policy it serves), and pruning removes a folder only under an exclusive lock, so never
-from under a reader. A download that finds the disk full prunes every unused folder, tries once more, then
-fails fatally naming the cache folder and these settings (a full disk is not worth a retry).
+The policy cache (`policy_cache_root`) keeps one folder per manifest hash, visible under its final name only
+once complete, bounded by `$FORGE_POLICY_CACHE_MAX_POLICIES` folders (default 8) and `$FORGE_POLICY_CACHE_MAX_GB`
+GB (default 50): after each download the least recently used folders are pruned until both bounds hold. A
+process using a cached folder holds a shared lock on `<cache>/<hash>.lock` and pruning needs an exclusive one,
+so a folder is never removed from under a reader. A download that finds the disk full prunes every unused
+folder, tries once more, then fails fatally (a full disk is not worth a retry).
 """
 
 from __future__ import annotations
@@ -87,10 +77,8 @@ class PolicyRef:
 
 
 def weights_version(manifest: Manifest, source: str = "policy") -> str:
-    """sha256 over the manifest's (name, size, sha256) of every `*.safetensors` file and `config.json`.
-
-    ValueError naming `source` when the manifest lists no weights (not an HF policy export).
-    """
+    """sha256 over the manifest's (name, size, sha256) of every `*.safetensors` file and `config.json`;
+    ValueError naming `source` when the manifest lists no weights (not an HF policy export)."""
     names = sorted(rel for rel in manifest.files if rel.endswith(WEIGHTS_SUFFIX) or rel == MODEL_CONFIG_FILE)
     if not any(rel.endswith(WEIGHTS_SUFFIX) for rel in names):
         raise ValueError(
@@ -108,8 +96,7 @@ POLICY_CACHE_DIR = "policy-cache"  # under the run folder (logging.dir), so `mak
 
 
 def policy_cache_root(run_dir: str | os.PathLike | None = None) -> Path:
-    """`$FORGE_POLICY_CACHE` when set, else `<run_dir>/policy-cache` (a stage passes `logging.dir`, which
-    `make clean` removes), else `~/.cache/forgeflow/policies`."""
+    """`$FORGE_POLICY_CACHE` when set, else `<run_dir>/policy-cache`, else `~/.cache/forgeflow/policies`."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     if run_dir is not None:
@@ -148,10 +135,8 @@ def _positive_setting(name: str, kind: type, default):
 
 
 class PolicyLease:
-    """A shared lock on a cached policy folder while this process uses it: pruning passes it by.
-
-    A folder outside the policy cache (no completion marker) needs none; the lease then holds nothing.
-    """
+    """A shared lock on a cached policy folder while this process uses it, so pruning skips the folder;
+    holds nothing for a folder outside the policy cache (no completion marker)."""
 
     def __init__(self, local_dir: str | os.PathLike, in_cache: bool = False) -> None:
         self.local_dir = Path(local_dir).absolute()
@@ -193,10 +178,8 @@ def _lock_path(local_dir: Path) -> Path:
 
 
 def _lock(path: Path, mode: int) -> int | None:
-    """A descriptor of `path` holding flock `mode` (None when LOCK_NB and someone holds a conflicting lock).
-
-    Checks after locking that the path still names the locked file: a pruner may have unlinked it meanwhile.
-    """
+    """A descriptor of `path` holding flock `mode` (None when LOCK_NB and someone holds a conflicting lock);
+    re-opens when a pruner unlinked the path while we waited for the lock."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -216,10 +199,8 @@ def _lock(path: Path, mode: int) -> int | None:
 def prune_policy_cache(
     root: Path | None = None, bounds: CacheBounds | None = None, keep: Path | None = None
 ) -> list[Path]:
-    """Remove least recently used policy folders until `bounds` hold; never `keep` nor a folder in use.
-
-    Returns the folders removed. Called after every download; safe to call from any process at any time.
-    """
+    """Remove least recently used policy folders until `bounds` hold, never `keep` nor a folder in use;
+    returns the folders removed. Safe to call from any process at any time."""
     root = root or policy_cache_root()
     bounds = bounds or CacheBounds.from_environment()
     _clear_stale_leftovers(root)
@@ -295,8 +276,8 @@ def _policy_manifest(store: ObjectStore, stage_uri: str, input_name: str) -> tup
 
 
 def download_policy(store: ObjectStore, stage_uri: str, local_dir: str | Path, input_name: str = "policy") -> Path:
-    """Verified copy of `<stage_uri>/policy/` into `local_dir` (an HF folder vLLM and the engine can load),
-    uncached: what a training stage starts from."""
+    """Verified, uncached copy of `<stage_uri>/policy/` into `local_dir`; ValueError naming `inputs.<input_name>`
+    when it cannot be read."""
     uri = policy_uri(store, stage_uri)
     try:
         return store.reader(uri).download_dir("", local_dir)
@@ -305,21 +286,19 @@ def download_policy(store: ObjectStore, stage_uri: str, local_dir: str | Path, i
 
 
 def export_policy_folder(store: ObjectStore, uri: str, target: str | os.PathLike) -> str:
-    """Verified copy of a committed policy into `target`, a plain HF folder (weights, config, tokenizer) that
-    transformers and vLLM load: every file is checked against the policy's manifest (size and sha256) before
-    `target` appears, so a refused copy leaves nothing there.
+    """Verified copy of a committed policy into `target`, a plain HF folder that appears only once every file
+    is verified (a refused copy leaves nothing there).
 
     Args:
-        uri: a policy artifact (`<stage_uri>/policy`, what a run prints as its final policy) or the committed
-            `sft` / `grpo` stage artifact that holds one.
+        uri: a policy artifact (`<stage_uri>/policy`) or the committed `sft` / `grpo` artifact holding one.
         target: a folder that does not exist yet or is empty (created with its parents).
 
     Returns:
         The URI of the policy artifact copied.
 
     Raises:
-        ValueError: `target` is not an empty folder; `uri` is not committed, holds no policy, or a file of the
-            policy does not match its manifest (named, with the fix).
+        ValueError: `target` is not an empty folder; `uri` is not committed or holds no policy; a file of the
+            policy does not match its manifest.
     """
     target = Path(target).expanduser().absolute()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -361,8 +340,8 @@ def _committed_policy_uri(store: ObjectStore, uri: str) -> str:
 
 
 def policy_ref(store: ObjectStore, stage_uri: str, input_name: str = "policy") -> PolicyRef:
-    """`<stage_uri>/policy` as `fetch_policy` names it, without a local copy (what a stage needs that only asks
-    engines to serve it); ValueError as `fetch_policy` when it is not a committed policy."""
+    """`<stage_uri>/policy` as `fetch_policy` names it, without a local copy; ValueError as `fetch_policy` when
+    it is not a committed policy."""
     policy_kind(store, stage_uri, input_name)
     manifest_bytes, manifest = _policy_manifest(store, stage_uri, input_name)
     return PolicyRef(
@@ -381,12 +360,9 @@ def committed_policy_version(store: ObjectStore, stage_uri: str, input_name: str
 def fetch_policy(
     store: ObjectStore, stage_uri: str, input_name: str = "policy", cache_root: Path | None = None
 ) -> PolicyRef:
-    """The verified local copy of `<stage_uri>/policy` (see module docstring), leased to this process (the
-    cache does not prune it) until `release_policy`.
-
-    ValueError naming `inputs.<input_name>` when the stage artifact or its policy is missing, uncommitted,
-    of the wrong kind or corrupted, or when the cache's disk is full.
-    """
+    """The verified, cached local copy of `<stage_uri>/policy`, leased to this process until `release_policy`;
+    ValueError naming `inputs.<input_name>` when the stage artifact or its policy is missing, uncommitted, of
+    the wrong kind or corrupted, or when the cache's disk is full."""
     policy_kind(store, stage_uri, input_name)
     manifest_bytes, manifest = _policy_manifest(store, stage_uri, input_name)
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()  # == store.manifest_sha256(its uri)

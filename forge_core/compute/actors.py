@@ -1,24 +1,19 @@
 """Long-lived objects hosted on nodes of a pool: the run's engines, its trainer ranks.
 
     host = Hosted.start(cluster, HostRequest(pool="gpu-a", gpus=1), MyObject, args, wait_s=60, name="trainer")
-    call = host.stream("run", spec_uri)          # the object's run(spec_uri, log=...) on its node
-    call.wait(1.0)                               # its return value once done, None while it runs
+    call = host.stream("run", spec_uri, log_sink=print)   # the object's run(spec_uri, log=...) on its node
+    call.wait(1.0)                               # (True, its return value) once done, (False, None) while it runs
     host.call("stop_order", "deadline")          # another method, while `run` still runs
     host.lost()                                  # why the host is gone (its actor or node died), None while alive
-    host.close()                                 # the object's close(), then the actor and its group end
+    host.close(10)                               # the object's close(), then the actor and its group end
 
     group = HostGroup.reserve(cluster, HostRequest("gpu-a", gpus=1), nodes=2, per_node=2, wait_s=60, name="engines")
     hosts = [group.host(k, MyObject, args, f"engine-{k}") for k in range(4)]   # two on each of two nodes
     ...; [h.close(10) for h in hosts]; group.close()
 
-A host is a Ray actor in a bundle of a placement group on a node of the pool (the bundle holds the GPUs the
-object's work needs; Ray sets the actor's CUDA_VISIBLE_DEVICES to them), owned by the process that started it:
-Ray ends it when that process dies. The object is built on the node from an importable class and arguments
-(its constructor's exception reaches the caller as itself; a restarted actor builds it again at its first call);
-`stream` calls a method that takes a `log` keyword (a callable that takes one line) and sends its lines back
-while it runs; `call` calls a method and returns its value (the method's own exception when it raised,
-HostLost when the actor or its node died). Methods run on the actor's threads, so `call` works while a
-`stream` is in progress.
+A host is a Ray actor in a placement-group bundle holding the object's GPUs; Ray ends it when the process that
+started it dies. The object is built on the node from an importable class; `stream` needs a method taking a
+`log` keyword (a one-line callable). Methods run on the actor's threads, so `call` works during a `stream`.
 """
 
 from __future__ import annotations
@@ -71,8 +66,7 @@ class _Host:
     @property
     def _object(self) -> Any:
         # Built at the first call, not in __init__: Ray keeps only the text of an error raised while an actor is
-        # created (ActorDiedError), while a call's error reaches the caller as itself (a user's ValueError stays
-        # fatal). A restarted actor builds its object again at its first call.
+        # created, while a call's error reaches the caller as itself (a user's ValueError stays fatal).
         if self._built is None:
             self._built = self._factory(*self._args)
         return self._built
@@ -159,10 +153,9 @@ class HostLost(RetryableStageError):
 
 
 class HostGroup:
-    """Room for hosted objects on `nodes` nodes of a pool: one placement group whose bundle per node holds
-    `per_node` objects' resources (STRICT_SPREAD: every bundle on a node of its own). Object `k` goes into bundle
-    `k // per_node`. Ray re-places the bundles of a dead node on a live node of the pool when it can, so a
-    replacement object can be hosted in the same slot."""
+    """Room for hosted objects on `nodes` nodes of a pool: one placement group, one bundle per node (STRICT_SPREAD)
+    holding `per_node` objects' resources; object `k` goes into bundle `k // per_node`. Ray re-places a dead
+    node's bundles on a live node when it can, so a replacement can be hosted in the same slot."""
 
     def __init__(self, group, request: HostRequest, per_node: int, name: str) -> None:
         self.group = group
@@ -174,8 +167,7 @@ class HostGroup:
     def reserve(
         cls, cluster: ComputeCluster, request: HostRequest, nodes: int, per_node: int, wait_s: float, name: str
     ) -> HostGroup:
-        """Reserve the group; PlacementUnavailable (naming what was asked and what the pool has) when the cluster
-        cannot give it within `wait_s`."""
+        """Reserve the group; PlacementUnavailable when the cluster cannot give it within `wait_s`."""
         selector = [{POOL_LABEL: request.pool}] * nodes if request.pool else None
         bundle = {key: value * per_node for key, value in request.bundle().items()}
         group = placement_group(
@@ -198,10 +190,9 @@ class HostGroup:
     def host(
         self, index: int, factory: type, args: tuple, name: str, restarts: int = 0, env: Mapping[str, str] | None = None
     ) -> Hosted:
-        """Build `factory(*args)` in slot `index` (module docstring); the object's exception when it fails.
-        `restarts`: how often Ray builds it again, in its slot, after its process or node died (`Hosted.revive`
-        waits for that). `env` is set in the object's process before it is built; the process is tuned as
-        forge_core.compute.tuning says (the objects of a bundle share its node's CPUs)."""
+        """Build `factory(*args)` in slot `index`; raises the constructor's exception when it fails.
+        `restarts`: how often Ray rebuilds it in its slot after its process or node died (see `Hosted.revive`).
+        `env` is set in the object's process before it is built."""
         actor = _Host.options(
             max_restarts=restarts,
             runtime_env={"env_vars": process_start_environment()},
@@ -238,9 +229,9 @@ def _get(ref, name: str, timeout: float | None = None) -> Any:
 
 
 def call_all(actors: list, method: str, args: list[tuple], names: list[str], timeout_s: float) -> list:
-    """`method(*args[k])` of the object hosted by each `actors[k]` (Hosted.actor), all at once, from any process
-    (a hosted object may call others); their values in order. The first method's own exception as itself;
-    TimeoutError naming `names` of those not done within `timeout_s`; HostLost when an actor or its node died."""
+    """`method(*args[k])` on each `actors[k]` (Hosted.actor) at once, from any process; their values in order.
+    Raises the first method's own exception, TimeoutError naming the calls not done within `timeout_s`, or
+    HostLost when an actor or its node died."""
     refs = [actor.call.remote(method, *arguments) for actor, arguments in zip(actors, args, strict=True)]
     try:
         return _get(refs, ", ".join(names), timeout_s)
@@ -273,11 +264,8 @@ class Hosted:
         wait_s: float,
         name: str,
     ) -> Hosted:
-        """Place and build the object in a group of its own, which it closes (module docstring).
-
-        Raises:
-            PlacementUnavailable: no node of the pool had the resources within `wait_s`.
-        """
+        """Place and build the object in a group of its own, which `close` removes; PlacementUnavailable when no
+        node of the pool had the resources within `wait_s`."""
         group = HostGroup.reserve(cluster, request, nodes=1, per_node=1, wait_s=wait_s, name=name)
         try:
             hosted = group.host(0, factory, args, name)
@@ -291,8 +279,7 @@ class Hosted:
         return StreamCall(self, method, args, log_sink)
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """The object's `method(*args)`: its value, its own exception, or HostLost (marked lost) when the actor
-        or its node died."""
+        """The object's `method(*args)`; HostLost (and marked lost) when the actor or its node died."""
         try:
             return _get(self.actor.call.remote(method, *args), self.name, timeout)
         except HostLost as exc:
@@ -300,12 +287,9 @@ class Hosted:
             raise
 
     def revive(self, timeout_s: float) -> NodePlace:
-        """Wait until Ray has built a lost object again (see HostGroup.host's `restarts`) and return where it runs
-        now; HostLost when it will not be (no restarts left) or is not within `timeout_s`.
-
-        Until the cluster has declared the dead node dead (its health checks, seconds), every call is refused as
-        "temporarily unavailable"; each refusal ends one try, so this retries until Ray has rescheduled the slot
-        on a live node of the pool and restarted the object there."""
+        """Wait until Ray has rebuilt a lost object (HostGroup.host's `restarts`); where it runs now. HostLost when
+        no restarts are left or it is not back within `timeout_s`. Retries while calls are refused as "temporarily
+        unavailable", which lasts until the cluster declares the dead node dead."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()

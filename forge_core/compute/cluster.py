@@ -3,33 +3,18 @@
     cluster = connect(None)                      # embedded: loopback only, token auth, no dashboard
     cluster = connect("auto")                    # join the cluster this host belongs to (`ray start` ran here)
     cluster = connect("ray://head:10001")        # join through Ray Client
-    cluster.pool_nodes("gpu-a")                  # live nodes labelled forgeflow.pool=gpu-a
+    cluster.pool_nodes("gpu-a")                  # live nodes labelled forgeflow.pool=gpu-a (`ray start --labels`)
     cluster.close()                              # shuts the embedded Ray down; a joined one only disconnects
 
-A pool is a set of Ray nodes carrying the label `forgeflow.pool=<pool>` (`ray start --labels
-forgeflow.pool=gpu-a`, or `labels` of a `ray.cluster_utils.Cluster` node in tests).
+The embedded cluster is hardened for a shared host:
+- Loopback only: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` makes every Ray listener bind 127.0.0.1, which
+  `_node_ip_address` alone does not (`listeners_beyond_loopback` checks the sockets).
+- Token auth: a fresh token in a private file (0600 in a 0700 folder), not Ray's umask-mode ~/.ray/auth_token.
+- No dashboard unless `dashboard=True`; workers at normal priority (`RAY_worker_niceness=0`).
+It is started on a thread that lives until `close()`: Ray's head processes get Linux's parent-death signal,
+which fires when the forking *thread* ends, and a stage may first need the cluster on a short-lived thread.
 
-Security settings of the embedded cluster, each because Ray's defaults are not enough on a shared host:
-- Loopback only. Ray resolves a given `_node_ip_address=127.0.0.1` to the host's interface address and its gRPC
-  servers (GCS, raylet, object manager, workers) listen on every interface. With
-  `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` Ray runs as a single-host instance: its node address is 127.0.0.1 and
-  every listener binds 127.0.0.1 (`listeners_beyond_loopback` checks this from the sockets themselves).
-- Token authentication (`RAY_AUTH_MODE=token`). Ray's own default token file (~/.ray/auth_token) is created with
-  the umask's mode; the embedded cluster instead gets a fresh random token in a private file (0600, in a 0700
-  folder) named by `RAY_AUTH_TOKEN_PATH`, which every Ray process started here inherits. A client without it
-  is refused by every Ray server.
-- No dashboard unless asked (`dashboard=True`).
-
-Its workers run at the priority of the flow (`RAY_worker_niceness=0`): Ray starts workers at niceness 15, below
-every other process of the host, and a rank that the flow process or the Prefect API preempts stalls its whole
-group at the next collective (forge_core.compute.tuning does the same on a joined cluster's nodes).
-
-The embedded cluster is started on a thread of its own that lives until `close()`: Ray forks its head processes
-(GCS, raylet, ...) with Linux's parent-death signal, which fires when the forking *thread* ends, and a flow may
-first need the cluster on a short-lived thread (a stage's own).
-
-Joining a cluster uses the caller's environment as Ray documents it (`RAY_AUTH_MODE`, `RAY_AUTH_TOKEN` or
-`RAY_AUTH_TOKEN_PATH`); token mode is switched on when the caller did not choose a mode.
+Joining uses the caller's Ray auth environment; token mode is switched on when the caller chose no mode.
 """
 
 from __future__ import annotations
@@ -102,8 +87,7 @@ class ComputeCluster:
         return [node for node in self.nodes() if node.pool == pool]
 
     def describe_pool(self, pool: str | None) -> str:
-        """What the cluster has for `pool` (every node when None), for messages: its nodes with their CPUs and
-        GPUs, or the pools there are."""
+        """For messages: the live nodes of `pool` (every node when None) with their CPUs and GPUs, or the pools."""
         nodes = self.pool_nodes(pool) if pool else self.nodes()
         if not nodes:
             pools = sorted({n.pool for n in self.nodes() if n.pool})
@@ -150,19 +134,15 @@ def private_token_file(folder: Path | None = None) -> Path:
 
 
 def embedded_environment(token_path: Path) -> dict[str, str]:
-    """The variables that make a Ray started from this process loopback-only and token-authenticated, with its
-    workers at normal priority."""
+    """Variables that make a Ray started here loopback-only, token-authenticated, workers at normal priority."""
     return {LOCAL_ONLY_ENV: "0", AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path), NICENESS_ENV: "0"}
 
 
 def apply_environment(env: dict[str, str]) -> None:
     """Set Ray's variables for this process and the Ray processes it starts.
 
-    Ray reads them once: RAY_AUTH_MODE into a cached C++ config, the token into a cached token loader, the
-    local-only switch into `ray_constants.ENABLE_RAY_CLUSTER`. In a process that imported Ray earlier all three
-    are read again here (the config and the token as Ray's own test utilities reset them), so that the change
-    holds for this process as well as for the ones it starts: a process that joined one cluster can then start
-    an embedded one with a token of its own.
+    Ray caches all three (C++ config, token loader, `ray_constants.ENABLE_RAY_CLUSTER`); when Ray is already
+    imported they are reloaded here, so a process that joined one cluster can start an embedded one.
     """
     os.environ.update(env)
     import sys
@@ -184,16 +164,11 @@ def connect(
     dashboard: bool = False,
     labels: dict[str, str] | None = None,
 ) -> ComputeCluster:
-    """Start the embedded Ray (`address` None) or join the cluster at `address` (`auto`, `host:port`,
-    `ray://host:port`); see the module docstring for the settings.
+    """Start the embedded Ray (`address` None) or join the cluster at `address` (what `ray.init` takes).
 
-    Args:
-        address: None for the embedded cluster, else what `ray.init(address=...)` takes.
-        num_cpus, num_gpus, labels: the embedded node's resources and labels (Ray's own detection when None).
-        dashboard: start Ray's dashboard with the embedded cluster (on 127.0.0.1).
-
-    A process already connected to a cluster keeps that connection: the result then only describes it
-    (`owned` False: its close() leaves it open).
+    `num_cpus`, `num_gpus`, `labels`: the embedded node's (Ray's own detection when None); `dashboard`: start
+    Ray's dashboard on 127.0.0.1. A process already connected keeps that connection: the result then has
+    `owned` False and its close() leaves it open.
     """
     import ray
 
@@ -219,8 +194,8 @@ def connect(
 
 
 def _on_a_thread_of_its_own(start: Callable[[], ComputeCluster]) -> ComputeCluster:
-    """`start()` on a new thread that then waits for the cluster's close (module docstring); its exception is
-    raised here. Off the main thread `ray.init` also leaves the process's signal handlers alone."""
+    """`start()` on a new thread that waits for the cluster's close; its exception is raised here. Off the main
+    thread `ray.init` also leaves the process's signal handlers alone."""
     ready, released = threading.Event(), threading.Event()
     outcome: dict = {}
 
@@ -245,7 +220,7 @@ def _on_a_thread_of_its_own(start: Callable[[], ComputeCluster]) -> ComputeClust
 @contextlib.contextmanager
 def _sigterm_handler_kept() -> Iterator[None]:
     """Keep this process's SIGTERM handler across `ray.init`, which replaces it (on the main thread) with one that
-    only exits: the flow's own handler ends the run's launches first, then calls the one before it (Prefect's)."""
+    only exits and so would skip the flow's handler that ends the run's launches."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

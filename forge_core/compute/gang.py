@@ -1,27 +1,17 @@
 """A gang: one stage attempt as a Ray placement group with a node agent per bundle, each running the launcher.
 
-    gang = Gang(GangRequest(pool="gpu-a", nnodes=2, gpus_per_node=1), spec, log, wait_s=60)
+    gang = Gang(cluster, GangRequest(pool="gpu-a", nnodes=2, gpus_per_node=1), spec, log, wait_s=60)
     gang.start()                         # waits for the placement group, then starts torchrun on every node
     result = gang.wait(timeout=1.0)      # LaunchResult once every node ended, None while it runs
     gang.stop("deadline")                # ends every node's launch and returns the combined result
-    gang.placement                       # node rank -> Ray node id, address, GPU ids
+    gang.placement                       # per node rank: Ray node id, address, GPU ids
 
-- Placement: `nnodes` bundles of `gpus_per_node` GPUs and `cpus_per_node` CPUs, STRICT_SPREAD (one bundle per
-  node, all or nothing), each on a node labelled `forgeflow.pool=<pool>`. While it waits, the log says every
-  PLACEMENT_WAIT_REPORT_S what for and what the pool has; a `stop` meanwhile ends the attempt CANCELLED. A group not ready
-  within `wait_s` is removed and the attempt fails with `PlacementUnavailable` (retryable: capacity may free
-  up), naming what the stage asked and what the pool has.
-- Launch: the agent of bundle k (a Ray actor holding that bundle's GPUs; Ray sets their CUDA_VISIBLE_DEVICES)
-  runs `forge_core.launch.start` with the attempt's LaunchSpec, node k's part of one c10d rendezvous (node 0's
-  agent hosts it on a free port of its node) and what `node_env(placement, k)` adds to its environment; the
-  node's ranks share its CPUs (forge_core.compute.tuning). The agent process is the launch's owner, so its
-  ranks end by themselves when it dies (forge_core.launch.owner).
-- Results, log lines and failures come back through Ray: each agent's `run` is a streaming generator of log
-  batches ending with its LaunchResult; nothing is pickled over a socket of ours.
-- Failure: an agent or its node lost (ActorDiedError and kin) ends the attempt on every node and makes it
-  RETRYABLE, naming the node; otherwise the nodes' failures that were not caused by another node decide
-  (FATAL over RETRYABLE over CANCELLED). `stop` and the end of the attempt kill the agents and remove the
-  placement group, so nothing of the attempt outlives it.
+- Placement: `nnodes` bundles, one per node (STRICT_SPREAD), all or nothing. A `stop` while waiting ends the
+  attempt CANCELLED; not ready within `wait_s`, it fails with the retryable `PlacementUnavailable`.
+- Launch: node k's agent (a Ray actor holding its bundle's GPUs) owns node k's launch, so its ranks end when it
+  dies; node 0 hosts the c10d rendezvous. Log lines and the LaunchResult come back through Ray.
+- Failure: a lost agent or node ends the attempt on every node, RETRYABLE; otherwise the failures not caused by
+  another node decide (FATAL over RETRYABLE over CANCELLED). Nothing of the attempt outlives it.
 """
 
 from __future__ import annotations
@@ -58,8 +48,7 @@ class PlacementUnavailable(RetryableStageError):
 
 @dataclass(frozen=True)
 class GangRequest:
-    """What one attempt asks of the cluster: `nnodes` nodes of `pool` (any node when None), each with these
-    resources."""
+    """What one attempt asks: `nnodes` nodes of `pool` (any node when None), each with these resources."""
 
     pool: str | None
     nnodes: int = 1
@@ -203,11 +192,7 @@ class Gang:
         return [node.place for node in self.nodes]
 
     def start(self) -> None:
-        """Place the attempt and start every node's launch.
-
-        Raises:
-            PlacementUnavailable: the placement group was not ready within `wait_s`.
-        """
+        """Place the attempt and start every node's launch; PlacementUnavailable when not placed within `wait_s`."""
         request = self.request
         self._pg = placement_group(
             request.bundles(),
@@ -239,12 +224,8 @@ class Gang:
             node.relay.start()
 
     def _wait_for_placement(self) -> bool:
-        """True once the placement group is ready; False when the attempt was stopped meanwhile (its result is
-        then CANCELLED). What it waits for is logged every PLACEMENT_WAIT_REPORT_S.
-
-        Raises:
-            PlacementUnavailable: the group was not ready within `wait_s`.
-        """
+        """True once the placement group is ready; False when the attempt was stopped meanwhile (result CANCELLED);
+        PlacementUnavailable when not ready within `wait_s`."""
         request, ready_ref = self.request, self._pg.ready()
         started = time.monotonic()
         reported = started
@@ -325,7 +306,7 @@ class Gang:
             self._stop_nodes(f"{node.label()} was lost")
 
     def wait(self, timeout: float) -> LaunchResult | None:
-        """The combined result once every node ended (the module docstring), None while the attempt runs."""
+        """The combined result once every node ended, None while the attempt runs."""
         if self.result is not None:
             return self.result
         deadline = time.monotonic() + timeout

@@ -1,24 +1,15 @@
 """How the processes a stage runs on a node are tuned: their threads, priority and memory allocator.
 
-Threads. Ray sets OMP_NUM_THREADS=1 in an actor that holds no CPUs of its own. Ours hold theirs through their
-placement group's bundle, so that default would leave a trainer rank or an engine one core of a many-core node,
-and simply lifting it would let every process on the node take every core. Each of our processes instead takes
-an even share of the cores it may use among the processes of its kind on its node: `sharing` ranks of one
-launch, trainer ranks or engines (on a node with as many cores as ranks, torchrun's one thread per rank). A flow
-that sets OMP_NUM_THREADS itself (to split a node between an engine and a trainer that run at the same time,
-say) hands its setting down, and that setting wins.
+Threads. Ray sets OMP_NUM_THREADS=1 in an actor that holds no CPUs of its own; ours hold theirs through their
+placement-group bundle, so each process instead takes an even share of its usable cores among the `sharing`
+processes of its kind on its node. A flow that sets OMP_NUM_THREADS itself hands it down, and it wins.
 
-Priority. Ray starts its workers at niceness 15 (`RAY_worker_niceness`), below every other process of the node;
-a rank that any other process preempts stalls its whole group at the next collective. Our processes go back to
-normal priority where the node lets them; where it does not, the warning names the fix (start the node's Ray
-with `RAY_worker_niceness=0`, as the embedded cluster does).
+Priority. Ray starts workers at niceness 15, where a preempted rank stalls its whole group at the next
+collective; processes go back to normal priority where allowed, else a warning names the fix.
 
-Allocator. A hosted object works on threads of its own (an actor's main thread is Ray's), and glibc gives each
-thread an arena of its own whose heaps it trims back to the system, so a trainer rank faulted its per-step
-buffers in afresh at every step (bench/grpo_iteration measures the difference). Our processes start with one
-arena (`MALLOC_ARENA_MAX=1`) unless the flow sets MALLOC_ARENA_MAX itself. glibc reads it once, at the start of
-a process, so it travels in the variables a process starts with (`process_start_environment`): a launch's, and
-a hosted object's Ray runtime environment.
+Allocator. glibc's per-thread arenas trim their heaps, so a hosted object's threads would fault per-step buffers
+in afresh every step: processes start with `MALLOC_ARENA_MAX=1` unless the flow sets it (read only at process
+start, so it travels in `process_start_environment`).
 """
 
 from __future__ import annotations
@@ -38,8 +29,7 @@ def flow_thread_setting() -> dict[str, str]:
 
 
 def process_start_environment() -> dict[str, str]:
-    """The variables a stage's process must have from its start: its malloc arenas and the flow's thread
-    setting (module docstring)."""
+    """The variables a stage's process must have from its start: malloc arenas and the flow's thread setting."""
     return {ARENAS_ENV: os.environ.get(ARENAS_ENV) or "1", **flow_thread_setting()}
 
 
@@ -49,8 +39,7 @@ def core_share(sharing: int) -> int:
 
 
 def take_cpu_share(sharing: int, handed: Mapping[str, str]) -> str | None:
-    """Settle this process (and what it starts) on its node: threads as the module docstring says (set in
-    OMP_NUM_THREADS, and in torch when torch is loaded), normal priority.
+    """Set this process's thread share (OMP_NUM_THREADS, and torch's when loaded) and normal priority.
 
     Returns:
         A warning when the process runs below normal priority and may not change that, else None.

@@ -128,11 +128,8 @@ def torchrun_rank_errors(
     last_exception: dict[int, tuple[str, str]],
     first_global_rank: int,
 ) -> dict[int, RankError]:
-    """Per-rank errors of a torchrun launch from the error files under its --log-dir and its summary.
-
-    `first_global_rank` (node_rank * nproc_per_node) maps a local rank to a global one only when neither
-    the error file nor the summary says which global rank it was.
-    """
+    """Per-rank errors of a torchrun launch from the error files under its --log-dir and its summary;
+    `first_global_rank` (node_rank * nproc_per_node) maps a local rank to a global one where neither says."""
     entries = {e.rank: e for e in parse_failure_summary(summary_lines)}
     rank_of_file = {os.path.realpath(e.error_file): e.rank for e in entries.values() if e.error_file}
     errors: dict[int, RankError] = {}
@@ -200,9 +197,8 @@ def decide_failure(rank_errors: dict[int, RankError], fallback: str) -> Decision
 def exception_result(
     where: str, error: BaseException, duration_s: float, launch_id: str = ""
 ) -> LaunchResult:
-    """The LaunchResult of a stage that raised `error` in this process rather than in a launched worker (the
-    in-process runner, the trainer job's wait loop): classified by `classify_exception` exactly as a lone
-    rank's error file would be (unclassified is FATAL), with its message, fix and traceback tail."""
+    """The LaunchResult of `error` raised in this process rather than in a launched worker: classified as a
+    lone rank's error file would be (unclassified is FATAL), with its message, fix and traceback tail."""
     found = classify_exception(error)
     retryable = found.category is Category.RETRYABLE
     summary = found.explain(f"{type(error).__name__}: {error}")

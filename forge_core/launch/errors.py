@@ -1,21 +1,19 @@
 """The one classification of a failure, exception types workers raise, and `record_errors`.
 
-`classify_exception(exc)` is the only place that decides whether a failure is worth a retry. Everyone asks
-it: a worker rank when it records its exception (`record_errors`, so facts of the instance such as an
-`errno` count, not just its class), the launcher for error files that carry no recorded category
-(forge_core.launch.classify), the in-process stage runner (forge_core.run.in_process), the trainer
-group (forge_core.run.trainer_group) and the stage tasks' retry condition (tasks/stages.py). It returns a
-`Classification`: a `Category` and, for a fatal failure a retry cannot fix, the `fix` the user has to make.
+`classify_exception(exc)` is the only place that decides whether a failure is worth a retry. A worker rank
+classifies its own exception when it records it (`record_errors`), so facts of the instance such as an
+`errno` count, not just its class. It returns a `Classification`: a `Category` and, for a fatal failure a
+retry cannot fix, the `fix` the user has to make.
 
 Rules, first match wins (an exception that matches none is classified by its `__cause__`, if any):
 
 1. the exception says so itself: a bool `retryable` attribute (`StorageUnavailable`, `LeaseLost`,
-   `LaunchFailed` of a retryable or fatal launch);
+   `LaunchFailed`);
 2. fatal with a fix: access denied or a missing bucket (`StorageAccessError`, `PermissionError`, EACCES,
-   EPERM), a committed artifact that fails verification or is missing (`ArtifactCorrupted`,
-   `ArtifactNotCommitted`: a stage's input; a corrupt in-stage checkpoint never gets here, the checkpointer
-   falls back to an older one), a full disk or quota (ENOSPC, EDQUOT), a read-only file system (EROFS), and
-   out of memory (`torch.OutOfMemoryError`, `MemoryError`: the same settings run out of memory again);
+   EPERM), a committed input artifact that fails verification or is missing (`ArtifactCorrupted`,
+   `ArtifactNotCommitted`), a full disk or quota (ENOSPC, EDQUOT), a read-only file system (EROFS), a missing
+   path or one of the wrong kind (ENOENT, EISDIR, ENOTDIR), and out of memory (`torch.OutOfMemoryError`,
+   `MemoryError`: the same settings run out of memory again);
 3. retryable: a collective that timed out (gloo's and NCCL's plain RuntimeErrors: a peer rank hung or
    died) and transient storage/network errors (forge_core.storage.retry.is_transient);
 4. the class hierarchy (MRO), most specific class first, against `FATAL_TYPES` and `RETRYABLE_TYPES`;
@@ -163,11 +161,9 @@ def exception_mro(exc: BaseException) -> list[str]:
 
 
 def classify_exception(exc: BaseException) -> Classification:
-    """The one classification of a failure (see the module docstring for the rules).
-
-    The first exception of the `__cause__` chain that is not unclassified decides; a fatal one without a
-    fix of its own takes the first fix further down (a stage's `ValueError("inputs.data=...: cannot read")`
-    raised from `ArtifactCorrupted` gets the corrupted artifact's fix)."""
+    """The one classification of a failure (module docstring). The first exception of the `__cause__` chain
+    that is not unclassified decides; a fatal one without a fix of its own takes the first fix further down
+    (a `ValueError` raised from `ArtifactCorrupted` gets the corrupted artifact's fix)."""
     chain = _cause_chain(exc)
     for index, current in enumerate(chain):
         found = _classify_one(current)
@@ -312,12 +308,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def record_errors(fn: _F) -> _F:
-    """Decorate a worker's `main` so an exception lands in the rank's error file.
-
-    This is torch's `torch.distributed.elastic.multiprocessing.errors.record` (same file format, same
-    behaviour) with a handler that also stores the rank, the exception's class hierarchy and its
-    classification (category and fix, computed here from the instance), which the launcher reads.
-    """
+    """Decorate a worker's `main` so an exception lands in the rank's error file: torch's `record` (same
+    file format), also storing the rank, the exception's class hierarchy and its classification."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(fn, error_handler=_classification_recording_handler())

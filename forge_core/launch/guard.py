@@ -1,10 +1,9 @@
 """What a launched worker runs first: end its whole launch once the launch's owner is gone.
 
-    guard_launched_worker()      # forge_core.run.__main__, first thing in every stage worker rank
+    guard_launched_worker()      # first thing in every stage worker rank
 
-The owner and its watchdog are forge_core.launch.owner (the module docstring there has the picture); this module
-adds the launch's process tree (forge_core.launch.process_tree), which itself sits above owner.py: a launch spec
-names its owner.
+The owner and its watchdog are in forge_core.launch.owner; this module adds ending the launch's processes,
+kept apart because process_tree sits above owner.py (a launch spec names its owner).
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ def end_this_launch(owner: Owner) -> None:
 
 
 def guard_launched_worker() -> list[Owner]:
-    """What a launched worker runs first (forge_core.run): end the launch when one of its owners is gone (module
-    docstring). Returns the owners watched, none when the process was not launched by forge_core.launch."""
+    """End the launch when one of its owners is gone, now or later; returns the owners watched (none when the
+    process was not launched by forge_core.launch)."""
     owners = owners_from_environment()
     for owner in owners:
         if not owner.alive():

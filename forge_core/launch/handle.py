@@ -44,11 +44,8 @@ class _Stop:
 
 
 class LaunchHandle:
-    """A running launch. `wait()` for its `LaunchResult`, `cancel()` it from any thread, `pids()` to inspect.
-
-    Created by `start(spec, log)`; a supervisor thread enforces the deadline, watches for cancellation,
-    ends the whole process tree and classifies the outcome.
-    """
+    """A running launch, created by `start`: `wait()` for its `LaunchResult`, `cancel()` it from any thread,
+    `pids()` to inspect. A supervisor thread enforces the deadline and cancellation and ends the whole tree."""
 
     def __init__(self, spec: LaunchSpec, log: LogSink, cancel_event: threading.Event | None):
         self.spec = spec
@@ -242,9 +239,8 @@ class LaunchHandle:
         )
 
     def _stall(self, outcome: Outcome, stop: _Stop | None, rank_errors: dict[int, RankError]) -> str:
-        """Which rank stopped making progress (heartbeat.py), for a launch the launcher stopped, or one that
-        failed retryably, without a rank killed by a signal, with some rank behind the others (a collective
-        timed out waiting for it)."""
+        """The heartbeat note on which rank stopped making progress, for a launch the launcher stopped or one
+        that failed retryably, with no rank killed by a signal, and some rank behind the others."""
         first = self.spec.node_rank * self.spec.nproc_per_node if self.spec.torchrun else 0
         ranks = range(first, first + (self.spec.nproc_per_node if self.spec.torchrun else 1))
         beats = read_heartbeats(self._heartbeat_dir)
@@ -287,9 +283,8 @@ def _killed(error: RankError) -> bool:
 
 _live: dict[str, LaunchHandle] = {}
 _live_lock = threading.Lock()
-# What else this process started that must end with its launches (gangs on the Ray cluster: forge_core.run.
-# cluster_runner; reward workers: forge_core.rewards.isolation), each as the `stop(reason)` that ends it (bounded
-# by itself): terminate_all_live ends them with the launches.
+# What else this process started that must end with its launches, each as the `stop(reason)` that ends it
+# (bounded by itself): terminate_all_live ends them with the launches.
 _stops: dict[int, Callable[[str], object]] = {}
 _hooks_installed = False
 _previous_sigterm = None
@@ -299,16 +294,7 @@ _sigterms = 0
 def start(
     spec: LaunchSpec, log: LogSink = print, cancel_event: threading.Event | None = None
 ) -> LaunchHandle:
-    """Start `spec` and return its handle at once.
-
-    Example::
-
-        handle = start(LaunchSpec("forge_core.run", ["sft", "--spec", uri], nproc_per_node=2), log=logger)
-        ...  # another thread may call handle.cancel()
-        handle.wait().raise_for_outcome()
-
-    A supervisor thread enforces the deadline and cancellation; see the package docstring for outcomes.
-    """
+    """Start `spec` and return its handle at once (outcomes: see the package docstring)."""
     _install_exit_hooks()
     handle = LaunchHandle(spec, log, cancel_event)
     with _live_lock:
@@ -333,11 +319,10 @@ def terminate_all_live(
 ) -> list[LaunchResult]:
     """Cancel every live launch of this process and wait for their trees to be gone, all at once.
 
-    Called by the flow on cancellation or crash; also runs at interpreter exit and on SIGTERM. Every
-    supervisor ends its tree in parallel (SIGTERM, the launch's `kill_grace_s`, SIGKILL). `timeout_s` bounds
-    the whole wait (default: the largest kill grace + LAUNCH_SHUTDOWN_MARGIN_S); a tree still there then is
-    SIGKILLed at once and given LAUNCH_KILL_WAIT_S more. So this returns within max(kill_grace_s) + 10 s (20 s
-    with the default 10 s grace), inside Prefect's 30 s between a cancel's SIGTERM and its SIGKILL.
+    Also runs at interpreter exit and on SIGTERM. Trees end in parallel (SIGTERM, `kill_grace_s`, SIGKILL);
+    a tree still there after `timeout_s` (default: the largest kill grace + LAUNCH_SHUTDOWN_MARGIN_S) is
+    SIGKILLed and given LAUNCH_KILL_WAIT_S more. So this returns within max(kill_grace_s) + 10 s, inside
+    Prefect's 30 s between a cancel's SIGTERM and its SIGKILL.
     """
     handles = live_handles()
     for handle in handles:
@@ -367,9 +352,8 @@ def terminate_all_live(
 
 
 def add_stop(stop: Callable[[str], object]) -> Callable[[], None]:
-    """Have `terminate_all_live` (the flow's cancel or crash, SIGTERM, interpreter exit) also call `stop(reason)`
-    for something else this process started (an attempt on other machines, helper processes); returns what
-    removes it again."""
+    """Have `terminate_all_live` also call `stop(reason)`, for something else this process started (an attempt
+    on other machines, helper processes); returns what removes it again."""
     token = id(stop)
     with _live_lock:
         _stops[token] = stop
@@ -398,11 +382,8 @@ def kill_all_live() -> list[int]:
 
 
 def install_sigterm_handler() -> bool:
-    """Make SIGTERM end all live launches before the previous handler runs. Main thread only.
-
-    `start()` calls this itself when it runs on the main thread; a program that launches from worker
-    threads (e.g. Prefect task threads) calls it once from its main thread. Returns whether it is installed.
-    """
+    """Make SIGTERM end all live launches before the previous handler runs; returns whether it is installed.
+    Main thread only: a program that launches from worker threads calls it once from its main thread."""
     global _previous_sigterm
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -415,8 +396,8 @@ def install_sigterm_handler() -> bool:
 
 
 def _on_sigterm(signum: int, frame) -> None:
-    """First SIGTERM: end every launch (bounded: terminate_all_live). A second one while that runs (an
-    impatient operator, a supervisor's repeated signal): SIGKILL every tree at once."""
+    """First SIGTERM: end every launch (bounded: terminate_all_live). A second one while that runs: SIGKILL
+    every tree at once."""
     global _sigterms
     _sigterms += 1
     if _sigterms == 1:

@@ -1,17 +1,15 @@
 """Per-rank heartbeats, so that a launch stopped at its deadline (or failed by a collective timeout) names the
 rank that hung.
 
-Every launch gets a private folder (`FORGE_HEARTBEAT_DIR`, under the launch's work folder, set by the
-launcher); a rank's training loop calls `beat(rank, step, phase)` at fixed points (forge_core.trainers.base:
-the start and end of each optimizer step, each checkpoint, each evaluation), which replaces the file
-`rank-<rank>.json` with the rank's beat count, step, phase and wall-clock time. Ranks of one job pass the
-same points in the same order (their collectives demand it), so when the launch is stopped, the rank whose
-count is behind the others' is the one that stopped making progress:
+A rank's training loop calls `beat(rank, step, phase)` at fixed points; each beat replaces `rank-<rank>.json`
+in the launch's private folder (`FORGE_HEARTBEAT_DIR`) with the rank's beat count, step, phase and wall-clock
+time. Ranks of one job pass the same points in the same order (their collectives demand it), so the rank
+whose count is behind the others' is the one that stopped making progress:
 
     rank 1 made no progress since step 1 (last heartbeat 'step 1 done' 56 s before the deadline); rank 0 had
     reached 'checkpoint at step 1'
 
-Outside a launch (no `FORGE_HEARTBEAT_DIR`) `beat` does nothing. A beat is one small local file write.
+Outside a launch (no `FORGE_HEARTBEAT_DIR`) `beat` does nothing.
 """
 
 from __future__ import annotations

@@ -32,12 +32,9 @@ def as_line_callable(log: LogSink) -> Callable[[str], None]:
 
 
 class OutputPump:
-    """Reads a child's merged output on its own thread.
-
-    Every line goes to `tail` (bounded); lines pass `rank0_only` filtering before reaching `log`.
-    Unprefixed lines (torchrun's own, the launcher's) always reach the log: they carry the failure summary.
-    `plain_rank` is the rank assumed for unprefixed worker lines (plain python: 0; torchrun: None).
-    """
+    """Reads a child's merged output on its own thread: every line goes to `tail` (bounded), and to `log`
+    unless `rank0_only` filters it; unprefixed lines (torchrun's own, the launcher's) always reach the log,
+    as they carry the failure summary. `plain_rank`: the rank of unprefixed worker lines (plain python: 0)."""
 
     def __init__(
         self, stream: IO[bytes], log: LogSink, *, rank0_only: bool, tail_lines: int, plain_rank: int | None

@@ -1,26 +1,20 @@
 """Who owns a launched process, and the watchdog that ends it once an owner is gone.
 
-A launch's owner is the process whose death makes the launch pointless: the launcher (the flow process, for
-a stage's torchrun tree or plain worker: on the Ray cluster the node agent actor that runs it); for a reward
-worker, the stage process that scores with it. The owner
-is named by pid AND start time (pids are reused): `Owner(pid, create_time)`, written `<pid>:<create time>`.
+A launch's owner is the process whose death makes the launch pointless: the launcher (the flow process, or on
+the Ray cluster the node agent actor that runs the launch); for a reward worker, the stage process that scores
+with it. An owner is named by pid AND start time (pids are reused): `Owner(pid, create_time)`, written
+`<pid>:<create time>`.
 
-- The launcher puts `FORGE_LAUNCH_OWNER=<itself>` into the environment of every launch
-  (forge_core.launch.spec.build_env); other processes get theirs as `--owner <pid>:<create time>`. A launch a
-  flow run placed on the Ray cluster also names the flow process (`FORGE_FLOW_OWNER`, with the machine's boot
-  id): the node agent that launched it outlives the flow by Ray's fate-sharing delay, and on the flow's own
-  machine (the embedded cluster) nothing should commit in that delay. On another machine the flow's pid means
-  nothing, so there the agent alone is the owner.
-- Every stage worker rank runs `guard_launched_worker()` first thing
-  (forge_core.launch.guard, called by forge_core.run.__main__): a daemon thread polls the owner every `OWNER_POLL_S` and, once it is gone,
-  SIGKILLs every process of the launch (its `FORGE_LAUNCH_ID`: torchrun's agent, which is an ancestor of
-  the rank, the other ranks, vLLM or reward processes the rank started) and then itself. So a launch whose
-  flow process was SIGKILLed ends by itself within about `OWNER_POLL_S` plus one process scan (~2 s), with no
-  later flow needed to reap it (forge_core.launch.registry stays the fallback for anything else).
-  Nothing is graceful there on purpose: nobody is left to use a result.
-- The commit path asks `check_owner_alive(uri)` right before it publishes a manifest (the worker installs
-  it as the storage writer's pre-commit check), so a worker whose owner died never commits, even in the
-  second before its watchdog fires.
+- The launcher puts `FORGE_LAUNCH_OWNER=<itself>` into every launch's environment; other processes get theirs
+  as `--owner <pid>:<create time>`. A launch a flow run placed on the Ray cluster also names the flow process
+  (`FORGE_FLOW_OWNER`, with the machine's boot id), because the node agent outlives the flow by Ray's
+  fate-sharing delay and nothing should commit in that delay; it is watched only on the flow's own machine.
+- Every stage worker rank runs `guard_launched_worker()` (forge_core.launch.guard) first: a daemon thread polls
+  the owners every `OWNER_POLL_S` and, once one is gone, SIGKILLs every process of the launch (its
+  `FORGE_LAUNCH_ID`: torchrun's agent, the other ranks, processes the rank started) and then itself. Nothing is
+  graceful, on purpose: nobody is left to use a result.
+- The commit path calls `check_owner_alive(uri)` right before it publishes a manifest, so a worker whose owner
+  died never commits, even in the second before its watchdog fires.
 
     owner = Owner.this_process()                       # what a launcher hands down
     watch_owner(owner, on_gone=lambda: ...)            # any process: a daemon thread
@@ -131,10 +125,8 @@ def watch_owner(
 
 
 def check_owner_alive(uri: str = "") -> None:
-    """OwnerGone when an owner of this process's launch is gone (the pre-commit check).
-
-    A no-op for a process nobody launched.
-    """
+    """OwnerGone when an owner of this process's launch is gone (the pre-commit check); a no-op for a process
+    nobody launched."""
     for owner in owners_from_environment():
         if not owner.alive():
             raise OwnerGone(

@@ -2,13 +2,11 @@
 
 torchrun starts each rank in its own session, so killpg(torchrun) misses them: the tree is tracked with
 psutil snapshots plus a scan for the launch's FORGE_LAUNCH_ID (finds processes already reparented away).
-A descendant that carries ANOTHER launch id belongs to that launch and is left alone: whoever owns that
-launch's registry record ends it.
+A descendant that carries ANOTHER launch id belongs to that launch and is left alone.
 
-The root (torchrun or the plain worker) is our child. Its exit status is read with
-waitid(WNOWAIT), which leaves the zombie for Popen to reap: if anything else reaps it first, Popen reports
-returncode 0 for a process that may have been killed. psutil's wait()/wait_procs() reap children, so they
-are never used on the root.
+The root's exit status is read with waitid(WNOWAIT), leaving the zombie for Popen to reap: if anything else
+reaps it first, Popen reports returncode 0 for a process that may have been killed. So psutil's
+wait()/wait_procs(), which reap children, are never used on the root.
 """
 
 from __future__ import annotations
@@ -41,10 +39,8 @@ STATUS_LOST = ExitStatus(None)
 
 
 def peek_exit_status(pid: int) -> ExitStatus | None:
-    """The exit status of our child `pid` if it has exited (without reaping it), else None.
-
-    STATUS_LOST when the child was already reaped by someone other than its Popen object.
-    """
+    """The exit status of our child `pid` if it has exited (without reaping it), else None; STATUS_LOST
+    when someone other than its Popen object already reaped it."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
@@ -96,9 +92,7 @@ def _ancestors() -> list[psutil.Process]:
 
 class ProcessTree:
     """The processes of one launch seen so far: the root plus every descendant any snapshot found.
-
-    Thread-safe: the supervisor snapshots while callers of `LaunchHandle.pids()` may do the same.
-    """
+    Thread-safe (the supervisor and callers of `LaunchHandle.pids()` snapshot concurrently)."""
 
     def __init__(self, root_pid: int, launch_id: str):
         self.root = psutil.Process(root_pid)
@@ -126,10 +120,8 @@ class ProcessTree:
         return root + sorted(p.pid for p in live if p.pid != self.root.pid)
 
     def terminate(self, grace_s: float) -> list[int]:
-        """SIGTERM the root and every known descendant, wait up to `grace_s`, SIGKILL what is left.
-
-        Returns the pids that needed SIGKILL. Never reaps the root (see module docstring).
-        """
+        """SIGTERM the root and every known descendant, wait up to `grace_s`, SIGKILL what is left; returns
+        the pids that needed SIGKILL. Never reaps the root."""
         targets = [self.root, *self.snapshot(include_launch_id_scan=True)]
         _send(targets, signal.SIGTERM)
         _wait_gone(targets, grace_s)
@@ -161,7 +153,6 @@ class ProcessTree:
 
 def end_processes(processes: list[psutil.Process], grace_s: float) -> list[int]:
     """SIGTERM `processes`, wait up to `grace_s`, SIGKILL the survivors; returns the pids that needed SIGKILL.
-
     For processes that are not our children (orphans of a dead launcher): nothing here reaps anything."""
     _send(processes, signal.SIGTERM)
     _wait_gone(processes, grace_s)

@@ -1,19 +1,15 @@
 """A machine-local record of live launches, so that the next flow run can end what a dead launcher left.
 
-A launcher that is SIGKILLed (kill -9, the OOM killer, a lost worker agent) cannot end its process trees:
-torchrun and its ranks live in their own sessions and keep running, holding cores, memory and ports.
-Every launch therefore writes `<registry>/<launch_id>.json` (naming the launching process by pid and
-start time) when it starts and removes it when it ends. `reap_orphaned_launches()`, called at the start of
-every flow run, ends each process carrying the FORGE_LAUNCH_ID of a record whose launching process is gone
-(SIGTERM, a grace period, then SIGKILL) and removes the record. A record whose launcher is alive is never
-touched, so concurrent flows on one machine are safe. Stage workers also end themselves within seconds of
-their launcher's death (forge_core.launch.owner); the registry ends what has no such watchdog.
+A SIGKILLed launcher cannot end its process trees, and torchrun and its ranks, in their own sessions, keep
+running. So every launch writes `<registry>/<launch_id>.json` (its launching process by pid and start time)
+when it starts and removes it when it ends. `reap_orphaned_launches()`, called at the start of every flow
+run, ends each process carrying the FORGE_LAUNCH_ID of a record whose launching process is gone (SIGTERM, a
+grace period, SIGKILL) and removes the record. A record whose launcher is alive is never touched, so
+concurrent flows on one machine are safe.
 
-Registry folder: $FORGE_LAUNCH_REGISTRY, else `<tempdir>/forgeflow-launches-<uid>` (per machine and user:
-processes can only be ended where they run). It is created mode 0700 and must belong to this user with no write
-access for anyone else (`check_private`): whoever can plant a record there chooses which of our processes the
-next flow ends, and a folder pre-created in /tmp by another user would be theirs. Otherwise the launcher refuses,
-naming the fix.
+Registry folder: $FORGE_LAUNCH_REGISTRY, else `<tempdir>/forgeflow-launches-<uid>`. It is created mode 0700
+and must belong to this user with no write access for anyone else (`check_private`, else ValueError naming the
+fix): whoever can plant a record there chooses which of our processes the next flow ends.
 
     from forge_core.launch import reap_orphaned_launches
     ended_pids = reap_orphaned_launches()
@@ -49,8 +45,7 @@ def _record_path(directory: Path, launch_id: str) -> Path:
 
 def check_private(path: Path, what: str, writable_only: bool = False) -> None:
     """ValueError unless `path` belongs to this user and gives group/others no access (`writable_only`: no
-    write access, for folders whose contents are harmless to read). Shared by every machine-local state folder
-    (the launch registry, the embedded Ray's token folder)."""
+    write access, for folders whose contents are harmless to read)."""
     info = path.stat()
     if info.st_uid != os.getuid():
         raise ValueError(
@@ -72,11 +67,9 @@ def _private_registry(directory: Path) -> Path:
 
 
 def record_launch(launch_id: str, root_pid: int, module: str, owner: tuple[int, float] | None = None) -> None:
-    """Note a started launch (written atomically: a reader never sees half a record).
-
-    `owner` (pid, create time) is the process whose death makes the launch an orphan; default: this one.
-    A service that outlives the worker that started it names the worker's own launcher (`launch_owner`).
-    """
+    """Note a started launch, atomically. `owner` (pid, create time) is the process whose death makes the
+    launch an orphan (default: this one); a service that outlives the worker that started it names the
+    worker's own launcher (`launch_owner`)."""
     directory = _private_registry(registry_dir())
     if owner is None:
         this = Owner.this_process()

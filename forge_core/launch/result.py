@@ -76,9 +76,8 @@ class LaunchResult:
 class LaunchFailed(RuntimeError):
     """A launch that did not succeed; `.result` has everything, `.retryable` only for RETRYABLE outcomes.
 
-    Its message is what a person reads first where the flow fails: the worker's cause and fix (`reason`), then
-    where the rest is. The worker's output, tracebacks included, went line by line to the task's log; the
-    last lines stay in `.result.tail`."""
+    Its message is the worker's cause and fix (`reason`); the full output went to the task's log, its last
+    lines stay in `.result.tail`."""
 
     def __init__(self, result: LaunchResult):
         self.result = result

@@ -3,15 +3,11 @@
     python -m forge_core.run <stage> --spec <output_uri>/_specs/<attempt>.json [--endpoint-url http://host:9000]
     torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec file:///.../_spec.json
 
-Stages are the stage registry's (forge_core.stages; a stage registered outside forge_core is found through
-FORGE_STAGE_MODULES); each runs its entry through the worker scaffold (forge_core.run.scaffold.run_spec). The
-stage runs wrapped in forge_core.launch.record_errors (torch's error recorder), so an exception on any rank lands in
-TORCHELASTIC_ERROR_FILE where the launcher reads it. `--endpoint-url` names a custom S3 endpoint for
-reading the spec itself (the FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL environment variables work too).
-
-Every rank first runs `worker_process_setup`: its log format, the FORGE_FAULT stage name and, under
-forge_core.launch (FORGE_LAUNCH_OWNER set), the owner watchdog: once the launching flow process is gone the
-launch ends itself within ~2 s and no commit is published meanwhile (forge_core.launch.owner).
+Stages come from forge_core.stages (FORGE_STAGE_MODULES adds ones registered elsewhere) and run through
+forge_core.run.scaffold.run_spec, wrapped in forge_core.launch.record_errors so an exception on any rank lands
+in TORCHELASTIC_ERROR_FILE for the launcher. `--endpoint-url` names a custom S3 endpoint for reading the spec
+(FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL work too). Every rank first runs `worker_process_setup`, which under
+forge_core.launch starts the owner watchdog: once the launching flow process is gone the launch ends itself.
 """
 
 from __future__ import annotations
@@ -66,8 +62,7 @@ def _run_stage(stage: str, spec_uri: str, endpoint_url: str | None, run: Callabl
 
 
 def _error_recorder() -> Callable[[Callable], Callable]:
-    """forge_core.launch's recorder: torch's `record` plus the exception's class hierarchy, which the launcher
-    uses to tell a fatal user error (ValueError, ConfigError) from a retryable crash."""
+    """torch's `record` plus the exception's class hierarchy, from which the launcher tells fatal from retryable."""
     from forge_core.launch import record_errors
 
     return record_errors

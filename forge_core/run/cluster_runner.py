@@ -3,15 +3,10 @@
     runner = runner_for(cfg, "sft")                 # a ClusterRunner for every stage with a launch of its own
     result = runner.run(plan, log, cancel)          # the runner interface: deadline, cancel, classification
 
-The attempt is a `forge_core.compute.gang.Gang`: a placement group of `launch.<stage>.nnodes` bundles
-(`gpus_per_node` GPUs each, STRICT_SPREAD) on the nodes labelled `forgeflow.pool=<launch.<stage>.pool>` (any node
-when the pool is null, and on the embedded cluster), waiting up to `launch.pool_wait_s`; each node's agent runs
-the worker launch (`python -m forge_core.run <stage> --spec <uri>` under torchrun) with its part of the
-rendezvous. A lost node ends the attempt on every node, retryably; the stage's retry resumes from its newest
-committed checkpoint on whichever nodes the cluster places it then. A Ray node's processes have that node's
-environment (its credentials, as every worker's), plus what the launch spec carries. Every rank's environment
-carries the attempt's placement (`FORGE_PLACEMENT`), which the manifest the attempt commits records: the pool,
-and per node its rank, Ray node id, address and GPUs.
+The attempt is a `forge_core.compute.gang.Gang` of `launch.<stage>.nnodes` nodes of `launch.<stage>.pool` (any
+node when the pool is null or the cluster embedded), waiting up to `launch.pool_wait_s`; each node runs the
+worker launch under torchrun. A lost node ends the attempt retryably; the retry resumes from the newest committed
+checkpoint. Every rank gets the attempt's placement in `FORGE_PLACEMENT`, which its committed manifest records.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ def placement_record(pool: str | None, attempt: str, places: list[NodePlace], no
 
 
 class ClusterRunner(Runner):
-    """A stage-lifetime stage as a gang on the Ray cluster (module docstring)."""
+    """A stage-lifetime stage as a gang on the Ray cluster."""
 
     def __init__(self, cfg: RunConfig, stage: str) -> None:
         super().__init__(cfg, stage)
@@ -60,9 +55,8 @@ class ClusterRunner(Runner):
             record = placement_record(pool, plan.spec.attempt, places, node_rank)
             return {PLACEMENT_ENV: json.dumps(record, sort_keys=True)}
 
-        # A Ray node's processes have that node's environment, not this one's: what a launch must see from
-        # here travels in its spec (the launch spec's own settings, the test faults a flow was given, and this
-        # process as an owner of the launch: forge_core.launch.owner).
+        # A Ray node's processes have that node's environment, not this one's: what a launch must see from here
+        # (faults, this process as the launch's owner) travels in its spec.
         gang = Gang(
             cluster,
             request,

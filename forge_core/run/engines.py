@@ -3,12 +3,10 @@
     with stage_engines(plan.cfg, plan.policy, seed, plan.stage) as generator:   # a GenerationEngine serving plan.policy
         run_rollout(plan, generator)
 
-The engines are actors on the rollout pool's nodes (forge_core.rollout.actor_engines): the flow run's
-(`rollout.engine_lifetime: flow`, held by its FlowResources across stages and ended with it) or the stage's own
-(`stage`, ended when the stage ends); what the stage commits records the pool and each engine's Ray node. A
-policy the run's trainer group holds reaches the engines from its ranks, not from the store
-(forge_core.run.weight_sync). A stop
-of the run's engines (FlowResources.stop_engines: a deadline, a cancel) ends the stage's calls into them.
+The engines are actors on the rollout pool's nodes: the flow run's (`rollout.engine_lifetime: flow`, held by its
+FlowResources across stages) or the stage's own (`stage`). A policy the run's trainer group holds reaches them
+from its ranks, not from the store (forge_core.run.weight_sync). FlowResources.stop_engines ends the stage's
+calls into them.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from forge_core.storage.manifest import placement_scope
 
 @contextlib.contextmanager
 def stage_engines(cfg: RunConfig, policy: PolicyRef, seed: int, stage: str) -> Iterator[GenerationEngine]:
-    """The engines serving `policy` to `stage` (module docstring); `seed` is the engines' own seed (samples depend
-    on the per-request seeds only)."""
+    """The engines serving `policy` to `stage`; `seed` is the engines' own (samples depend on per-request seeds)."""
     resources = FlowResources.of(cfg)
     with resources.engine_actors(seed) as engines:
         router = engines.serve(policy, stage, push=trainer_pusher(resources, policy))
@@ -37,9 +34,8 @@ def stage_engines(cfg: RunConfig, policy: PolicyRef, seed: int, stage: str) -> I
 
 
 def stage_policy(ctx: StageContext, environment: object | None) -> PolicyRef:
-    """The policy a rollout or evaluate stage samples with (its `policy` input). The stage keeps a local copy only
-    when an environment encodes its observations with the policy's tokenizer; otherwise only the engines need
-    the weights, and they get them themselves (from the run's trainer group or the store)."""
+    """The stage's `policy` input, fetched locally only when an environment needs its tokenizer (the engines
+    get the weights themselves)."""
     if environment is None:
         return policy_ref(ctx.store, ctx.input("policy"))
     return fetch_policy(ctx.store, ctx.input("policy"), cache_root=policy_cache_root(ctx.cfg.logging.dir))

@@ -3,11 +3,9 @@
     fingerprints = external_fingerprints(cfg, store, "prepare")  # {"data.source": sha, "data.tokenizer.path": sha}
     verify_external_inputs(spec, cfg, store)                     # in the worker, before it reads them
 
-Which stage reads which keys is the stage registry's `Stage.external` (forge_core.stages). The planner puts the
-fingerprints into the stage's key and its spec (`StageSpec.fingerprints`); the worker
-recomputes them (cheap: forge_core.storage.fingerprints caches file hashes by size/mtime or ETag) and raises
-`SourceChanged` when one differs. That is retryable: a source rewritten between planning and running means
-the key is stale, and the task's retry plans again with the new contents (a new key).
+Which stage reads which keys is `Stage.external` (forge_core.stages). The fingerprints go into the stage's key
+and `StageSpec.fingerprints`; the worker recomputes them and raises `SourceChanged` (retryable: the retry plans
+again under a new key) when one differs.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from forge_core.storage.uris import split_scheme
 
 log = logging.getLogger(__name__)
 
-# Of the config keys naming files outside the store (a stage's `external`), the ones whose path string reaches no output: their contents alone stand for them in keys, so a
-# moved model or tokenizer folder is still the same input. (data.source stays: the rejects table names it.)
+# External keys whose path reaches no output: their contents alone stand for them in keys, so a moved model or
+# tokenizer folder is still the same input (data.source is not one: the rejects table names it).
 KEYED_BY_CONTENT_ONLY = ("model.hf_path", "data.tokenizer.path")
 
 
@@ -47,9 +45,7 @@ def external_fingerprints(cfg: RunConfig, store: ObjectStore, stage: str) -> dic
 
 def verify_external_inputs(spec: StageSpec, cfg: RunConfig, store: ObjectStore) -> None:
     """Raise SourceChanged unless what the worker is about to read is what the stage's key was made from.
-
-    A spec without fingerprints (written by hand, or by older code) has nothing to compare: logged, not refused.
-    """
+    A spec without fingerprints is logged, not refused."""
     if not spec.fingerprints:
         if stage_named(spec.stage).external:
             log.warning("%s: the stage spec records no input fingerprints; its inputs are not verified", spec.uri)

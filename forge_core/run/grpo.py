@@ -1,40 +1,22 @@
-"""The GRPO stage (one process per rank under torchrun, or one plain process, or an order to the flow's trainer
-group: forge_core.run.trainer_group; all three run `train` through the worker scaffold):
+"""The GRPO stage: one process per rank under torchrun, one plain process, or an order to the flow's trainer group.
 
     torchrun --standalone --nproc-per-node 2 -m forge_core.run grpo --spec <output_uri>/_specs/<attempt>.json
-    python -m forge_core.run grpo --spec <output_uri>/_specs/<attempt>.json            # world size 1
 
-Inputs (`spec.inputs`, kinds checked by the scaffold):
-  policy     a committed `sft` or `grpo` artifact; training starts from its exported weights (`policy/`),
-             so any policy can start GRPO.
+Inputs:
+  policy     a committed `sft` or `grpo` artifact; training starts from its exported weights (`policy/`).
   rollouts   a committed `rollouts` artifact (`rollouts.parquet`) sampled from that policy.
-  reference  optional: the frozen reference policy for the KL term (only read when grpo.loss.kl_coef > 0).
-             Default: the SFT policy at the root of the lineage (the policy input itself when it is an `sft`
-             artifact, else the reference recorded by the parent `grpo` stage).
+  reference  optional KL reference (read only when grpo.loss.kl_coef > 0); default: the lineage's SFT root.
 Params: `iteration` (int, default 0) seeds the mini-batch order of this rollout batch.
 
-With a mismatch correction (forge_core.losses.correction, `grpo.correction.type` other than none) the engine
-first scores every rollout row with the weights that sampled it (the row's `policy_uri`: the input policy in
-sync mode, an older one in async mode, swapped in and out like the KL reference): the trainer's own logprobs
-of the sampling policy, which the correction takes the ratio against and the mismatch metrics (`mismatch/*`,
-`correction/*`) compare with the sampler's logprobs. One no-grad forward per distinct policy. Without a
-correction the loss never reads them, so that forward runs only with `grpo.correction.measure_mismatch`.
+With a mismatch correction or `grpo.correction.measure_mismatch`, every row is first scored with the weights
+that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 
-The manifest records the stage's phases (`phase/*_s`): load (policy download, model build or restart, rollout
-read), score, steps (the fit) and export (the policy's export and commit), next to the rollout stage's
-engine_start, sync, sample and reward.
+Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
+manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, export).
 
-Output `<output_uri>` (kind `grpo`): `policy/` (committed HF folder for the next rollout), the DCP checkpoints
-`_checkpoints/step-N/` (the last one is the stage's final state), `train_summary.json` (stage metrics and
-every step's metrics) and a manifest with lineage (policy, rollouts, reference) and metrics.
-
-Optimizer state: every GRPO stage starts a fresh AdamW and LR schedule over its own steps
-(`epochs * samples / mini_batch_size`). A stage is then a function of (policy weights, rollouts, config)
-alone: any policy can start it, whatever world size or optimizer wrote the parent. A rank of the flow's
-trainer group that trained the input policy keeps its model for it (`model_init: kept`, Engine.restart: the
-weights rounded through the export dtype, as loading the export gives) instead of building one and loading
-the export (`model_init: export`); the result is the same, bitwise. A retried stage resumes
-from its own newest in-stage checkpoint (model, optimizer, schedule, RNG and step metrics), exactly.
+Every stage starts a fresh AdamW and LR schedule, so it is a function of (policy weights, rollouts, config)
+alone; a trainer-group rank that trained the input policy keeps its model (`model_init: kept`), bitwise equal to
+loading the export. A retried stage resumes exactly from its newest in-stage checkpoint.
 """
 
 from __future__ import annotations
@@ -143,8 +125,8 @@ def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> Rol
 
 
 def sampler_stage_uris(table: pa.Table, policy_uri: str) -> tuple[str, ...]:
-    """Per row, the stage URI of the policy that sampled it (its `policy_uri` is `<stage>/policy`); the input
-    policy for a table without the column (hand-made, or written when every rollout was on-policy)."""
+    """Per row, the stage URI of the policy that sampled it (`policy_uri` minus `/policy`); `policy_uri` for
+    every row of a table without that column."""
     if "policy_uri" not in table.column_names:
         return (policy_uri.rstrip("/"),) * table.num_rows
     return tuple(uri.rstrip("/").removesuffix("/policy") for uri in table.column("policy_uri").to_pylist())
@@ -169,9 +151,8 @@ def score_under_policies(
     policy_dir: Path | None,
     workdir: Path,
 ) -> dict[str, torch.Tensor]:
-    """Collective: {stage URI: the batch's logprobs under that policy's weights}, scored by this engine. The
-    input policy is scored with the weights already loaded; any other policy's are swapped in (downloaded on
-    rank 0), and the input policy's weights are restored at the end. Every rank walks the same order."""
+    """Collective: {stage URI: the batch's logprobs under that policy's weights}. Other policies' weights are
+    swapped in and the input policy's restored at the end; every rank walks the same order."""
     engine = trainer.engine
     policy = inputs.policy_uri.rstrip("/")
     scores: dict[str, torch.Tensor] = {}
@@ -190,8 +171,7 @@ def score_under_policies(
 
 
 def scores_samplers(cfg: RunConfig, loss: ClippedPolicyLoss) -> bool:
-    """Whether the stage scores the batch under the weights that sampled it: a correction's ratio needs those
-    logprobs; without one they only feed the mismatch metrics, on request."""
+    """Whether the batch is scored under the weights that sampled it (a correction needs it; else on request)."""
     return loss.correction.reads_old_logprobs or cfg.grpo.correction.measure_mismatch
 
 
@@ -205,9 +185,8 @@ def attach_policy_logprobs(
     samplers: bool,
     kl_on: bool,
 ) -> RLBatch:
-    """Collective: the rollout batch with, when `samplers`, `old_logprobs_BL` (each row scored with the
-    weights that sampled it) and, when the KL term is on, `ref_logprobs_BL` (the frozen reference's). A policy
-    that is both a sampler and the reference is scored once; with neither asked nothing is scored."""
+    """Collective: the batch with `old_logprobs_BL` (when `samplers`: each row under its sampler's weights) and
+    `ref_logprobs_BL` (when `kl_on`); a policy that is both is scored once."""
     batch = rollouts.batch
     sampled_by = rollouts.sampled_by or (inputs.policy_uri.rstrip("/"),) * batch.batch_size
     reference = (inputs.reference_uri or "").rstrip("/") if kl_on else None
@@ -226,9 +205,8 @@ def attach_policy_logprobs(
 
 
 def train(ctx: StageContext) -> None:
-    """Collective: train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact (module
-    docstring). Run by the per-stage worker and by the trainer group's ranks (forge_core.run.trainer_group)
-    alike: the two lifetimes run the same code; a rank's process group stays up between its stages."""
+    """Collective: train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact. Per-stage
+    workers and trainer-group ranks run the same code."""
     cfg, store, workdir = ctx.cfg, ctx.store, ctx.workdir
     iteration = int(ctx.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
@@ -269,8 +247,7 @@ def train(ctx: StageContext) -> None:
                 **mismatch,
                 "correction": loss.correction.name,
                 "sampler_uris": sorted(set(rollouts.sampled_by)),
-                # The optimizer steps with their per-step batch slicing, logging and checkpoints (train/time_s
-                # counts the steps alone): what the stage spends training, as against setting up and exporting.
+                # The whole fit, slicing, logging and checkpoints included (train/time_s counts the steps alone).
                 "train/fit_s": fit_s,
                 "iteration": iteration,
                 "resumed_from_step": resume.step if resume is not None else 0,

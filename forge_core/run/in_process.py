@@ -1,27 +1,16 @@
-"""Running a stage in the calling task's process: the runner of the engine-client stages (rollout, evaluate;
-forge_core.stages: `flow_runner="task_process"`), which sample with the run's engine actors.
+"""Running a stage on a thread of the calling task's process: the runner of the engine-client stages (rollout,
+evaluate; `flow_runner="task_process"`), thin clients of the run's engine actors for which a worker process's
+start-up would dominate the cost.
 
     result = TaskProcessRunner(cfg, "rollout", resources).run(plan, log)   # usually: runner_for(cfg, stage)
 
-A rollout or evaluate stage is a thin client of the run's engine actors (forge_core.run.engines): it plans,
-fetches the policy, has the engines load it, sends the prompts, scores and commits. A launched worker process
-for that costs about 2.5 s a stage (interpreter start, imports, exit; measured by bench/grpo_iteration.py), as
-much as all the rest of a warm iteration's fixed overhead. So the task runs the stage on a thread of its own
-process instead, through the same worker scaffold (forge_core.run.scaffold.run_spec) with the task's RunConfig
-object (validated once, by the flow), and the runner interface's contract (forge_core.run.runner) kept:
+It keeps the runner contract (forge_core.run.runner):
+- outcome: SUCCESS when the stage returns; an exception is classified exactly as a worker's would be.
+- stop (deadline, cancel): the run's engine actors are stopped, which ends the stage's calls into them; the
+  thread gets STAGE_THREAD_STOP_GRACE_S to end.
+- log: the stage's `forge_core` log records (from its thread and the threads it starts) go to `log`.
 
-- outcome: SUCCESS when the stage returns. An exception is classified exactly as a worker's would be
-  (forge_core.launch.classify.exception_result): a user error (ValueError, ConfigError, ...), access denied,
-  a corrupted input, a full disk or out of memory is FATAL with its fix; an engine that died
-  (EngineLost), a policy version mismatch or a transient storage error is RETRYABLE, and anything
-  unclassified is FATAL as it would be for a lone rank. Reason, message, fix and traceback tail are kept.
-- stop (the deadline, a cancel): the run's engine actors are stopped, which ends the stage's calls into
-  them (a retry starts fresh engines); the thread gets STAGE_THREAD_STOP_GRACE_S to notice and end.
-- log: the stage's own log records (loggers under `forge_core`, from its thread and the engine start-up
-  threads it spawns) go to `log`, as a worker's output lines would.
-
-Stage failures injected with FORGE_FAULT (forge_core.faults) address worker processes and the engine actors,
-not this thread.
+FORGE_FAULT stage failures address worker processes and engine actors, not this thread.
 """
 
 from __future__ import annotations
@@ -39,13 +28,12 @@ from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
 from forge_core.run.scaffold import run_spec
 from forge_core.timings import STAGE_THREAD_STOP_GRACE_S
 
-# Threads a stage spawns whose records belong to it (EngineActors.serve starts engines on these,
-# forge_core.rewards.isolation scores on these with several reward workers).
+# Threads a stage spawns whose records belong to it (engine start-up, reward workers).
 _STAGE_THREAD_PREFIXES = ("forge-engine-ensure", "forge-reward-")
 
 
 class TaskProcessRunner(FlowProcessRunner):
-    """A stage on a thread of the task's process, talking to the flow's engines (module docstring)."""
+    """A stage on a thread of the task's process, talking to the flow's engines."""
 
     where = "the task's process"
     serves = "task_process"
@@ -98,9 +86,8 @@ def _failure(stage: str, error: BaseException, duration_s: float) -> LaunchResul
 
 
 class _StageLogRelay(logging.Handler):
-    """While installed: the `forge_core` log records of one stage thread (and the threads it starts for the
-    engines) go to `sink` as formatted lines, and only there; other threads' records go on to the parent
-    loggers' handlers exactly as before (same level threshold), as if nothing were installed."""
+    """While installed: the `forge_core` records of one stage thread (and the threads it starts) go to `sink`
+    as formatted lines, and only there; other threads' records reach the parent handlers as if uninstalled."""
 
     def __init__(self, sink: LogSink, thread: threading.Thread):
         super().__init__(logging.INFO)

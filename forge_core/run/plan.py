@@ -1,6 +1,4 @@
-"""Planning a stage run: content-addressed output key, spec, launch command.
-
-This is the Prefect-free half of a stage task (tasks/ adds retries, concurrency and UI artifacts):
+"""Planning a stage run: content-addressed output key, spec, launch command (the Prefect-free half of a task).
 
     plan = plan_stage(cfg, store, "sft", inputs={"data": data_uri})
     if not store.is_committed(plan.output_uri):
@@ -9,13 +7,9 @@ This is the Prefect-free half of a stage task (tasks/ adds retries, concurrency 
         result = runner_for(cfg, plan.stage).run(plan, log)     # forge_core.run.runners
         result.raise_for_outcome()
 
-What a stage is (its artifact kind, the config sections that form its key, whether it is distributed or
-scores, what it reads from outside the store) is its record in the stage registry (forge_core.stages). The key
-hashes only the config sections that can change a stage's output (so a new wandb project or a larger deadline
-does not retrain; `forge_core.stages.OPERATIONAL_KEYS` are left out), the manifests of its inputs, its params,
-the contents of what it reads from outside the store (forge_core.run.external), its reward versions and world
-size where they matter (`stage_dependencies`), and the code version (forge_core's source and the versions of
-the packages that shape results).
+The key hashes what can change a stage's output: its config sections (less
+`forge_core.stages.OPERATIONAL_KEYS`, so a new wandb project or deadline does not retrain), its inputs'
+manifests, its params, `stage_dependencies`, and the code version.
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ class StagePlan:
         return self.spec.uri
 
     def for_attempt(self, attempt: str) -> StagePlan:
-        """The same plan as task attempt `attempt` (forge_core.storage.new_attempt_id): its spec names the
-        attempt and is written to a spec object of its own, so racing runs never overwrite each other's."""
+        """The same plan as task attempt `attempt`, whose spec is an object of its own, so racing runs never
+        overwrite each other's."""
         return dataclasses.replace(self, spec=dataclasses.replace(self.spec, attempt=attempt))
 
 
@@ -66,11 +60,9 @@ def stage_key_material(cfg: RunConfig, stage: str) -> dict:
 
 
 def stage_dependencies(cfg: RunConfig, stage: str, fingerprints: dict[str, str]) -> dict:
-    """What else a stage's output depends on, beyond its config slice, inputs and params: the contents of what
-    it reads outside the store, its reward functions' versions (scoring stages, and verifiers such as
-    sft.verifier), and its world size (training stages: per-rank RNG streams and data shards, and a checkpoint
-    resumes only on as many ranks as wrote it).
-    The rest of `launch.*` (pool, deadline, retries) stays out of every key: a pool change must not retrain."""
+    """What else a stage's output depends on: the contents of what it reads outside the store, its reward and
+    verifier versions, and its world size for training stages (RNG streams, shards, and a checkpoint resumes
+    only on as many ranks as wrote it). The rest of `launch.*` stays out of every key."""
     record = stage_named(stage)
     dependencies: dict = {}
     if fingerprints:
@@ -132,9 +124,8 @@ def _check_input_names(record: Stage, inputs: dict[str, str]) -> None:
 
 
 def launch_spec_for(plan: StagePlan, cfg: RunConfig, extra_env: dict[str, str] | None = None) -> LaunchSpec:
-    """The worker command for a planned stage: torchrun for distributed stages, one process otherwise. It is one
-    node's launch, to which the Ray gang adds that node's part of the rendezvous; its GPUs are those Ray gave the
-    node's agent (forge_core.run.cluster_runner)."""
+    """One node's worker command for a planned stage: torchrun for distributed stages, one process otherwise;
+    the Ray gang adds the node's rendezvous part and GPUs."""
     record = stage_named(plan.stage)
     resources = cfg.launch.for_stage(plan.stage)
     distributed = record.distributed

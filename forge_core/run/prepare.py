@@ -1,9 +1,6 @@
-"""The prepare stage (one plain process, no torchrun):
+"""The prepare stage (one plain process, no torchrun): commits the `data` artifact via prepare_data.
 
     python -m forge_core.run prepare --spec <output_uri>/_specs/<attempt>.json
-
-Runs `forge_core.data.prepare_data` on the run's config, which commits the `data` artifact at the output URI.
-The scaffold has already checked that `data.source` and the tokenizer are what the key was made from.
 """
 
 from __future__ import annotations

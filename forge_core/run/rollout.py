@@ -1,30 +1,18 @@
-"""The rollout stage: a worker process that starts its own vLLM engine (`rollout.engine_lifetime: stage`), or,
-with the flow's long-lived engines (`flow`), a thread of its task's process (forge_core.run.in_process):
+"""The rollout stage: samples this iteration's prompts from a policy with the run's engines and scores them.
 
     python -m forge_core.run rollout --spec <output_uri>/_specs/<attempt>.json
 
-Inputs (`spec.inputs`, kinds checked by the worker scaffold):
-  policy   a committed `sft` or `grpo` artifact; its `policy/` HF folder is downloaded (verified, cached by
-           manifest hash) and loaded into vLLM.
-  data     a committed `data` artifact; this iteration's prompts come from its `rl_prompts.parquet`.
-Params: `iteration` (int >= 0, default 0) picks the prompts: positions [k*P, (k+1)*P) of a per-epoch
-permutation of rl_prompts fixed by the seed (forge_core.rollout.prompts); with `rollout.dynamic_sampling`
-each iteration owns 1 + max_extra_rounds such slots and generates rounds until enough groups are informative
-(forge_core.rollout.dynamic). `policy_iteration` (int, 0 ..
-iteration; default: iteration, i.e. on-policy) is the index of the policy input (SFT = 0, after GRPO
-iteration k = k+1), recorded on every row so the GRPO stage can check staleness (forge_core.trainers.staleness).
+Inputs:
+  policy   a committed `sft` or `grpo` artifact; its `policy/` HF folder is what vLLM serves.
+  data     a committed `data` artifact; the prompts come from its `rl_prompts.parquet`.
+Params:
+  iteration         int >= 0, default 0: picks slot k of a per-epoch permutation of the prompts fixed by the
+                    seed (with `rollout.dynamic_sampling`, 1 + max_extra_rounds slots per iteration).
+  policy_iteration  int in [0, iteration], default iteration (on-policy): the policy input's index (SFT = 0),
+                    recorded on every row for the GRPO stage's staleness check.
 
-Output `<output_uri>` (kind `rollouts`): `rollouts.parquet`, one row per sample with tokens, the generator's
-logprobs, finish reason, each reward component, the total reward, lineage and the `kept` flag
-(forge_core.rollout.table), and a manifest whose metrics hold reward mean/std, pass rate, length statistics,
-generation tokens/s, the dynamic-sampling rounds and groups generated and kept, and the engine start-up time
-(or, with `rollout.engine_lifetime: flow`, the in-place reload time of the run's long-lived engine actors;
-forge_core.run.engines).
-
-With `rollout.env` (forge_core.envs) each sample is a multi-turn episode: its turns are generated in batched
-calls, its tools run in the isolated worker pool, one row per episode holds every token with the model-token
-mask and the per-turn records (forge_core.rollout.table), and the metrics add `env/*` (tool-call rate, tool
-errors and timeouts, turns, end reasons); tokens/s then counts the model's tokens.
+Output (kind `rollouts`): `rollouts.parquet`, one row per sample or, with `rollout.env`, per multi-turn episode
+(forge_core.rollout.table), and a manifest with reward, length, throughput and engine metrics.
 """
 
 from __future__ import annotations
@@ -116,7 +104,7 @@ def iteration_param(spec: StageSpec) -> int:
 
 
 def policy_iteration_param(spec: StageSpec, iteration: int) -> int:
-    """The sampling policy's index; absent = `iteration` (on-policy, what every rollout was before async)."""
+    """The sampling policy's index; `iteration` (on-policy) when absent."""
     value = spec.params.get("policy_iteration", iteration)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= iteration:
         raise ValueError(
@@ -147,9 +135,8 @@ def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed:
 
 
 def engine_metrics(cfg: RunConfig, generator: GenerationEngine) -> dict:
-    """How the engine was had: started by this stage (start-up s) or the flow's service (reload s: a weight
-    sync from the trainer group or a reload from the store; 0 when it served the policy already). The same
-    seconds as phases: `phase/engine_start_s` and `phase/sync_s`."""
+    """How the engine was had: started by this stage (`engine_startup_s`) or the flow's, reloaded
+    (`engine_reload_s`, 0 when it served the policy already); also as `phase/engine_start_s`, `phase/sync_s`."""
     return {
         "engine_lifetime": cfg.rollout.engine_lifetime,
         "engine_startup_s": float(generator.startup_s),
@@ -216,8 +203,7 @@ def generate_samples(
     policy_dir,
     totals: Generation,
 ) -> list[Sample]:
-    """Single samples (one generate call), or with `rollout.env` whole episodes (batched turns,
-    forge_core.envs), adding their time and generated tokens to `totals`."""
+    """Single samples, or with `rollout.env` whole episodes, adding their time and tokens to `totals`."""
     if environment is not None:
         batch = run_episodes(
             generator, prompts, environment, sampling, seed, observation_encoder(policy_dir),
@@ -257,8 +243,7 @@ def sample_round(
 
 
 def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
-    """Generate (in rounds, with dynamic sampling), score, write `rollouts.parquet` and commit; returns the
-    table."""
+    """Generate (in rounds, with dynamic sampling), score, write `rollouts.parquet` and commit; returns the table."""
     sampling = plan.cfg.rollout.sampling
     lineage = RolloutLineage(
         policy_uri=plan.policy.uri,
@@ -295,8 +280,7 @@ def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
         "primary_reward": plan.rewards.primary_column,
         **plan.rewards.failures,  # reward/timeouts, reward/crashes, reward/zeroed (forge_core.rewards.isolation)
         **(episode_metrics(generation.episodes) if generation.episodes is not None else {}),
-        # The iteration's phases on the rollout side (engine_metrics: the engine's; the GRPO stage records its
-        # own): sampling, the reward functions.
+        # The rollout side's phases (engine_metrics adds the engine's; the GRPO stage records its own).
         "phase/sample_s": generation_s,
         "phase/reward_s": generation.reward_s,
         "wall_s": plan.ctx.wall_s(),
@@ -317,10 +301,10 @@ def run_rollout(plan: RolloutPlan, generator: GenerationEngine) -> pa.Table:
 
 
 def run(ctx: StageContext) -> None:
-    """Sample this iteration's prompts from the policy, score them, commit `rollouts` (module docstring)."""
+    """Sample this iteration's prompts from the policy, score them, commit `rollouts`."""
     plan = plan_rollout(ctx)
     try:
         with stage_engines(plan.cfg, plan.policy, seed=plan.seed, stage=plan.ctx.stage.name) as generator:
             run_rollout(plan, generator)
     finally:
-        release_policy(plan.policy)  # the cache may prune it again (an engine actor keeps its own lease)
+        release_policy(plan.policy)  # an engine actor keeps its own lease

@@ -3,30 +3,14 @@
     runner = runner_for(cfg, plan.stage)             # forge_core.run.runners: chosen in one place
     result = runner.run(plan, log, cancel)           # -> LaunchResult, as forge_core.launch.launch returns
 
-A `Runner` is bound to one stage and the run's config (resources and deadline: `cfg.launch.for_stage(stage)`).
-`run(plan, log, cancel)` takes the attempt's plan with its spec already written to the store, and needs
-nothing else: everything a runner hands to what runs the stage is the spec's URI (the spec names the config,
-inputs, params and output) plus the store, so a runner may run the stage on another machine (a node of the
-Ray cluster) as well as here. Implementations:
-
-- `ClusterRunner` (forge_core.run.cluster_runner): the stage's own worker launch, `python -m forge_core.run
-  <stage> --spec <uri>` (torchrun for distributed stages), as a gang on the Ray cluster: one torchrun node per
-  Ray node of the stage's pool;
-- `TaskProcessRunner` (forge_core.run.in_process): a thread of the task's process, for the thin engine-client
-  stages, which sample with the run's engine actors;
-- `TrainerGroupRunner` (forge_core.run.trainer_group): with a flow-lifetime trainer, an order (a Ray call on
-  every rank) to the run's trainer group, one actor per rank on the nodes of its pool.
-
-Each starts an `Attempt`; `Runner.run` supervises it the same way for all of them:
-
-- deadline: past `launch.<stage>.deadline_s` the attempt is stopped and the result is RETRYABLE, "deadline of
-  N s exceeded", naming the rank that made no progress when the ranks' heartbeats tell (the launcher's own
-  deadline on a worker launch is a backstop behind this one: forge_core.timings.LAUNCHER_BACKSTOP_S);
-- cancellation: `cancel.request(reason)` from another thread (a lost lease, the flow's cancel) stops the attempt
-  and the result is CANCELLED;
-- classification: a worker's exit is classified by the launcher; an exception raised here (starting the
-  attempt, waiting for it) or by a stage body run in this process by `forge_core.launch.classify.
-  exception_result`, i.e. `forge_core.launch.errors.classify_exception`, exactly as a lone rank's error would be.
+A `Runner` is bound to one stage and the run's config. `run` takes a plan whose spec is already written; what
+runs the stage needs only the spec's URI and the store, so it may run on another node. Each implementation
+starts an `Attempt`, which `run` supervises the same way:
+- deadline: past `launch.<stage>.deadline_s` the attempt is stopped, RETRYABLE, naming the rank that made no
+  progress when heartbeats tell (a worker launch's own deadline is only a backstop);
+- cancellation: `cancel.request(reason)` from another thread stops the attempt, CANCELLED;
+- classification: an exception raised here or by a stage body in this process is classified by
+  `forge_core.launch.classify.exception_result`, exactly as a lone rank's error would be.
 """
 
 from __future__ import annotations
@@ -78,7 +62,7 @@ class Attempt(Protocol):
 
 
 class Runner(ABC):
-    """Runs planned attempts of one stage (module docstring); subclasses say how an attempt starts."""
+    """Runs planned attempts of one stage; subclasses say how an attempt starts."""
 
     where = "its own launch"  # what runs the stage, for messages
 

@@ -3,14 +3,10 @@
     runner = runner_for(cfg, "grpo")          # ClusterRunner | TaskProcessRunner | TrainerGroupRunner
     result = runner.run(plan, log, cancel)    # forge_core.run.runner: the interface, deadline, classification
 
-Every stage runs on the run's Ray cluster (`launch.ray_address`, embedded when null: forge_core.compute.cluster).
-A stage whose registry record names a flow runner (`Stage.flow_runner`) is served by the flow run's long-lived
-parts when its record says so:
-- the engine-client stages (rollout, evaluate: "task_process") run on a thread of the task's process, sampling
-  with the run's engine actors (forge_core.run.engines), where a launch of their own would only relay between
-  the flow and its engines;
-- GRPO ("trainer_group") with `grpo.trainer_lifetime: flow` is an order to the run's trainer group, one Ray actor
-  per rank on the nodes of its pool (forge_core.run.trainer_group).
+Every stage runs on the run's Ray cluster. A stage whose record names a flow runner (`Stage.flow_runner`) is
+served by the flow run's long-lived parts when FlowResources.serves says so:
+- "task_process" (rollout, evaluate): a thread of the task's process, sampling with the run's engine actors;
+- "trainer_group" (GRPO with `grpo.trainer_lifetime: flow`): an order to the run's trainer group.
 Every other stage gets its own worker launch, a gang on the Ray cluster (forge_core.run.cluster_runner).
 """
 
@@ -32,7 +28,7 @@ FLOW_RUNNERS: dict[FlowRunner, type[FlowProcessRunner]] = {
 
 
 def runner_for(cfg: RunConfig, stage: str) -> Runner:
-    """The runner of `stage` in the run `cfg` describes (module docstring)."""
+    """The runner of `stage` in the run `cfg` describes."""
     record = stage_named(stage)
     if record.flow_runner is not None:
         resources = FlowResources.of(cfg)

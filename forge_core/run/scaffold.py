@@ -1,28 +1,16 @@
-"""The one worker scaffold: what every stage run does around its body, wherever it runs (a launched worker, a
-thread of the task's process, an order to the flow's trainer group).
+"""The one worker scaffold: what every stage run does around its body, wherever it runs.
 
     run_spec(spec)                  # a worker: config validated from the spec (a process boundary)
     run_spec(spec, cfg)             # the task's process: the task's RunConfig object, not validated again
     run_spec(spec, process_group=dist, started=t0)   # a trainer rank: its process group stays up
+    ctx = stage_context(spec)       # tests and tools: the checked context alone (None when committed)
 
-`run_spec` (1) starts the stage's clock (the manifest's `wall_s` counts from here), (2) has the config once
-(validated from the spec, or the object handed over) and builds the store, (3) ends at once when the output is
-already committed, (4) verifies what the stage reads from outside the store against its planned fingerprints
-(forge_core.run.external), (5) checks every input the stage names in the registry (forge_core.stages): a
-required one must be given, and each given one must be a committed artifact of a kind the stage accepts
-(forge_core.artifacts.inputs), (6) gives the body a private work folder, removed afterwards, (7) calls the
-stage's entry ("module:function", imported here) with a `StageContext`, and (8) counts a lost commit race as
-done: two attempts of one stage can race (two runs of one config, a zombie of a dead flow, a stage past its
-deadline); the storage layer lets exactly one commit win, and the output is content-addressed, so the loser's
-work is the winner's.
-
-What only a worker process needs (log format, the fault-injection stage name, the owner guard) is
-`worker_process_setup`, called by `python -m forge_core.run` and by the trainer group's ranks alike.
-
-Tests and tools that drive a stage's parts themselves take the checked context without running the body:
-
-    ctx = stage_context(spec)       # None when the output is already committed
-    plan = plan_rollout(ctx)
+`run_spec` (1) starts the stage's clock (the manifest's `wall_s`), (2) has the config and builds the store,
+(3) ends at once when the output is already committed, (4) verifies external inputs against their planned
+fingerprints, (5) checks every declared input: required ones given, each a committed artifact of an accepted
+kind, (6) gives the body a private work folder, removed afterwards, (7) calls the stage's entry with a
+`StageContext`, and (8) counts a lost commit race as done: outputs are content-addressed, so the loser's work
+is the winner's.
 """
 
 from __future__ import annotations
@@ -51,11 +39,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class HeldPolicy:
-    """What a long-lived trainer rank keeps of its last training stage: the engine it trained (its weights on
-    this rank) and the stage artifact that committed them, so that the weights can be streamed to the rollout
-    engines without the store (forge_core.run.weight_sync), and the next GRPO stage of the group trains on from
-    them instead of loading the export. A stage takes or drops what is held before it builds its own engine, so
-    a rank never holds two models."""
+    """What a long-lived trainer rank keeps of its last training stage: the engine and the artifact that
+    committed its weights, for a weight push (forge_core.run.weight_sync) and for the next GRPO stage to train on.
+    A stage takes or drops it before building its own engine, so a rank never holds two models."""
 
     def __init__(self) -> None:
         self.engine: Any = None
@@ -68,8 +54,7 @@ class HeldPolicy:
         self.engine = self.stage_uri = None
 
     def take(self, stage_uri: str) -> Any:
-        """The held engine when it holds the weights `stage_uri` committed (the next stage trains on from them),
-        else None; either way nothing is held afterwards."""
+        """The held engine when it holds the weights `stage_uri` committed, else None; nothing is held afterwards."""
         engine = self.engine if self.stage_uri == stage_uri.rstrip("/") else None
         self.drop()
         return engine
@@ -77,7 +62,7 @@ class HeldPolicy:
 
 @dataclass(frozen=True)
 class StageContext:
-    """One stage run, checked and ready for its body (module docstring)."""
+    """One stage run, checked and ready for its body."""
 
     spec: StageSpec
     stage: Stage
@@ -86,8 +71,7 @@ class StageContext:
     started: float  # time.perf_counter() when the run began: the manifest's wall_s counts from here
     input_kinds: dict[str, str]  # {input name: the kind of the committed artifact given for it}
     work_folder: Path | None = None  # set by run_spec: private, removed when the body returns
-    # A process group a trainer rank keeps up across its stages (forge_core.run.trainer_group); None = the stage
-    # makes its own if it needs one (forge_core.run.training).
+    # A process group a trainer rank keeps up across its stages; None = the stage makes its own if it needs one.
     process_group: Any = None
     # Where such a rank keeps the policy its last stage trained (HeldPolicy); None = nothing outlives the stage.
     held: HeldPolicy | None = None
@@ -98,7 +82,7 @@ class StageContext:
 
     @property
     def inputs(self) -> dict[str, str]:
-        """{input name: URI} as given: each committed and of an accepted kind (what manifests record)."""
+        """{input name: URI} as given (each committed and of an accepted kind)."""
         return dict(self.spec.inputs)
 
     @property
@@ -167,7 +151,7 @@ def stage_context(
 
 
 def required_input(spec: StageSpec, declared: StageInput) -> str:
-    """The URI the spec gives for a required input; ValueError naming it and what it should be otherwise."""
+    """The URI the spec gives for a required input; ValueError naming what it should be otherwise."""
     uri = spec.inputs.get(declared.name)
     if not uri:
         raise ValueError(
@@ -185,7 +169,7 @@ def run_spec(
     process_group: Any = None,
     held: HeldPolicy | None = None,
 ) -> None:
-    """Run the stage `spec` names, with the scaffold around its body (module docstring)."""
+    """Run the stage `spec` names, with the scaffold around its body."""
     ctx = stage_context(spec, cfg, started=started, process_group=process_group, held=held)
     if ctx is None:
         return
@@ -217,10 +201,9 @@ def stage_body(stage: Stage) -> Callable[[StageContext], None]:
 
 
 def worker_process_setup(stage: str) -> None:
-    """What a launched worker process does before its stage or job: its log format on stderr, the stage name
-    that FORGE_FAULT entries ending in @<stage> match (forge_core.faults), and, under forge_core.launch
-    (FORGE_LAUNCH_OWNER set), the owner guard: the launch ends itself within ~2 s once the launching process
-    is gone, and no commit is published meanwhile (forge_core.launch.owner)."""
+    """Set up a launched worker process: log format on stderr, the stage name FORGE_FAULT's `@<stage>` matches,
+    and under forge_core.launch the owner guard (the launch ends itself once the launching process is gone, and
+    no commit is published meanwhile)."""
     from forge_core.faults import set_current_stage
     from forge_core.launch.guard import guard_launched_worker
     from forge_core.launch.owner import check_owner_alive

@@ -1,19 +1,15 @@
 """The SFT stage (one process per rank under torchrun, or one plain process):
 
     torchrun --standalone --nproc-per-node 2 -m forge_core.run sft --spec <output_uri>/_specs/<attempt>.json
-    python -m forge_core.run sft --spec <output_uri>/_specs/<attempt>.json          # world size 1
 
-Inputs: `data`, a committed `data` artifact (sft.parquet + tokenizer/), checked by the scaffold. Optional
-`model.hf_path` (local folder or storage URI of an HF folder) to start from instead of random init.
-Output: `<output_uri>/policy` (a committed `policy` artifact: HF folder with the tokenizer files) holding the
-selected weights (sft.select: the last step's, or the best validation's), in-stage checkpoints under
-`<output_uri>/_checkpoints/step-<N>`, and finally the `sft` artifact at `<output_uri>` (train_summary.json;
-manifest metrics: final loss, steps run, the selected step and why (`selected_by`: last / best / early_stop),
-its validation loss and exact match, the validation curve, tokens/s, wall time, policy URI).
-Validation rows are `sft.eval_rows` rows of sft.parquet held out from training (never rows of the eval split);
-exact match is decided by `sft.verifier` against the table's ground_truth column, scored the way the rollout
-stages score (isolated reward workers: rollout.reward_timeout_s / reward_workers).
-A rerun resumes from the newest committed checkpoint; an already committed output is left alone.
+Input: `data`, a committed `data` artifact (sft.parquet + tokenizer/); optional `model.hf_path` (local folder or
+storage URI of an HF folder) to start from instead of random init.
+Output: `<output_uri>/policy` (a committed `policy` artifact with the tokenizer files) holding the weights
+`sft.select` chose (last step or best validation), checkpoints under `_checkpoints/step-<N>`, and the `sft`
+artifact (train_summary.json; metrics include the selected step and `selected_by`: last / best / early_stop).
+Validation rows are `sft.eval_rows` rows of sft.parquet held out from training; exact match is decided by
+`sft.verifier` against ground_truth, scored in isolated reward workers as the rollout stages do.
+A rerun resumes from the newest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ def _read_data_artifact(ctx: StageContext) -> SFTInputs:
 
 
 def _exact_match(cfg: RunConfig, data: SFTData, inputs: SFTInputs) -> GreedyExactMatch | None:
-    """The validation's exact-match scorer (forge_core.trainers.validation), or None without sft.verifier or
-    validation rows."""
+    """The validation's exact-match scorer, or None without sft.verifier or validation rows."""
     if cfg.sft.verifier is None or not data.eval_rows:
         return None
     if data.eval_ground_truths is None:
@@ -131,7 +126,7 @@ def _vocab_size(cfg: RunConfig, inputs: SFTInputs, checkpoint: HFModelInfo | Non
 
 
 def train(ctx: StageContext) -> None:
-    """Train, export `<output_uri>/policy`, commit the `sft` artifact (see the module docstring)."""
+    """Train, export `<output_uri>/policy`, commit the `sft` artifact."""
     cfg = ctx.cfg
     inputs = _read_data_artifact(ctx)
     data = SFTData.from_table(inputs.table, cfg.sft.eval_rows, cfg.seed, where=f"{inputs.data_uri}/{SFT_TABLE}")

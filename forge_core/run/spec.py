@@ -1,19 +1,12 @@
 """StageSpec: everything a worker needs to run one stage, stored as `<output_uri>/_specs/<attempt>.json`.
 
-The task side writes it, the worker side reads it:
-
     uri = write_spec(store, StageSpec(stage="sft", config=config_to_dict(cfg), inputs={"data": data_uri},
                                       output_uri=out_uri, params={}))
-    # ... python -m forge_core.run sft --spec <uri>
-    spec = read_spec(uri)            # in the worker
-    cfg = spec.run_config()          # validated RunConfig (ConfigError lists every problem): once, by the
-                                     # worker scaffold (forge_core.run.scaffold); a stage run in the task's
-                                     # process gets the task's RunConfig object instead
+    spec = read_spec(uri)            # in the worker (python -m forge_core.run sft --spec <uri>)
+    cfg = spec.run_config()          # validated RunConfig (ConfigError lists every problem)
 
-The spec sits inside the output prefix but is not part of the artifact: only files written through the
-artifact writer are listed in `_MANIFEST.json`. Each task attempt (`attempt`, forge_core.storage.new_attempt_id)
-writes its own spec object, so two runs racing on one stage never overwrite each other's spec; a spec without an
-attempt (written by hand or by older code) lives at `<output_uri>/_spec.json`.
+The spec is not part of the artifact (not in `_MANIFEST.json`). Each task attempt writes its own spec object,
+so racing runs never overwrite each other's; a spec without an attempt lives at `<output_uri>/_spec.json`.
 """
 
 from __future__ import annotations
@@ -39,11 +32,9 @@ _OPTIONAL_FIELDS = ("attempt", "fingerprints")
 class StageSpec:
     """One stage run: which stage, the full config (as a dict), input artifact URIs, output URI, params.
 
-    `params` carries stage-specific values that are not config, e.g. `{"iteration": 3}`; they must be JSON.
-    `attempt` names the task attempt that launched the worker ("" = none); it also names the spec object.
-    `fingerprints`: the content fingerprints of what the stage reads from outside the store
-    (`{"data.source": sha256}`, forge_core.run.external), which its key was computed from; the worker checks
-    them before it reads.
+    `params`: stage-specific JSON values that are not config, e.g. `{"iteration": 3}`.
+    `attempt`: the task attempt that launched the worker ("" = none); it also names the spec object.
+    `fingerprints`: what the stage reads outside the store, as its key was computed (forge_core.run.external).
     """
 
     stage: str
@@ -144,12 +135,8 @@ def write_spec(store: ObjectStore, spec: StageSpec) -> str:
 
 
 def read_spec(uri: str, storage_cfg: StorageConfig | None = None) -> StageSpec:
-    """Read a spec by URI (file://, s3://, memory:// or a local path).
-
-    `storage_cfg` supplies the S3 endpoint/region/retries (its `root` is not used: the URI names the store);
-    without it the standard endpoint environment variables apply (see forge_core.storage).
-    Raises FileNotFoundError naming the URI when there is no spec.
-    """
+    """Read a spec by URI (file://, s3://, memory:// or a local path); FileNotFoundError naming it when absent.
+    `storage_cfg` supplies the S3 endpoint, region and retries; without it the standard environment applies."""
     from forge_core.storage import ObjectStore
 
     folder = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else "."

@@ -4,23 +4,13 @@ one actor per rank on `launch.grpo.nnodes` nodes of GRPO's pool, one process gro
     runner = runner_for(cfg, "grpo")        # a TrainerGroupRunner: each GRPO stage is an order to the group
     result = runner.run(plan, log, cancel)  # the runner interface: deadline, cancel, classification
 
-The first GRPO stage of a flow run places the group: a placement group of `nnodes` bundles (STRICT_SPREAD),
-each holding `nproc_per_node` rank actors (forge_core.compute.actors.HostGroup) with `gpus_per_node /
-nproc_per_node` GPUs each, which Ray assigns (each rank sees only its own, so its LOCAL_RANK is 0 on a GPU
-node). Rank 0's node hosts the rendezvous on a free port; every rank joins it once, with torch's env://
-variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and keeps its process group, imports and process for
-every later iteration. An order is the stage's spec URI, run by every rank at once through the worker scaffold
-(forge_core.run.scaffold.run_spec: the same body as a GRPO launch, forge_core.run.grpo.train, which commits the
-iteration's artifact on rank 0 and resumes from its newest in-stage checkpoint). Rank 0's log lines, and the
-others' warnings, reach the stage's log while it runs.
+The first GRPO stage of a run places the group; each rank sees only its own GPUs (LOCAL_RANK 0 on a GPU node),
+joins one env:// rendezvous on rank 0's node, and keeps its process group and process for later iterations. An
+order is the stage's spec URI, run by every rank at once through run_spec.
 
-Failures: a rank whose actor or node died makes the attempt RETRYABLE, naming it; a rank's own exception is
-classified as a worker's would be (a user error FATAL with its fix). Either way, and on a deadline or a cancel,
-the whole group is ended (a rank may be waiting in a collective that will never complete), and the next order
-places a new group on whatever nodes the pool has then. Past the deadline the result names the rank that made
-no progress, from the ranks' heartbeats (forge_core.launch.heartbeat). The actors are owned by the flow process:
-Ray ends them when it dies. What a GRPO stage commits records `placement` with `served_by: trainer`, the pool,
-each node and each rank's node.
+A dead rank makes the attempt RETRYABLE; a rank's own exception is classified as a worker's would be. Either
+way, and on a deadline or cancel, the whole group is ended (a rank may be waiting in a collective that never
+completes) and the next order places a new one. Ray ends the actors when the flow process dies.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 class TrainerRank:
-    """One rank of the trainer group, in its actor on its node (module docstring)."""
+    """One rank of the trainer group, in its actor on its node."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int) -> None:
         worker_process_setup("grpo")
@@ -94,15 +84,15 @@ class TrainerRank:
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
                 PLACEMENT_ENV: json.dumps(placement, sort_keys=True),
-                # Collectives time out after an order's deadline (each starts within an order): the runner's
-                # deadline ends a hung order first, naming the rank (forge_core.engine.distributed).
+                # Collectives time out only after an order's deadline, so the runner's deadline ends a hung order
+                # first, naming the rank.
                 DEADLINE_ENV: str(self.cfg.launch.grpo.deadline_s),
             }
         )
         self.dist = init_distributed(self.cfg.training.device)
 
     def run(self, spec_uri: str, log: LogSink) -> None:
-        """Run one order: the GRPO stage `spec_uri` names, on this rank (module docstring)."""
+        """Run one order: the GRPO stage `spec_uri` names, on this rank."""
         started = time.perf_counter()
         spec = read_spec(spec_uri, self.cfg.storage)
         if stage_named(spec.stage).flow_runner != TrainerGroupRunner.serves:
@@ -115,8 +105,7 @@ class TrainerRank:
         return self.held.stage_uri
 
     def push_weights(self, push: WeightPush) -> float:
-        """Stream the held policy to the engines of `push` (every rank at once: forge_core.run.weight_sync);
-        the seconds it took."""
+        """Stream the held policy to the engines of `push` (collective); the seconds it took."""
         return push_held_weights(self.held, push)
 
     def heartbeat(self) -> Heartbeat | None:
@@ -131,7 +120,7 @@ class TrainerRank:
 @contextlib.contextmanager
 def _forwarded_records(sink: LogSink, rank: int):
     """While the block runs: the process's `forge_core` records go to `sink` (rank 0's from INFO, the other
-    ranks' from WARNING, prefixed with their rank), as a launch's output lines would."""
+    ranks' from WARNING, prefixed with their rank)."""
     handler = logging.Handler(logging.INFO if rank == 0 else logging.WARNING)
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
@@ -165,7 +154,7 @@ class GroupShape:
 
 
 class TrainerGroup:
-    """The run's trainer ranks on their nodes (module docstring)."""
+    """The run's trainer ranks on their nodes."""
 
     call_timeout_s = TRAINER_RANK_CALL_S
 
@@ -174,8 +163,7 @@ class TrainerGroup:
         self.group = group
         self.ranks = ranks
         self.placement = placement
-        # Held by an order while it runs and by a weight push (forge_core.run.weight_sync): the ranks do one at a
-        # time, since both are collectives of every rank.
+        # Held by an order and by a weight push: both are collectives of every rank, so one at a time.
         self.busy = threading.Lock()
 
     @classmethod
@@ -229,8 +217,8 @@ class TrainerGroup:
         return next((why for rank in self.ranks if (why := rank.lost()) is not None), None)
 
     def probe(self) -> tuple[dict[int, Heartbeat], dict[int, str]]:
-        """Ask every rank at once (each bounded by TRAINER_RANK_CALL_S): the last heartbeat of each that answered, and why
-        each one whose actor or node died is gone. A rank that is only slow to answer is in neither."""
+        """Ask every rank at once (each bounded by TRAINER_RANK_CALL_S): the last heartbeat of each that
+        answered, and why each dead one is gone. A rank that is only slow to answer is in neither."""
 
         def ask(k: int) -> tuple[int, Heartbeat | None, str | None]:
             rank = self.ranks[k]
@@ -249,7 +237,7 @@ class TrainerGroup:
         return beats, {k: why for k, _, why in answers if why is not None}
 
     def stall(self, event: str) -> str:
-        """Which rank stopped making progress, from the live ranks' heartbeats (forge_core.launch.heartbeat)."""
+        """Which rank stopped making progress, from the live ranks' heartbeats."""
         beats, _ = self.probe()
         return stall_note(beats, range(len(self.ranks)), time.time(), event, when_level=False)
 
@@ -259,8 +247,8 @@ class TrainerGroup:
 
 
 def _end(ranks: list[Hosted], group: HostGroup, failing: bool) -> None:
-    """End `ranks` and give `group` back. A failing group's ranks may sit in a collective that never completes,
-    so they are ended at once; at a normal end each first leaves its process group (TRAINER_CLOSE_S)."""
+    """End `ranks` and give `group` back: at once when failing (a rank may sit in a collective that never
+    completes), else each first leaves its process group (TRAINER_CLOSE_S)."""
 
     def end(rank: Hosted) -> None:
         if failing:
@@ -292,8 +280,8 @@ def _placement_record(cfg: RunConfig, shape: GroupShape, ranks: list[Hosted]) ->
 
 
 def ensure_trainer_group(resources: FlowResources, log_line: LogSink) -> TrainerGroup:
-    """The run's live trainer group, placed now when there is none (or the one there has other launch settings
-    or lost a rank). Placed outside the slot's lock: a stop must not wait out the placement wait."""
+    """The run's live trainer group, placed now when there is none (or it has other launch settings or lost a
+    rank). Placed outside the slot's lock: a stop must not wait out the placement wait."""
     cfg = resources.cfg
     cluster = resources.cluster()
     shape = GroupShape.of(cfg, cluster)
@@ -323,7 +311,7 @@ def forget_trainer_group(resources: FlowResources, trainer: TrainerGroup) -> Non
 
 
 class TrainerGroupRunner(FlowProcessRunner):
-    """A GRPO stage as an order to the run's trainer group (module docstring)."""
+    """A GRPO stage as an order to the run's trainer group."""
 
     serves = "trainer_group"
 
@@ -345,7 +333,7 @@ class _Order:
         self.trainer = trainer
         self.plan = plan
         self._resources = resources
-        # A weight push in progress ends first (seconds; each of its steps is bounded by weight_sync.timeout_s).
+        # A weight push in progress ends first (each of its steps is bounded by weight_sync.timeout_s).
         self._holding = trainer.busy.acquire(timeout=4 * resources.cfg.rollout.weight_sync.timeout_s)
         self._started = time.monotonic()
         self._calls = [rank.stream("run", plan.spec_uri, log_sink=log) for rank in trainer.ranks]
@@ -380,9 +368,8 @@ class _Order:
         return None
 
     def _failed(self, k: int, exc: BaseException) -> LaunchResult:
-        """The order's result once rank `k`'s call ended with `exc`. A rank's own error may follow from a peer
-        that died (its collective broke), so the group is probed first: a rank whose actor or node is gone makes
-        the attempt RETRYABLE, naming it; otherwise `exc` is classified as a worker's would be."""
+        """The order's result once rank `k`'s call ended with `exc`. The group is probed first, since a rank's
+        error may follow from a dead peer: a lost rank makes it RETRYABLE; else `exc` is classified."""
         _, gone = self.trainer.probe()
         self._release()
         forget_trainer_group(self._resources, self.trainer)

@@ -1,6 +1,5 @@
-"""What the training stages (SFT, GRPO) share around their trainer, written once: the process group, the engine,
-the trainer's metric sink, checkpointer and artifact context, and the end (export the policy, commit the stage
-on rank 0, with `wall_s` from the scaffold's clock).
+"""What the training stages (SFT, GRPO) share around their trainer: the process group, the engine, the trainer's
+metric sink, checkpointer and artifact context, and the end (export the policy, commit on rank 0).
 
     with training_process_group(ctx) as dist:               # the job's, kept up; or one for this stage alone
         run = TrainingRun(ctx, dist, lineage, run_name=f"{ctx.cfg.name}-sft")
@@ -65,11 +64,10 @@ class TrainingRun:
         checkpoint: HFModelInfo | None = None,
         weights_of: str | None = None,
     ) -> Engine:
-        """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder (built
-        with `checkpoint`'s architecture: what its config.json says) or from the seed. `weights_of`: the stage
-        that committed that folder; when this rank holds the engine that trained it (a trainer group's last
-        stage, HeldPolicy) with this model config, that engine is restarted (Engine.restart) instead of a new
-        one built and loaded. Whatever else the rank held is dropped first."""
+        """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder (with
+        `checkpoint`'s architecture) or from the seed. `weights_of`: the stage that committed that folder; when
+        this rank holds the engine that trained it with this model config, that engine is restarted instead of
+        a new one built. Whatever else the rank held is dropped first."""
         config = Engine.Config.from_run_config(
             self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir, checkpoint=checkpoint
         )
@@ -83,8 +81,7 @@ class TrainingRun:
         return config.build()
 
     def trainer_parts(self, engine: Engine) -> dict:
-        """The trainer's keyword arguments every training stage passes: metric sink, in-stage checkpointer,
-        and the context its exported policy is committed under."""
+        """The trainer's keyword arguments: metric sink, in-stage checkpointer, artifact context."""
         ctx = self.ctx
         return {
             "sink": build_sinks(ctx.cfg.logging, self.run_name, engine.dist.rank, config=ctx.config),
@@ -97,9 +94,9 @@ class TrainingRun:
     def finish(
         self, trainer: TitanTrainer, metrics: dict, tokenizer_dir: str | None, steps: list | None = None
     ) -> dict:
-        """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics`
-        plus the policy URI, the export's seconds (`phase/export_s`), the engine's layout and `wall_s`;
-        `train_summary.json` holds those metrics (and, given `steps`, every step's). Returns the stage's metrics."""
+        """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics` plus
+        the policy URI, `phase/export_s`, the engine's layout and `wall_s`; `train_summary.json` holds them (and,
+        given `steps`, every step's). Returns the stage's metrics."""
         ctx = self.ctx
         export = PhaseClock()
         policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics)

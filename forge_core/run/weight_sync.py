@@ -1,25 +1,16 @@
-"""A new policy from the flow's trainer group to its engines without the store (`rollout.weight_sync.transport:
-group`).
+"""A new policy from the flow's trainer group to its engines without the store
+(`rollout.weight_sync.transport: group`).
 
     router = engines.serve(policy, stage, push=trainer_pusher(resources, policy))   # forge_core.run.engines
 
-When a rollout or evaluate stage asks the run's engines to serve a policy that the run's trainer group holds (its
-last GRPO order trained and committed it: forge_core.run.scaffold.HeldPolicy), the engines that serve another
-version receive it from the trainer ranks: each engine from a trainer rank on its own node (from rank 0 when its
-node has none), one transfer group per such sender (forge_core.rollout.weight_transfer: vLLM's weight-transfer API,
-its gloo backend; the buckets go through shared memory when all of a sender's engines share its node). Every
-trainer rank takes part, since gathering a sharded parameter is a collective of the ranks; a sender streams the
-gathered parameters, in the dtype and under the names of the exported policy, in buckets of
-`rollout.weight_sync.bucket_mb` to its engines, which load them in place and then serve the policy's version: the
-same tensors the store holds, so the same version. A group lives for one push, so an engine that was restarted
-since simply takes part in the next.
+When the engines must serve a policy the trainer group holds (HeldPolicy), each engine behind gets it from a
+trainer rank on its node (else rank 0) over vLLM's weight-transfer API (gloo, or shared memory when all of a
+sender's engines share its node). Every rank takes part, since gathering a sharded parameter is a collective;
+the tensors sent are the export's (dtype and names), so the engines serve the same version as the store.
 
-A push needs the trainer group idle: it waits for nothing and leaves the engines to the store while an order
-runs (an asynchronous run trains while it samples). A push that fails (an engine or a rank lost, a member past
-`rollout.weight_sync.timeout_s`) is logged, the trainer group is ended (a rank may wait in a gather that never
-completes; the next GRPO order places a new one), the engines that took part are marked failed (part of their
-weights may be new), and `EngineActors.serve` then restarts them and brings every engine to the policy from the
-store, as it does without a trainer.
+A push needs the trainer group idle, else the engines take the store's copy. A failed push ends the trainer
+group (a rank may wait in a gather that never completes) and marks the engines that took part failed (part of
+their weights may be new), so `EngineActors.serve` restarts them from the store.
 """
 
 from __future__ import annotations
@@ -73,9 +64,9 @@ class WeightPush:
 
 
 class HeldPolicySource:
-    """vLLM's WeightSource over a trainer's model, named as in the exported HF folder (forge_core.models.hf):
-    `metadata` declares the export dtype, what travels; iteration yields each parameter gathered (a collective of
-    the trainer's ranks) but not cast, since the gloo sender casts as it packs (one copy, not two)."""
+    """vLLM's WeightSource over a trainer's model, named as in the exported HF folder: `metadata` declares the
+    export dtype; iteration yields each parameter gathered (collective) but not cast, since the gloo sender casts
+    as it packs."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -131,11 +122,7 @@ class EngineGroupClient:
 
 
 def push_held_weights(held: HeldPolicy, push: WeightPush) -> float:
-    """This rank's part in `push` (module docstring): the seconds it took.
-
-    Raises:
-        RuntimeError: the rank holds another policy than the push's (the flow asked the wrong group).
-    """
+    """This rank's part in `push`: the seconds it took; RuntimeError when it holds another policy."""
     from forge_core.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInit
 
     if held.engine is None or held.stage_uri != push.stage_uri.rstrip("/"):
@@ -163,16 +150,15 @@ def push_held_weights(held: HeldPolicy, push: WeightPush) -> float:
 
 
 def trainer_pusher(resources: FlowResources, policy: PolicyRef):
-    """The `push` of EngineActors.serve for `policy` (module docstring); None when weights go through the store
-    (`rollout.weight_sync.transport: store`)."""
+    """The `push` of EngineActors.serve for `policy`; None with `rollout.weight_sync.transport: store`."""
     if resources.cfg.rollout.weight_sync.transport != "group":
         return None
     return lambda behind: push_policy(resources, behind, policy)
 
 
 def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> float | None:
-    """Bring the engines `behind` (HostedEngines serving another version) to `policy` from the run's trainer group
-    when it holds it; the seconds it took, None when the group does not hold it, is busy or the push failed."""
+    """Bring the engines `behind` to `policy` from the run's trainer group; the seconds it took, None when the
+    group does not hold it, is busy, or the push failed."""
     with resources.lock:
         trainer = resources.trainer_group
     if trainer is None or trainer.lost() is not None:
@@ -209,10 +195,8 @@ def push_policy(resources: FlowResources, behind: list, policy: PolicyRef) -> fl
 
 
 def _push(trainer: Any, behind: list, policy: PolicyRef, rollout: Any) -> tuple[float, str]:
-    """Every rank's part at once: an engine goes to the first rank on its node, else to rank 0 (through shared
-    memory when all of a rank's engines share its node). Returns the seconds and who sent to whom
-    ("rank 0 -> engine 0, engine 1, shared memory; rank 1 -> engine 2"). Raises the first rank's error at once: the
-    others may wait in a collective for it, until the caller ends the group."""
+    """Every rank's part at once; returns the seconds and who sent to whom. Raises the first rank's error at
+    once: the others may wait in a collective for it until the caller ends the group."""
     sync = rollout.weight_sync
     first_rank_on = {}
     for k, rank in enumerate(trainer.ranks):
@@ -249,5 +233,5 @@ def _push(trainer: Any, behind: list, policy: PolicyRef, rollout: Any) -> tuple[
             call.result()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    senders = "; ".join(f"rank {k} -> {', '.join(receivers[k])}" for k in sorted(receivers))  # "..., shared memory"
+    senders = "; ".join(f"rank {k} -> {', '.join(receivers[k])}" for k in sorted(receivers))
     return time.monotonic() - started, senders

@@ -16,10 +16,8 @@ class StorageAccessError(StorageError):
 
 
 class StorageUnavailable(StorageError):
-    """A transient failure (connection lost, throttling, 5xx) that persisted through every retry.
-
-    `retryable` tells a task layer that the whole stage may be retried later.
-    """
+    """A transient failure (connection lost, throttling, 5xx) that persisted through every retry; the whole
+    stage may be retried later (`retryable`)."""
 
     retryable = True
 
@@ -44,12 +42,9 @@ class ArtifactNotCommitted(ArtifactError):
 
 
 class ArtifactAlreadyCommitted(ArtifactError):
-    """A writer was opened on (or tried to commit over) an artifact that is already committed.
-
-    `attempt` names the attempt that owns the committed artifact (None when not known, e.g. a format-1
-    manifest). Artifacts are content-addressed, so a stage that loses the commit race can use the winner's
-    artifact at the same `uri`.
-    """
+    """A writer was opened on (or tried to commit over) an artifact that is already committed; `attempt` names
+    the attempt that owns it (None when not known). Artifacts are content-addressed, so a stage that loses
+    the commit race can use the winner's artifact at the same `uri`."""
 
     def __init__(self, message: str, uri: str, attempt: str | None = None) -> None:
         super().__init__(message, uri)
@@ -60,10 +55,8 @@ class ArtifactAlreadyCommitted(ArtifactError):
 
 
 class ArtifactCorrupted(ArtifactError):
-    """A file of a committed artifact is missing, truncated, or does not match its manifest sha256.
-
-    `file` is the path relative to the artifact (or "_MANIFEST.json" when the manifest itself is unreadable).
-    """
+    """A file of a committed artifact is missing, truncated, or does not match its manifest sha256; `file` is
+    its path in the artifact ("_MANIFEST.json" when the manifest itself is unreadable)."""
 
     def __init__(self, message: str, uri: str, file: str) -> None:
         super().__init__(message, uri)
@@ -74,10 +67,8 @@ class ArtifactCorrupted(ArtifactError):
 
 
 class PointerConflict(StorageError):
-    """A compare-and-swap pointer write lost: the pointer moved since the caller read it.
-
-    `current` is the pointer's state now (a `PointerState`); re-read, decide again, and retry with its version.
-    """
+    """A compare-and-swap pointer write lost: the pointer moved since the caller read it. `current` is its
+    `PointerState` now: re-read, decide again, and retry with its version."""
 
     def __init__(self, message: str, current) -> None:
         super().__init__(message)
@@ -91,10 +82,7 @@ class PointerConflict(StorageError):
 
 
 class LeaseLost(StorageError):
-    """The holder of a stage lease found on renewal that another run took the lease over (it had gone stale).
-
-    The work may be done twice meanwhile; exclusive commits keep the artifact whole. `retryable`: a retry finds
-    the other run's commit (and skips) or waits for its lease.
-    """
+    """The holder of a stage lease found on renewal that another run took the stale lease over; exclusive
+    commits keep the artifact whole. `retryable`: a retry finds the other run's commit or waits for its lease."""
 
     retryable = True

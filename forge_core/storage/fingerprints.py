@@ -11,12 +11,11 @@ has the same fingerprint and one rewritten file changes it. Names starting with 
 folders, `_MANIFEST.json`, `_SUCCESS`) are not content and are skipped in folders.
 
 A file's sha256 is cached under what proves its bytes did not change: (path, size, mtime_ns, ctime_ns, inode)
-on a local disk, (path, size, ETag) on S3; other filesystems (http, memory) are hashed every time. A local
-file changed less than `FINGERPRINT_RACY_WINDOW_S` before it was hashed is not cached: file timestamps are coarser than
-writes (git's "racy clean" problem), so a same-size rewrite right after planning is still seen. The cache is
-one JSON file, `$FORGE_HASH_CACHE` (default `$XDG_CACHE_HOME/forgeflow/content-hashes.json`; `off` disables
-it), private to the user, bounded to `MAX_CACHE_ENTRIES` (the oldest entries go first); concurrent writers
-merge, and a lost or corrupt cache only costs a re-hash.
+on a local disk, (path, size, ETag) on S3; other filesystems are hashed every time. A local file changed less
+than `FINGERPRINT_RACY_WINDOW_S` before hashing is not cached: timestamps are coarser than writes (git's
+"racy clean" problem). The cache is one JSON file, `$FORGE_HASH_CACHE` (default
+`$XDG_CACHE_HOME/forgeflow/content-hashes.json`; `off` disables it), private to the user, bounded to
+`MAX_CACHE_ENTRIES` (oldest first out); concurrent writers merge, and a lost or corrupt cache costs a re-hash.
 """
 
 from __future__ import annotations
@@ -70,11 +69,8 @@ def folder_fingerprint(
     names: Iterable[str] | None = None,
     what: str = "folder",
 ) -> str:
-    """Fingerprint of the content files under the folder `uri` (a local path or any fsspec URI).
-
-    `names`: only these top-level file names count (the files a reader actually opens; absent ones are
-    skipped). ValueError naming `what` when the folder does not exist or holds no such file.
-    """
+    """Fingerprint of the content files under the folder `uri` (a local path or any fsspec URI), or of only
+    the `names` present; ValueError naming `what` when the folder does not exist or holds no such file."""
     fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     if not fs.isdir(root):
         raise ValueError(f"{what}={uri}: no such folder; give a local folder or a storage URI of one")

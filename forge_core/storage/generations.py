@@ -1,17 +1,14 @@
 """GenerationLog: a value on an object store that changes by compare-and-swap, on any store.
 
 The value is a series of small JSON objects `<prefix>/g-<n>.json` (n = 1, 2, ...), each created exclusively
-(`ObjectStore.create_exclusive`: a hard link locally, a conditional `PutObject` with `If-None-Match: *` on S3,
-a lock on memory://). The newest generation is the current value. Whoever creates generation n+1 first
-changed the value from generation n; everyone else who read n gets False and must re-read. Object stores list
-strongly consistently (S3 since 2020, MinIO, local disks), so `latest()` sees every created generation.
+(`ObjectStore.create_exclusive`); the newest is the current value. Whoever creates generation n+1 first
+changed the value from generation n; everyone else who read n gets False and must re-read. `latest()` relies
+on the store listing strongly consistently (S3, MinIO, local disks do).
 
     log = GenerationLog(store, store.join(store.root, "_pointers", "promoted-demo"))
     n, record = log.latest()                  # (0, None) before the first write
     if not log.append(n, {"uri": new_uri}):   # someone else wrote generation n+1 first
         ...re-read and decide again
-
-Promotion pointers (store.pointer_*) and stage leases (forge_core.storage.lease) are GenerationLogs.
 """
 
 from __future__ import annotations

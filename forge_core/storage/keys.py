@@ -1,10 +1,8 @@
 """Content-addressed output keys and the code version that goes into them.
 
-`content_key("sft", cfg_dict, {"data": manifest_sha}, code_version())` is the same in every process and on
-every run for the same inputs, and changes when anything in them changes, including forge_core's source and
-the versions of the installed packages that shape results (`RESULT_PACKAGES`: torch, vLLM, torchtitan,
-transformers, ...). What a stage reads from outside the store is keyed by its contents
-(forge_core.storage.fingerprints), not by its path.
+`content_key("sft", cfg_dict, {"data": manifest_sha}, code_version())` is the same in every process and run
+for the same inputs, and changes when anything in them changes, including forge_core's source and the
+versions of the installed packages that shape results (`RESULT_PACKAGES`).
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ ABSENT = "absent"
 
 
 def canonical_json(obj) -> str:
-    """Deterministic JSON: sorted keys, no whitespace, ASCII only, no NaN/inf.
-
-    Raises ValueError naming the offending value for anything that is not plain JSON data (tuples are
-    rejected too: a tuple and a list would otherwise hash the same while meaning different configs).
-    """
+    """Deterministic JSON: sorted keys, no whitespace, ASCII only, no NaN/inf; ValueError naming the value
+    that is not plain JSON data (tuples too: a tuple and a list would hash the same)."""
     _check_plain_json(obj, where="$")
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -72,10 +67,8 @@ def _check_plain_json(obj, where: str) -> None:
 
 
 def content_key(stage: str, config: dict, input_hashes: dict[str, str], code_version: str) -> str:
-    """The output key of a stage: 20 hex chars of sha256 over the canonical JSON of its whole identity.
-
-    `input_hashes` maps input name -> that input's manifest sha256 (`store.manifest_sha256(uri)`).
-    """
+    """The output key of a stage: 20 hex chars of sha256 over the canonical JSON of its whole identity;
+    `input_hashes` maps input name -> that input's manifest sha256 (`store.manifest_sha256(uri)`)."""
     if not isinstance(input_hashes, dict):
         raise TypeError(
             f"input_hashes must be a dict name -> manifest sha256, got {type(input_hashes).__name__}"
@@ -85,10 +78,8 @@ def content_key(stage: str, config: dict, input_hashes: dict[str, str], code_ver
 
 
 def source_tree_hash(root: Path) -> str:
-    """sha256 over (relative path, bytes) of every source file under `root`, in sorted path order.
-
-    Skips `__pycache__` and compiled files, which differ between machines without a code change.
-    """
+    """sha256 over (relative path, bytes) of every source file under `root`, in sorted path order; skips
+    `__pycache__` and compiled files, which differ between machines without a code change."""
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() and _is_source_file(p, root)):
         rel = path.relative_to(root).as_posix()
@@ -103,11 +94,8 @@ def _is_source_file(path: Path, root: Path) -> bool:
 
 
 def code_version(package_versions: Mapping[str, str] | None = None) -> str:
-    """`<forgeflow version>+<12 hex of the forge_core source hash>.<12 hex of the package versions>`.
-
-    `package_versions` maps distribution -> version (default: `installed_package_versions()`, what this
-    process runs with); pass another map to see the key another environment would give.
-    """
+    """`<forgeflow version>+<12 hex of the forge_core source hash>.<12 hex of the package versions>`, for
+    `package_versions` {distribution: version} (default: `installed_package_versions()`)."""
     versions = installed_package_versions() if package_versions is None else dict(package_versions)
     environment = hashlib.sha256(canonical_json(versions).encode("ascii")).hexdigest()
     return f"{_forge_core_version()}.{environment[:_SOURCE_HASH_HEX_CHARS]}"

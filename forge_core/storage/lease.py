@@ -7,20 +7,17 @@
         ...compute and commit...           # renewed every storage.lease_renew_s on a background thread
         lease.check()                      # LeaseLost (retryable) if another run took it over meanwhile
 
-A lease is a GenerationLog (forge_core.storage.generations) at `<root>/_leases/<kind>/<key>/`: every
-acquisition, renewal and release creates the next generation object exclusively, so of two runs that both
-try to move the lease on from generation n exactly one wins, whether they race for a free lease, for a stale
-one, or a taker races the holder's renewal (the holder then learns on renewal that it lost the lease).
+A lease is a GenerationLog at `<root>/_leases/<kind>/<key>/`: every acquisition, renewal and release creates
+the next generation exclusively, so of two runs that both try to move the lease on from generation n exactly
+one wins (a holder that lost to a taker learns so on its next renewal).
 
 Staleness is judged without trusting clocks across machines: a waiter takes a lease over when it has seen
-the same generation for `storage.lease_ttl_s` seconds of its own monotonic clock (the holder renews every
-`storage.lease_renew_s`, well inside the TTL). A released lease (its holder ended without committing) is free
-at once, and so is one whose holder is known to be gone: an earlier attempt of the same `owner` (the Prefect
-task run whose retry this is: its attempts run one after the other, so the earlier one has ended even if it
-could not release, say during a storage outage), or a holder process on this host that no longer runs (a
-flow run killed or cancelled on this machine; the record names host, PID namespace and boot, pid and the
-process's start time, so a reused pid, or a live holder in another PID namespace under the same host name,
-does not count). After the key is committed its lease objects are deleted.
+the same generation for `storage.lease_ttl_s` of its own monotonic clock (the holder renews every
+`storage.lease_renew_s`, well inside the TTL). A lease is free at once when released (its holder ended
+without committing) or when its holder is known to be gone: an earlier attempt of the same `owner` (attempts
+of one task run are sequential, so it has ended even if it could not release), or a process of this host,
+PID namespace and boot that no longer runs (matched by pid and start time). After the key is committed its
+lease objects are deleted.
 
 The lease only avoids duplicate work; correctness never depends on its timing: exclusive manifest creation
 (ArtifactWriter.commit) keeps an artifact whole even when two runs compute it at once.
@@ -122,7 +119,6 @@ class Lease:
 
     def release(self) -> None:
         """Give the lease up: delete it when the key is committed, else mark it released (free at once).
-
         Never raises: a lease that cannot be released goes stale by itself after `ttl_s`."""
         try:
             if self._is_done():
@@ -183,9 +179,8 @@ _PID_NAMESPACE = _pid_namespace()
 
 def _holder_gone(record: dict, owner: str | None) -> bool:
     """Whether the holder is known to have ended: an earlier attempt of `owner`, or a process of this host, PID
-    namespace and boot that no longer runs (a pid reused by another process does not count as the holder).
-    A holder in another PID namespace (a container or a hostNetwork pod with this host name) cannot be seen
-    from here: only the TTL decides."""
+    namespace and boot that no longer runs (a reused pid does not count). A holder in another PID namespace
+    under this host name cannot be seen from here: only the TTL decides."""
     if owner is not None and record.get("owner") == owner:
         return True
     if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
@@ -215,13 +210,12 @@ def acquire_lease(
     clock: Callable[[], float] = time.monotonic,
     owner: str | None = None,
 ) -> Lease | None:
-    """Take the lease on `key_uri` for `holder`, waiting while another live holder has it.
+    """Take the lease on `key_uri` for `holder`, waiting (polling every `renew_s`) while a live holder has it.
 
     Returns the held Lease, or None as soon as `is_done()` (e.g. "the key is committed") becomes true while
-    waiting. `on_wait(record)` is called whenever a new holder is seen holding the lease. `ttl_s` and
-    `renew_s` default to the store's `lease_ttl_s` / `lease_renew_s` (the waiting poll interval is `renew_s`).
-    `owner` (optional) names what the holder's attempts belong to; a lease held by an earlier attempt of the
-    same owner is taken at once (see the module docstring).
+    waiting. `on_wait(record)` is called whenever a new holder is seen. `ttl_s` and `renew_s` default to the
+    store's `lease_ttl_s` / `lease_renew_s`. `owner` names what the holder's attempts belong to: a lease held
+    by an earlier attempt of the same owner is taken at once.
     """
     ttl_s = store.lease_ttl_s if ttl_s is None else ttl_s
     renew_s = store.lease_renew_s if renew_s is None else renew_s

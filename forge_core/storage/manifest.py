@@ -2,14 +2,13 @@
 
 Fields: format_version, kind, stage, key, attempt, files {rel: {size, sha256}}, schema {table_rel: arrow
 schema string}, config, inputs {name: {uri, manifest_sha256}}, code_version, host, created_at, committed_at,
-metrics, placement (where a stage run on the Ray cluster ran: forge_core.run.cluster_runner and
-forge_core.run.trainer_group put its record into the workers' environment as FORGE_PLACEMENT; null for a worker
-started by hand; optional when read).
+metrics, placement (where the writing process ran on the Ray cluster, see `current_placement`; null when
+unknown; optional when read).
 
 Layout (format 2): every writer (attempt) writes its files under its own prefix `<uri>/_attempts/<attempt>/`,
 and the manifest names the attempt whose files it lists, so two writers of one key never touch each other's
-bytes and the one whose manifest was created first owns the artifact. Format 1 manifests (no `attempt`) list
-files at the artifact root; they are still read.
+bytes and the one whose manifest was created first owns the artifact. Format 1 manifests (no `attempt`, files
+at the artifact root) are still read.
 """
 
 from __future__ import annotations
@@ -34,13 +33,13 @@ _ATTEMPT_STAMP = "%Y%m%dT%H%M%SZ"
 _ATTEMPT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Part of every temporary object name (atomic local replaces, downloads); never adopted or listed as data.
 TEMP_MARKER = ".forge-tmp-"
-# A JSON object: where the process writing artifacts runs on the Ray cluster (pool, nodes with their Ray node ids,
-# hosts and GPUs; forge_core.run.cluster_runner, forge_core.run.trainer_group); recorded in every manifest it writes.
+# A JSON object: where the process writing artifacts runs on the Ray cluster (pool, nodes with their Ray node
+# ids, hosts and GPUs); recorded in every manifest it writes.
 PLACEMENT_ENV = "FORGE_PLACEMENT"
 
 
-# A placement record for the commits of one stage that runs on a thread of a process serving several (a stage
-# whose engines are Ray actors: forge_core.run.engines); it wins over FORGE_PLACEMENT.
+# The placement of one stage's commits when it runs on a thread of a process serving several; it wins over
+# FORGE_PLACEMENT.
 _stage_placement: ContextVar[dict | None] = ContextVar("forge_stage_placement", default=None)
 
 

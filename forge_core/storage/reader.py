@@ -153,10 +153,8 @@ class ArtifactReader:
         return dest
 
     def download_dir(self, rel_prefix: str, local_dir: str | os.PathLike) -> Path:
-        """Copy every file under `rel_prefix` (e.g. "policy") into `local_dir`, keeping relative paths.
-
-        Returns `local_dir`. Raises FileNotFoundError when the artifact has no file under the prefix.
-        """
+        """Copy every file under `rel_prefix` (e.g. "policy") into `local_dir`, keeping relative paths;
+        returns `local_dir`. FileNotFoundError when the artifact has no file under the prefix."""
         prefix = _dir_prefix(rel_prefix)
         names = self.files(rel_prefix)
         if not names:

@@ -1,15 +1,13 @@
 """One retry policy for every storage call: exponential backoff on transient errors, fail fast otherwise.
 
 A transient failure (connection refused or reset, timeouts, throttling, 5xx) is retried with backoff
-`storage.retry_backoff_s * 2**n` (at most `STORAGE_RETRY_MAX_SLEEP_S` between tries) until BOTH budgets are spent: at least
-`storage.retries` retries, and retries for at least `storage.retry_horizon_s` seconds since the call first
-failed. The horizon (default 300 s) is what rides out an S3 brown-out or a restarting MinIO in the task process
-and in workers alike; the count keeps a few quick retries when the horizon is set to 0 (tests). What still
-fails then raises `StorageUnavailable`, which is retryable for a stage (forge_core.launch.errors). Access
+`storage.retry_backoff_s * 2**n` (at most `STORAGE_RETRY_MAX_SLEEP_S` between tries) until BOTH budgets are
+spent: at least `storage.retries` retries, and at least `storage.retry_horizon_s` seconds since the call
+first failed. The horizon rides out an S3 brown-out or a restarting MinIO; the count keeps a few quick
+retries when the horizon is 0. What still fails raises `StorageUnavailable` (retryable for a stage); access
 denied raises `StorageAccessError` at once; anything else is re-raised as it is.
 
-The store builds its s3fs client with botocore's and s3fs's own retries turned off, so these settings are
-the only knobs and a test can count what happens.
+botocore's and s3fs's own retries are off (ObjectStore), so these settings are the only knobs.
 """
 
 from __future__ import annotations
@@ -128,12 +126,9 @@ def is_already_there(exc: BaseException) -> bool:
 
 
 class Retrier:
-    """Calls a function, retrying transient failures with backoff `backoff_s * 2**n` until at least
-    `retries` retries were made and `horizon_s` seconds have passed since the call first failed.
-
-    Usage: `Retrier(retries=5, backoff_s=0.5, horizon_s=300).call("put s3://b/k", fs.pipe_file, path, data)`.
-    `what` names the operation and URI in logs and errors; it must never contain credentials.
-    """
+    """Calls a function under the module's retry policy:
+    `Retrier(retries=5, backoff_s=0.5, horizon_s=300).call("put s3://b/k", fs.pipe_file, path, data)`.
+    `what` names the operation and URI in logs and errors; it must never contain credentials."""
 
     def __init__(
         self, retries: int, backoff_s: float, max_sleep_s: float = STORAGE_RETRY_MAX_SLEEP_S, horizon_s: float = 0.0

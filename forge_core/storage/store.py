@@ -10,11 +10,10 @@
 Credentials are never passed in: s3fs/botocore take them from the standard AWS environment variables,
 profile or instance role, so they cannot end up in manifests, logs or error messages.
 
-Exclusive creation (`create_exclusive`) is the one primitive that decides races: manifests (who commits an
-artifact), pointer generations (compare-and-swap promotion) and lease generations all use it. Locally it is a
-temp file hard-linked to the final name (`os.link` fails when the name exists); on S3 a conditional
-`PutObject` with `If-None-Match: *` (answered 412 PreconditionFailed when the key exists: AWS S3 since
-2024-08, MinIO releases since mid-2024, moto 5.x); on memory:// a process-wide lock.
+Exclusive creation (`create_exclusive`) is the one primitive that decides races (manifests, pointer and
+lease generations). Locally it is a temp file hard-linked to the final name; on S3 a conditional `PutObject`
+with `If-None-Match: *`, which the endpoint must honour (`conditional_write_problem`); on memory:// a
+process-wide lock.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ _MEMORY_CREATE_LOCK = threading.Lock()
 @dataclass(frozen=True)
 class PointerState:
     """What a pointer says now: `uri` (None before the first write) at `version` (0 before the first write).
-
     Pass `version` back to `pointer_write` to swap the pointer only if nobody moved it meanwhile."""
 
     name: str
@@ -97,8 +95,7 @@ def _make_filesystem(scheme: str, client_kwargs: dict):
 
     # Retries are ours alone (Retrier): botocore's and s3fs's would multiply with them and hide failures.
     # No listing cache: other processes (DCP ranks, other stages) write under our prefixes.
-    # fsspec caches the instance per (options, thread), so stores on one endpoint share one client: creating
-    # an aiobotocore client costs about a second.
+    # fsspec caches the instance per (options, thread), so stores on one endpoint share one costly client.
     fs = s3fs.S3FileSystem(
         client_kwargs=client_kwargs,
         config_kwargs={"retries": {"total_max_attempts": 1}},
@@ -242,10 +239,7 @@ class ObjectStore:
         )
 
     def put_bytes(self, uri: str, data: bytes) -> None:
-        """Write one small object atomically: a reader sees the old object, nothing, or all of `data`.
-
-        S3 and memory puts are atomic by nature; on local disk it is a temp file + os.replace.
-        """
+        """Write one small object atomically: a reader sees the old object, nothing, or all of `data`."""
         path = self.path_of(uri)
         if self.scheme == "file":
             self._publish_local_file(path, data, os.replace)
@@ -276,10 +270,8 @@ class ObjectStore:
                 os.remove(temp)
 
     def create_exclusive(self, uri: str, data: bytes) -> bool:
-        """Create the object at `uri` holding `data` unless it exists; True when this call created it.
-
-        False means another writer's object is there (a create whose reply was lost and then retried finds
-        its own bytes, and counts as created). See the module docstring for how each scheme does it."""
+        """Create the object at `uri` holding `data` unless it exists; True when this call created it, False
+        when another writer's object is there (a retried create that finds its own bytes counts as created)."""
         path = self.path_of(uri)
         what = f"create {uri}"
         try:
@@ -303,9 +295,8 @@ class ObjectStore:
         return True
 
     def conditional_write_problem(self) -> str | None:
-        """Why this store cannot commit exclusively, None when it can: on S3, a probe object is created twice with
-        `If-None-Match: *` and the second create must be refused (an endpoint that ignores the header lets the
-        last writer win, and two attempts could both commit). Local and memory stores always can."""
+        """Why this store cannot commit exclusively, None when it can. On S3 a probe object is created twice
+        with `If-None-Match: *` and the second create must be refused; local and memory stores always can."""
         if self.scheme in ("file", "memory"):
             return None
         probe = self.join(self.root, "_probes", f"conditional-write-{uuid.uuid4().hex}")
@@ -399,13 +390,8 @@ class ObjectStore:
         return hashlib.sha256(self.manifest_bytes(uri)).hexdigest()
 
     def writer(self, uri: str, kind: str, stage: str, attempt: str | None = None):
-        """Start writing the artifact at `uri`; refuses an already committed one (nothing is overwritten).
-
-        The writer is one attempt (`attempt`, default a new unique id): its files go under
-        `<uri>/_attempts/<attempt>/`, so leftovers of a crashed attempt and files of a concurrent writer of the
-        same key are never touched; only files written (or adopted) through this writer are listed in its
-        manifest, and the first manifest created wins (ArtifactAlreadyCommitted for the others).
-        """
+        """Start writing the artifact at `uri` as one attempt (`attempt`, default a new unique id);
+        ArtifactAlreadyCommitted when it is committed already (nothing is overwritten). See ArtifactWriter."""
         from forge_core.storage.writer import ArtifactWriter
 
         self.path_of(uri)
@@ -428,10 +414,8 @@ class ObjectStore:
         return self.join(uri, ATTEMPTS_DIR, attempt) if attempt else uri.rstrip("/")
 
     def list_committed(self, kind: str, under: str | None = None) -> list[str]:
-        """URIs of committed artifacts of `kind` under `under` (default: the root), oldest commit first.
-
-        Uncommitted prefixes are invisible; a manifest that cannot be parsed is skipped with a warning.
-        """
+        """URIs of committed artifacts of `kind` under `under` (default: the root), oldest commit first; a
+        manifest that cannot be parsed is skipped with a warning."""
         base = under or self.root
         found = []
         for file_uri in self.list_files(base):
@@ -448,12 +432,9 @@ class ObjectStore:
         return [uri for _, uri in sorted(found)]
 
     def delete_artifact(self, uri: str) -> None:
-        """Un-commit, then delete, the committed artifact at `uri` (retention of old checkpoints).
-
-        The manifest goes first, so nothing half-deleted ever looks committed; then the committed attempt's
-        files (format 1: the listed files). Other attempts' files are not this artifact's: one may still be
-        writing, and may commit once the manifest is gone; crashed ones are `sweep_stale_attempts`'. Nested
-        artifacts under `uri` are left alone."""
+        """Un-commit, then delete, the committed artifact at `uri`: the manifest first, so nothing half-deleted
+        ever looks committed, then the committed attempt's files. Other attempts' files (one may still be
+        writing; crashed ones are `sweep_stale_attempts`') and nested artifacts under `uri` are left alone."""
         manifest = self.read_manifest(uri)
         self.delete(self.manifest_uri(uri))
         if manifest.attempt is None:
@@ -465,12 +446,9 @@ class ObjectStore:
             _remove_empty_dirs(self.path_of(uri))
 
     def sweep_stale_attempts(self, older_than_s: float, under: str | None = None, limit: int | None = None) -> list[str]:
-        """Delete the files of attempts that never committed (crashed or lost writers) and are older than
-        `older_than_s`, under `under` (default: the whole store), at most `limit` of them (oldest first).
-        Returns the attempt prefixes deleted.
-
-        The committed attempt of an artifact is never touched, and neither is any attempt younger than the
-        threshold (it may still be writing): choose `older_than_s` above the longest stage's run time."""
+        """Delete the files of uncommitted attempts older than `older_than_s` under `under` (default: the whole
+        store), at most `limit` of them, oldest first; returns the attempt prefixes deleted. An attempt younger
+        than that may still be writing: choose `older_than_s` above the longest stage's run time."""
         now = datetime.now(UTC)
         marker = f"/{ATTEMPTS_DIR}/"
         prefixes: set[tuple[str, str]] = set()
@@ -522,10 +500,8 @@ class ObjectStore:
 
     def pointer_write(self, name: str, uri: str, expected_version: int) -> PointerState:
         """Point `name` at the committed artifact `uri` if the pointer is still at `expected_version` (the
-        `version` of the PointerState the caller decided on); returns the new state.
-
-        Compare-and-swap: raises PointerConflict (with the current state) when anyone moved the pointer since,
-        even at the same instant: the caller re-reads, decides again and retries."""
+        `version` of the PointerState the caller decided on); returns the new state. PointerConflict (with the
+        current state) when anyone moved it since: re-read, decide again and retry."""
         sha = self.manifest_sha256(uri)  # raises ArtifactNotCommitted: never point at a half-written artifact
         pointer_log = self._pointer_log(name)
         current = self.pointer_state(name)

@@ -70,10 +70,8 @@ def _naming_the_file(path: str) -> Iterator[None]:
 
 
 class S3MultipartSink(PartSink):
-    """S3 multipart upload whose every request is retried on its own (a part's bytes are still in hand).
-
-    A file smaller than one part becomes a single PutObject.
-    """
+    """S3 multipart upload whose every request is retried on its own (a part's bytes are still in hand); a
+    file smaller than one part becomes a single PutObject."""
 
     def __init__(self, fs, path: str, retrier: Retrier, what: str) -> None:
         self._fs = fs
@@ -117,11 +115,9 @@ class S3MultipartSink(PartSink):
 
 
 class HashingWriter(io.IOBase):
-    """A write-only binary file that hashes bytes as they pass and hands full parts to a PartSink.
-
-    On a clean close it calls `on_commit(FileEntry(size, sha256))`; when the `with` block raises (or the
-    upload fails) it aborts the upload, calls `on_abort()` and records nothing.
-    """
+    """A write-only binary file that hashes bytes as they pass and hands full parts to a PartSink. A clean
+    close calls `on_commit(FileEntry(size, sha256))`; when the `with` block raises (or the upload fails) it
+    aborts the upload, calls `on_abort()` and records nothing."""
 
     def __init__(
         self,
@@ -196,11 +192,8 @@ class HashingWriter(io.IOBase):
 
 
 class VerifyingReader(io.RawIOBase):
-    """A read-only stream over `read_range(start, end)` that checks size and sha256 when it reaches EOF.
-
-    `on_mismatch(reason)` must raise (the store raises ArtifactCorrupted naming the URI and file). Seeking
-    is not supported: verification needs every byte in order.
-    """
+    """A read-only stream over `read_range(start, end)` that checks size and sha256 when it reaches EOF;
+    `on_mismatch(reason)` must raise. No seeking: verification needs every byte in order."""
 
     def __init__(
         self,

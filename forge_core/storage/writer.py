@@ -9,10 +9,9 @@ w.adopt_existing("")                        # files another tool (DCP) wrote und
 w.adopt_hashed({"a.bin": FileEntry(size, sha256)})   # the same, hashed by that tool while writing
 manifest = w.commit(config=cfg_dict, inputs={"data": data_uri}, metrics={"loss": 1.2})
 
-Two writers of one key (two runs of a config, a zombie stage, a retried attempt) write to different prefixes
-`<uri>/_attempts/<attempt>/`; the first to create the manifest owns the artifact and the other gets
-ArtifactAlreadyCommitted naming the winner (its `abort()` then removes its own files only). No writer ever
-writes, truncates or deletes a path another attempt owns.
+Two writers of one key write to different prefixes `<uri>/_attempts/<attempt>/`; the first to create the
+manifest owns the artifact and the other gets ArtifactAlreadyCommitted naming the winner (its `abort()`
+removes its own files only). No writer ever writes, truncates or deletes a path another attempt owns.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ from forge_core.storage.streams import HashingWriter
 from forge_core.storage.uris import normalize_rel
 
 _COPY_CHUNK_BYTES = 8 * 2**20
-# Run right before a manifest is published, with the artifact URI; raising refuses the commit. A launched
-# worker installs forge_core.launch.owner.check_owner_alive: a worker whose flow process died never commits.
+# Run right before a manifest is published, with the artifact URI; raising refuses the commit (e.g.
+# forge_core.launch.owner.check_owner_alive).
 _pre_commit_checks: list[Callable[[str], None]] = []
 
 
@@ -187,12 +186,10 @@ class ArtifactWriter:
         return written
 
     def adopt_existing(self, rel_prefix: str = "") -> list[str]:
-        """Record files that another tool (e.g. DCP's FsspecWriter) already wrote under
-        `<files_uri>/<rel_prefix>`: give the tool `writer.files_uri`, never the artifact URI.
-
-        Each is hashed by streaming it back. Skips manifests, temp files, `_checkpoints/` and any nested
-        committed artifact. Returns the adopted names; ValueError when there is nothing to adopt.
-        """
+        """Record, hashing each by streaming it back, the files another tool (e.g. DCP's FsspecWriter) wrote
+        under `<files_uri>/<rel_prefix>` (give the tool `writer.files_uri`, never the artifact URI); skips
+        manifests, temp files, `_checkpoints/` and nested committed artifacts. Returns the adopted names;
+        ValueError when there is nothing to adopt."""
         self._check_not_committed()
         base, adoptable = self._adoptable_files(rel_prefix)
         if not adoptable:
@@ -202,11 +199,9 @@ class ArtifactWriter:
         return list(adoptable)
 
     def adopt_hashed(self, entries: dict[str, FileEntry], rel_prefix: str = "") -> list[str]:
-        """Record files another tool wrote under `<files_uri>/<rel_prefix>` and hashed while writing them
-        (`entries`: {path relative to the prefix: FileEntry}), without reading them back.
-
-        One listing checks that the entries name exactly the adoptable files there (as `adopt_existing` would
-        find them) at their recorded sizes; otherwise StorageError naming the differences. Returns the names.
+        """Like `adopt_existing`, for files the tool hashed while writing them (`entries`: {path relative to
+        the prefix: FileEntry}): nothing is read back. Returns the names; StorageError unless the entries
+        name exactly the adoptable files there at their stored sizes.
         """
         self._check_not_committed()
         prefix = normalize_rel(rel_prefix) if rel_prefix else ""
@@ -255,11 +250,9 @@ class ArtifactWriter:
     ) -> Manifest:
         """Create `_MANIFEST.json` exclusively (last): from now on the artifact exists for readers.
 
-        ArtifactAlreadyCommitted (naming the winning attempt) when another writer's manifest is there first:
-        the artifact at `uri` is theirs, and this writer's files stay unlisted under its own prefix.
-
-        `inputs` maps name -> committed artifact URI; each is recorded with its manifest sha256.
-        `schema` adds/overrides {table file: arrow schema string} entries for tables written by hand.
+        `inputs` maps name -> committed artifact URI (recorded with its manifest sha256); `schema` adds or
+        overrides {table file: arrow schema string} entries for tables written by hand. Raises
+        ArtifactAlreadyCommitted (naming the winning attempt) when another writer's manifest is there first.
         """
         self._check_not_committed()
         if self._open:
