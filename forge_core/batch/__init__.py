@@ -1,6 +1,5 @@
-"""The batch types trainers build and losses consume: `TokenBatch` (next-token rows, `tokens.py`) and GRPO's
-`RLBatch` with the split of one rollout batch into optimizer steps (`rl.py`). Pure torch, below losses and
-trainers (tests/test_import_layers.py).
+"""The batch types trainers build and losses consume: `TokenBatch` (next-token rows) and GRPO's `RLBatch` with
+the split of one rollout batch into optimizer steps. Pure torch, below losses and trainers.
 
     from forge_core.batch import RLBatch, TokenBatch, pad_token_rows, plan_minibatches
 """

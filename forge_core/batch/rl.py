@@ -1,13 +1,10 @@
 """The GRPO batch container and the split of one rollout batch into optimizer steps.
 
-`RLBatch` is the trainer's `TokenBatch` plus what the policy loss needs. Every `*_BL` tensor is aligned with
-the trainer's targets: position l holds the value for target token l (the token predicted from the inputs
-up to l), so `target_logprobs_BL`, `generator_logprobs_BL`, `old_logprobs_BL`, `ref_logprobs_BL` and
-`response_mask_BL` line up.
+Every `*_BL` tensor is aligned with the trainer's targets: position l holds the value for target token l (the
+token predicted from the inputs up to l).
 
-One rollout batch feeds several optimizer steps (`grpo.epochs` passes, each cut into mini-batches of
-`grpo.mini_batch_size` sequences over all data-parallel ranks). Each rank takes a contiguous shard of every
-mini-batch and cuts it into micro-batches of `grpo.micro_batch_size`:
+One rollout batch feeds `grpo.epochs` passes, each cut into mini-batches of `grpo.mini_batch_size` sequences
+over all data-parallel ranks; each rank takes a contiguous shard of every mini-batch, cut into micro-batches:
 
     batch = RLBatch.from_token_batch(pad_token_rows(rows), advantages_B, generator_logprobs_BL)
     batch = batch.keep_rows(keep_B)                     # from compute_advantages
@@ -16,13 +13,9 @@ mini-batch and cuts it into micro-batches of `grpo.micro_batch_size`:
     for step in plan:                                   # one optimizer step each
         metrics = trainer.train_step([batch.select(rows) for rows in step.micro_rows], loss_fn)
 
-Global normalizer (`TitanTrainer.global_normalizer`): the sum over every micro-batch of the mini-batch, on
-every data-parallel rank, of `loss_fn.normalizer(mb)` (a local sum, then an all-reduce SUM). Each micro-batch
-loss is its own sum divided by that number, and gradients are summed over micro-batches and ranks (the engine
-switches FSDP's gradient averaging off), so e.g. the token mean is over every token of the mini-batch however
-it was split: one micro-batch of 8 sequences, 8 of 1, or 4 on each of 2 ranks give the same loss and gradient.
-A mini-batch whose normalizer is 0 (every completion dropped) must be skipped, not stepped: the loss refuses
-it, and an optimizer step on zero gradients would still move the weights through Adam's momentum.
+Losses divide by the mini-batch's global normalizer (forge_core.losses.base). A mini-batch whose normalizer
+is 0 (every completion dropped) must be skipped, not stepped: the loss refuses it, and a step on zero
+gradients would still move the weights through Adam's momentum.
 """
 
 from __future__ import annotations
@@ -39,15 +32,14 @@ from forge_core.batch.tokens import TokenBatch
 class RLBatch(TokenBatch):
     """A batch of completions for the GRPO loss (B completions, L target positions).
 
-    The inherited `loss_mask_BL` is the response mask: True on completion tokens that carry loss (prompt
-    and padding are False, and so is every token of a dropped completion). It is also readable as
-    `response_mask_BL`; there is deliberately no second mask that could disagree with it.
+    The inherited `loss_mask_BL` is the response mask (also readable as `response_mask_BL`): True on
+    completion tokens that carry loss, False on prompt, padding and dropped completions.
     """
 
     advantages_B: torch.Tensor  # float32, one advantage per completion
     generator_logprobs_BL: torch.Tensor  # float32, logp of each target under the policy that sampled it
-    # float32, the trainer's own logp of each target under the sampling policy's weights (the extra no-grad
-    # forward of the mismatch correction, forge_core.losses.correction); None until it is computed
+    # float32, the trainer's own logp of each target under the sampling policy's weights (see
+    # forge_core.losses.correction); None until it is computed
     old_logprobs_BL: torch.Tensor | None = None
     ref_logprobs_BL: torch.Tensor | None = None  # float32, the frozen reference policy (only when KL is on)
 
@@ -116,8 +108,11 @@ def plan_minibatches(
     """Every optimizer step of one rollout batch, in order, for rank `dp_rank` of `dp_size`.
 
     Each epoch draws a fresh permutation from a generator seeded once with `seed` (pass a different seed per
-    rollout batch, e.g. derived from the run seed and the iteration). All ranks compute the same permutations
-    without communicating, and together they cover every sample exactly once per epoch.
+    rollout batch). All ranks compute the same permutations without communicating, and together they cover
+    every sample exactly once per epoch.
+
+    Raises:
+        ValueError: if `epochs` < 1 or the batch sizes do not split `num_samples` evenly over the ranks.
     """
     _check_split(num_samples, mini_batch_size, micro_batch_size, epochs, dp_rank, dp_size)
     per_rank = mini_batch_size // dp_size

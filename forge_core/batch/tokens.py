@@ -23,9 +23,8 @@ class TokenBatch:
     """Next-token prediction rows: the model reads `input_ids_BL` and is scored on `target_ids_BL` (the inputs
     shifted left by one) where `loss_mask_BL` is True.
 
-    `positions_BL` is None for plain 0..L-1 positions. `lengths_B` counts the real (non-pad) input positions
-    of each row; it feeds throughput metrics. Subclasses (e.g. GRPO's batch) add fields whose first dimension
-    is B; `split` and `to` handle them generically.
+    `positions_BL` is None for plain 0..L-1 positions; `lengths_B` counts the real (non-pad) input positions
+    of each row. `select`, `split` and `to` also carry subclass fields whose first dimension is B.
     """
 
     input_ids_BL: torch.Tensor
@@ -88,8 +87,8 @@ def pad_token_rows(
 ) -> TokenBatch:
     """Right-pad `(token_ids, loss_mask)` rows into a TokenBatch for next-token prediction.
 
-    `loss_mask[t]` marks tokens to learn (completion tokens); the target at input position t is token t+1,
-    so the loss mask of the batch is `loss_mask[1:]`. Rows need at least 2 tokens.
+    `loss_mask[t]` marks tokens to learn; the target at input position t is token t+1, so the batch's loss
+    mask is `loss_mask[1:]`. Raises ValueError if `rows` is empty or a row has fewer than 2 tokens.
     """
     if not rows:
         raise ValueError("pad_token_rows: no rows")

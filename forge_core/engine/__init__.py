@@ -4,8 +4,8 @@ gradient clipping, DCP checkpoints to the object store.
     from forge_core.engine import Engine
     engine = Engine.Config.from_run_config(cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps).build()
 
-The names below load on first use: a light submodule (`forge_core.engine.preflight`, which a node run and the
-CLI import) must not pay for torch and torchtitan, seconds of every placed stage's start.
+The names below load on first use, so importing a light submodule (`forge_core.engine.preflight`) does not
+import torch and torchtitan.
 """
 
 import importlib

@@ -1,24 +1,16 @@
 """In-stage checkpoints: DCP (model + optimizer + LR schedule + step + data cursor + per-rank RNG) written
 through fsspec straight into the object store, each committed as its own artifact by a manifest.
 
-Layout: `<output_uri>/_checkpoints/step-<N>/` holds `_MANIFEST.json` (kind "checkpoint") and, under
-`_attempts/<attempt>/`, DCP's files (`.metadata`, `__<rank>_0.distcp`). Rank 0 opens the checkpoint's writer
-(one attempt: its own prefix, so a zombie or concurrent writer of the same step never mixes shards with this
-one), every rank writes its shards there, hashing them as they stream out (hashing_dcp.py), and rank 0
-gathers the hashes and creates the manifest exclusively once all have finished: no shard is read back.
-A checkpoint without a manifest does not exist; one whose files do not match their manifest is refused, and
-resume falls back to the previous committed one (with a warning naming the corrupt file).
-
-Retention: after each commit rank 0 deletes the committed checkpoints beyond the newest
-`storage.keep_checkpoints` (manifest first, then files), never the newest one, and never one that a kept
-checkpoint pins: `save(..., pins=[step])` records steps the run still needs (SFT's best validation so far,
-whose weights the stage exports), so retention keeps them however old they are.
+Layout: `<output_uri>/_checkpoints/step-<N>/` holds `_MANIFEST.json` and, under `_attempts/<attempt>/`, DCP's
+files; each save has its own attempt prefix, so a zombie or concurrent writer of the same step never mixes
+shards with it. A checkpoint without a manifest does not exist; one whose files do not match their manifest is
+refused, and resume falls back to the previous committed one. Retention keeps the newest
+`storage.keep_checkpoints` plus those a kept checkpoint pins (`save(..., pins=[step])`).
 
     ckpt = Checkpointer(store, output_uri, dist_ctx, stage="sft", config=cfg_dict, inputs={"data": data_uri})
     ckpt.save(step, {"model": ModelState(model), "optimizer": opt, "lr_scheduler": sched}, data_cursor)
     ckpt.save(step, components, data_cursor, pins=[best_step])     # retention keeps step-<best_step> too
     resume = ckpt.load_latest(same_components)      # ResumeState(step, data_cursor, uri) or None
-    ref = latest_committed_checkpoint(store, output_uri)
 """
 
 from __future__ import annotations
@@ -113,9 +105,7 @@ def pinned_steps(store: ObjectStore, ref: CheckpointRef) -> list[int]:
 
 def prune_checkpoints(store: ObjectStore, output_uri: str, keep: int) -> list[CheckpointRef]:
     """Delete the committed checkpoints of `output_uri` beyond the newest `keep` (>= 1), except those a kept one
-    pins; returns those deleted.
-
-    Each is un-committed first (manifest, then files), so nothing half-deleted ever looks committed."""
+    pins; returns those deleted. Each loses its manifest first, so nothing half-deleted looks committed."""
     assert keep >= 1, f"keep={keep}: the newest checkpoint always stays"
     refs = committed_checkpoints(store, output_uri)
     pinned = {step for ref in refs[:keep] for step in pinned_steps(store, ref)}
@@ -135,11 +125,10 @@ def verify_checkpoint(store: ObjectStore, ref: CheckpointRef) -> None:
 
 
 class ModelState(Stateful):
-    """DCP view of a (possibly FSDP/TP-sharded) model.
+    """DCP view of a (possibly FSDP/TP-sharded) model through its own `state_dict`/`load_state_dict`.
 
-    torchtitan modules keep canonical state-dict keys themselves (e.g. FusedQKVLinear saves `wq`/`wk`/`wv`
-    through state-dict hooks), which `torch.distributed.checkpoint.state_dict.get_model_state_dict` cannot
-    follow; the module's own `state_dict`/`load_state_dict` can, as in torchtitan's checkpointer."""
+    Not `get_model_state_dict`: torchtitan modules keep canonical keys through state-dict hooks, which it
+    cannot follow."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -207,10 +196,9 @@ class Checkpointer:
     def save(
         self, step: int, components: dict[str, Stateful], data_cursor: dict, pins: Sequence[int] = ()
     ) -> CheckpointRef:
-        """Collective: every rank writes its shards, then rank 0 commits the manifest. Returns the checkpoint.
-        `pins`: earlier steps whose checkpoints retention keeps as long as this one is kept.
-
-        A step that is already committed (e.g. saved again right after resuming) is left as it is."""
+        """Collective: every rank writes its shards, then rank 0 commits the manifest; a step already committed
+        is left as it is. `pins`: earlier steps retention keeps while this one is kept. Raises
+        RetryableStageError when a storage outage fails the write or the commit."""
         ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
         if broadcast_object(self.store.is_committed(ref.uri) if self.dist.is_rank0 else None):
             return ref
@@ -243,8 +231,7 @@ class Checkpointer:
     def _commit(
         self, ref: CheckpointRef, per_rank: list[dict[str, FileEntry]], pins: Sequence[int]
     ) -> tuple[str, bool] | None:
-        """Rank 0: commit the files every rank hashed while writing. None, or (what failed, whether a retry
-        may succeed)."""
+        """Rank 0: commit the hashed files; None, or (what failed, whether a retry may succeed)."""
         writer = self._writer
         metrics = {"step": ref.step, **({PINS_METRIC: sorted(set(pins))} if pins else {})}
         try:
@@ -294,7 +281,6 @@ class Checkpointer:
 
     def load_latest(self, components: dict[str, Stateful]) -> ResumeState | None:
         """Collective: restore the newest checkpoint that verifies, or return None when there is none.
-
         Raises CheckpointCorrupted when checkpoints exist but none of them verifies."""
         chosen = broadcast_object(self._choose_checkpoint() if self.dist.is_rank0 else None)
         if isinstance(chosen, str):
@@ -304,7 +290,8 @@ class Checkpointer:
         return self.load(chosen, components)
 
     def load(self, ref: CheckpointRef, components: dict[str, Stateful]) -> ResumeState:
-        """Collective: restore `ref` (already verified) into `components` and this rank's RNG streams."""
+        """Collective: restore `ref` (already verified) into `components` and this rank's RNG streams. Raises
+        ValueError when `ref` was written by fewer ranks."""
         train_state = _TrainState()
         state = self._state(components, train_state)
         # Storage is not trusted with code: no plain unpickling of what it returns (safe_dcp.py).
@@ -322,8 +309,8 @@ class Checkpointer:
         return ResumeState(step=train_state.step, data_cursor=train_state.data_cursor, uri=ref.uri)
 
     def load_step(self, step: int, components: dict[str, Stateful]) -> ResumeState:
-        """Collective: restore the committed checkpoint of `step`, verified first, into `components` (e.g. only
-        the model's weights). CheckpointCorrupted when it is not committed or does not verify."""
+        """Collective: restore the committed checkpoint of `step`, verified first, into `components`.
+        Raises CheckpointCorrupted when it is not committed or does not verify."""
         ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
         problem = broadcast_object(self._verify_problem(ref) if self.dist.is_rank0 else None)
         if problem:

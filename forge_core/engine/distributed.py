@@ -2,10 +2,9 @@
 under torchrun (or any launcher that sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT).
 
     dist_ctx = init_distributed("auto")        # CUDA + NCCL when a GPU is usable, else CPU + gloo (logged why)
-    total = all_reduce_sum(3.0, dist_ctx.world_group)
+    total = all_reduce_sum(3.0, engine.dp_group, dist_ctx.device)
 
-We deliberately do not use `torchtitan.tools.utils.device_type`/`device_module`: on a CPU-only host they
-fall back to "cuda", and `device_module.set_device` would fail there.
+Not `torchtitan.tools.utils.device_type`/`device_module`: on a CPU-only host they fall back to "cuda".
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ class DistContext:
 
 
 def resolve_device_type(choice: DeviceChoice) -> str:
-    """ "auto" -> "cuda" when a GPU is usable, else "cpu" (logged with the reason on every rank). Asking for
-    "cuda" without a usable GPU is a user error naming what was found."""
+    """ "auto" -> "cuda" when a GPU is usable, else "cpu" (logged with the reason on every rank). Raises
+    ValueError for an unknown choice, or "cuda" without a usable GPU."""
     if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f"training.device={choice!r}: unknown; use 'auto', 'cpu' or 'cuda'")
     if choice == "cpu":
@@ -75,8 +74,8 @@ def resolve_device_type(choice: DeviceChoice) -> str:
 
 
 def cuda_device_for(local_rank: int) -> torch.device:
-    """This rank's GPU: one per local rank, so a node needs at least nproc_per_node visible devices (ranks
-    sharing a GPU would fail later inside NCCL with a duplicate-GPU error that names neither setting)."""
+    """This rank's GPU, one per local rank. Raises ValueError when the node sees too few devices (sharing one
+    would fail later inside NCCL with an error that names neither setting)."""
     count = torch.cuda.device_count()
     if local_rank >= count:
         raise ValueError(
@@ -101,13 +100,11 @@ _group_created_here = False
 
 
 def process_group_timeout_s() -> float:
-    """How long a collective waits for a missing peer before it fails: longer than the launch's deadline
-    (FORGE_LAUNCH_DEADLINE_S, set by forge_core.launch) by PROCESS_GROUP_TIMEOUT_MARGIN_S.
+    """How long a collective waits for a missing peer: the launch's deadline (FORGE_LAUNCH_DEADLINE_S) plus
+    PROCESS_GROUP_TIMEOUT_MARGIN_S, else DEFAULT_PROCESS_GROUP_TIMEOUT_S.
 
-    Every collective starts after the launch did, so with this timeout the launcher's deadline always comes
-    first for a hung rank: the stage ends RETRYABLE with the hung rank named from the heartbeats
-    (forge_core.launch.heartbeat) instead of a gloo "Timed out waiting" on its peers. A timeout that still
-    surfaces (an explicit `timeout_s`) is classified retryable too (forge_core.launch.errors)."""
+    Longer than the deadline so that, for a hung rank, the launcher's deadline fires first and names the rank
+    from its heartbeats, rather than a bare collective timeout on its peers."""
     deadline = os.environ.get(DEADLINE_ENV)
     if not deadline:
         return DEFAULT_PROCESS_GROUP_TIMEOUT_S
@@ -123,10 +120,9 @@ def process_group_timeout_s() -> float:
 def init_distributed(device: DeviceChoice = "auto", timeout_s: float | None = None) -> DistContext:
     """Initialise the default process group once per process and return this rank's `DistContext`.
 
-    Under torchrun the env:// rendezvous is used. A plain process without the torchrun variables becomes a
-    world of size 1 over an in-memory store (no port, no network), so the same trainer code runs in tests and
-    notebooks. Calling it again returns the context of the existing group. `timeout_s` (collectives' timeout)
-    defaults to `process_group_timeout_s()`, above the launch's deadline.
+    Under torchrun the env:// rendezvous is used; a plain process becomes a world of size 1 over an in-memory
+    store (no port, no network). Calling it again returns the context of the existing group. `timeout_s`
+    defaults to `process_group_timeout_s()`.
     """
     device_type = resolve_device_type(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -159,11 +155,9 @@ def init_distributed(device: DeviceChoice = "auto", timeout_s: float | None = No
 def _default_timeout_for_new_groups(timeout: timedelta) -> None:
     """Make `timeout` the default of every process group this process creates later, NCCL's included.
 
-    init_process_group's timeout covers the default group (gloo and NCCL alike), but groups created without
-    a timeout (torchtitan's device-mesh dimensions when there are two or more: HSDP, TP x FSDP) take torch's
-    defaults instead, 10 min for NCCL and 30 min for gloo, read from these module globals at creation time.
-    Without this, a rank that hangs in such a collective ends the stage with an NCCL watchdog timeout before
-    the launch deadline names it."""
+    Groups created without a timeout (torchtitan's device-mesh dimensions, e.g. HSDP or TP x FSDP) read
+    torch's defaults from these module globals; left alone, a hang there could hit NCCL's watchdog before the
+    launch deadline names the hung rank."""
     c10d = dist.distributed_c10d
     c10d.default_pg_timeout = timeout
     if c10d.default_pg_nccl_timeout is not None:  # None when torch is built without NCCL (CPU wheels)
@@ -171,11 +165,8 @@ def _default_timeout_for_new_groups(timeout: timedelta) -> None:
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group if `init_distributed` created it.
-
-    A group someone else created (an in-process vLLM engine initialises torch.distributed too) is theirs to
-    destroy: destroying it here would break that engine's own shutdown.
-    """
+    """Tear down the default process group if `init_distributed` created it; a group someone else created
+    (e.g. an in-process vLLM engine) is theirs to destroy."""
     global _group_created_here
     if _group_created_here and dist.is_initialized():
         dist.destroy_process_group()
@@ -199,8 +190,8 @@ def all_reduce_sum(value: float, group: dist.ProcessGroup | None, device: torch.
 def all_reduce_tensors(
     values: dict[str, torch.Tensor], max_keys: frozenset[str], group: dist.ProcessGroup | None
 ) -> dict[str, torch.Tensor]:
-    """Reduce a dict of scalar tensors over `group`: SUM, or MAX for keys in `max_keys`. Two collectives at
-    most, whatever the number of keys."""
+    """Reduce a dict of scalar tensors over `group`: SUM, or MAX for keys in `max_keys` (two collectives at
+    most)."""
     if group is None or not values:
         return dict(values)
     out: dict[str, torch.Tensor] = {}

@@ -5,14 +5,12 @@
     # or: Engine.Config.from_run_config(cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps).build()
 
 Build order (torchtitan's): process group + device -> ParallelDims meshes -> model on `meta` ->
-parallelize (TP on GPU, activation checkpointing, compile on GPU, FSDP2 per block + root) -> `to_empty` +
-init from the seed -> optional HF weights -> AdamW + LR schedule. Works as a plain single process (world 1)
-and under torchrun with N ranks.
+parallelize (TP, activation checkpointing, compile, FSDP2) -> init from the seed -> optional HF weights ->
+AdamW + LR schedule. Works as a single process and under torchrun with N ranks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -156,10 +154,9 @@ class Engine(Configurable):
         )
 
     def restart(self, config: Config) -> Engine:
-        """Collective: this engine as `config.build()` would build it when `config.init_weights_dir` holds the
-        export of its current weights: the weights rounded through the export dtype (what loading the export
-        gives), a fresh optimizer and LR schedule over `config.total_steps`, gradients cleared and the RNG
-        seeded from `config.seed` again. Needs `restarts_as(config)`. Returns this engine."""
+        """Collective: this engine as `config.build()` would build it from an export of its current weights:
+        weights rounded through the export dtype, a fresh optimizer and LR schedule, gradients cleared, RNG
+        reseeded. Needs `restarts_as(config)`. Returns this engine."""
         assert self.restarts_as(config), "restart needs an engine built from the same model config"
         with torch.no_grad():
             for value in self.model.state_dict().values():
@@ -256,15 +253,15 @@ class Engine(Configurable):
 
     def padded_length(self, length: int) -> int:
         """The length to run a batch of `length` positions at: its `length_bucket` when the model is
-        compiled (so compiled kernels meet a few shapes, not one per batch length), else `length` itself."""
+        compiled (so it meets a few shapes, not one per batch length), else `length`."""
         if not self.plan.compile:
             return length
         return length_bucket(length, self.config.model.max_seq_len)
 
     @property
     def export_dtype(self) -> torch.dtype:
-        """The dtype exported weights are written in: the training compute dtype (bf16 when training is bf16,
-        which is what vLLM serves; the fp32 master weights stay in the checkpoints)."""
+        """The dtype exported weights are written in: the training compute dtype (the fp32 master weights
+        stay in the checkpoints)."""
         return self.plan.param_dtype
 
     def checkpoint_components(self) -> dict[str, Stateful]:
@@ -292,7 +289,7 @@ class Engine(Configurable):
         self, state_dict: dict[str, torch.Tensor] | None, model: torch.nn.Module | None = None
     ) -> None:
         """Collective: load an unsharded state dict held by rank 0 (other ranks pass None) into the sharded
-        model; rank 0's values are scattered/broadcast to every rank."""
+        model. Raises ValueError on rank 0 when it lacks model weights."""
         model = self.model if model is None else model
         targets = model.state_dict()
         if self.dist.is_rank0:

@@ -1,12 +1,9 @@
 """Writing DCP checkpoints with every file hashed on its way out, so a commit never reads the shards back.
 
-torch's `FsspecWriter` streams each rank's shards through an fsspec file. `HashingFsspecWriter` wraps those
-streams: every byte DCP writes also goes through sha256, and each finished file is recorded as a `FileEntry`
-(size, sha256) under its name relative to the checkpoint folder (`.metadata` under its final name: DCP writes
-`.metadata.tmp` and renames it). Each rank hashes the files it wrote; the checkpointer gathers the entries on
-rank 0, which commits them (`ArtifactWriter.adopt_hashed`). Before, rank 0 re-read every shard of every rank
-to hash it while the other ranks waited in a collective: for a 1.7B model (fp32 params + Adam, ~20 GB) that
-wait alone could outlast the process-group timeout on slow storage.
+Every byte DCP writes also goes through sha256, and each finished file is recorded as a `FileEntry` (size,
+sha256) under its name relative to the checkpoint folder (`.metadata` under its final name: DCP writes
+`.metadata.tmp` and renames it). Each rank records only the files it wrote; rank 0 commits all of them
+(`ArtifactWriter.adopt_hashed`).
 
     writer = HashingFsspecWriter(store.fsspec_path(files_uri), **store.storage_options)
     dcp.save(state, storage_writer=writer)

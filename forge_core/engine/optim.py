@@ -1,6 +1,5 @@
-"""Optimizer helpers used while training: the current LR and DTensor-aware gradient clipping.
-
-The AdamW and its LR schedule are built by the config section that describes them:
+"""Optimizer helpers: the current LR and DTensor-aware gradient clipping. AdamW and its LR schedule are built
+by their config section:
 
     optimizers, schedulers = cfg.sft.optimizer.build(model, device_type="cpu", total_steps=cfg.sft.steps)
 """
@@ -18,9 +17,8 @@ def current_lr(optimizers: OptimizersContainer) -> float:
 
 @torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float) -> float:
-    """Clip the total gradient norm over every rank's shards (DTensor-aware) and return it before clipping.
-
-    `max_norm <= 0` disables clipping but still reports the norm."""
+    """Clip the total gradient norm over every rank's shards and return it before clipping; `max_norm <= 0`
+    only reports it."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     limit = max_norm if max_norm > 0 else float("inf")

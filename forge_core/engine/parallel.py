@@ -3,10 +3,9 @@
     parallel_dims = build_parallel_dims(cfg.training.parallelism, world_size=2, device_type="cpu")
     parallelize_model(model, parallel_dims, plan)     # TP (GPU) -> activation checkpointing -> compile -> FSDP2
 
-We use torchtitan's "partial_dtensor" SPMD backend: DTensor for the model-parallel axis (tp) only, FSDP2's
-`fully_shard` for data parallelism. FSDP is applied in every run, world size 1 included, so there is one code
-path; `fully_shard` also installs the mixed-precision policy. FSDP's gradient division is switched off:
-losses divide by the global normalizer themselves and gradients are summed over ranks.
+torchtitan's "partial_dtensor" SPMD backend: DTensor for tp only, FSDP2's `fully_shard` for data parallelism.
+FSDP is applied at every world size, 1 included, so there is one code path (it also installs the
+mixed-precision policy). FSDP's gradient division is off: losses divide by the global normalizer themselves.
 """
 
 from __future__ import annotations
@@ -60,9 +59,8 @@ def _resolve_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int,
 
 @contextlib.contextmanager
 def _mesh_device_type(device_type: str):
-    # torchtitan 0.3.0's build_mesh reads a module-level `device_type` that is "cuda" even on a CPU-only host
-    # (torchtitan's own CPU tests patch it the same way). Pin it to our device while the meshes are built;
-    # the meshes keep their device type afterwards.
+    # torchtitan's build_mesh reads a module-level `device_type` that is "cuda" even on a CPU-only host; pin it
+    # while the meshes are built (they keep their device type afterwards).
     saved = titan_parallel_dims.device_type
     titan_parallel_dims.device_type = device_type
     try:
@@ -142,9 +140,8 @@ def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torc
 
 
 def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype) -> None:
-    # With nothing to shard, per-block units only add hooks and gather/reduce copies: one unit around the
-    # whole model keeps FSDP's DTensor parameters and mixed-precision policy (the same state dicts,
-    # optimizer and checkpoints as N ranks) at the lowest overhead, and never reshards.
+    # With nothing to shard, per-block units only add overhead: one unit around the whole model keeps FSDP's
+    # DTensor parameters and mixed-precision policy (the same state dicts and checkpoints as N ranks).
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 

@@ -1,24 +1,19 @@
-"""Preflight: what can be checked before anything runs, every problem at once with its fix. The config loader
-checks what a config means anywhere; this checks whether it can run *here*: this host (a config that asks for
-GPUs on a host without a usable one is an error, never a silent run on CPU), and what the run reads and writes
-(`input_problems`: the store root, model.hf_path and whether its checkpoint fits the model settings and
-model.max_seq_len, data.tokenizer.path, data.source). Callers add checks of layers above this one through
-`checks` (flows.preflight: the reward dry run on the data, the Prefect API).
+"""Preflight: whether a config can run *here*, every problem at once with its fix.
+
+The config loader checks what a config means anywhere; this checks this host (a config that asks for GPUs on
+a host without a usable one is an error, never a silent run on CPU) and what the run reads and writes
+(`input_problems`). Callers add checks of higher layers through `checks` (see flows.preflight).
 
     preflight(cfg, stages=("sft", "grpo"))       # PreflightError (a ValueError) listing every problem at once
     problems = preflight_problems(cfg, ("rollout",), HostDevices.probe())   # the same, as a list
     preflight(cfg, [], checks=(input_problems,))  # no host checks (the stages run elsewhere), inputs only
 
-Call it where the stages will run: `forgeflow validate --here`, the flow's start for the stages it runs in its
-own process, and a stage worker for its own stage (before torchrun starts ranks). What asks for a GPU:
+Call it where the stages will run. What asks for a GPU (a CUDA build of torch that sees a device, and for
+vLLM stages the CUDA build of vLLM):
 - any stage: `launch.<stage>.gpus_per_node > 0`;
-- training stages (the registry's `distributed` ones: sft, grpo): `training.device: cuda`, or
-  `training.mixed_precision: bf16` unless `training.device: cpu` says so deliberately;
-- vLLM stages (the registry's `scoring` ones: rollout, evaluate): `rollout.dtype` bfloat16 or float16.
-A usable GPU is a CUDA build of torch that sees a device (and, for vLLM stages, the CUDA build of vLLM).
-Ranks or engines that need more devices than the host shows are reported too, as is GRPO asking for more GPUs
-than the flow's long-lived engines leave it, and wandb `online` without a key (rank 0 of every training stage
-would fail at its first log).
+- training stages (sft, grpo): `training.device: cuda`, or `training.mixed_precision: bf16` unless
+  `training.device: cpu` says so deliberately;
+- vLLM stages (rollout, evaluate): `rollout.dtype` bfloat16 or float16.
 """
 
 from __future__ import annotations
@@ -110,16 +105,14 @@ class HostDevices:
         return None
 
     def describe(self) -> str:
-        """What the host offers, in a few words; a host without a usable GPU is "CPU only" (why it has none is
-        said only where a config asks for a GPU: most configs run on CPU deliberately)."""
+        """What the host offers, in a few words; a host without a usable GPU is "CPU only"."""
         if self.gpu_unusable_reason() is None:
             return f"{self.device_count} CUDA device(s), torch {self.torch_version} (CUDA {self.torch_cuda})"
         return f"CPU only, torch {self.torch_version}"
 
 
 def training_gpu_requests(training: TrainingConfig) -> list[str]:
-    """The training settings that ask for a GPU (bf16 with training.device=auto counts: only an explicit
-    training.device=cpu says that bf16 on CPU is meant)."""
+    """The training settings that ask for a GPU (bf16 counts unless training.device=cpu)."""
     asks = []
     if training.device == "cuda":
         asks.append("training.device='cuda'")
@@ -151,9 +144,8 @@ def _stage_gpu_problems(cfg: RunConfig, stage: str, host: HostDevices) -> list[s
 
 
 def _flow_engine_share_problems(cfg: RunConfig, stages: list[str], host: HostDevices) -> list[str]:
-    """This host as the run's one node (the embedded cluster) with the flow's long-lived engines: they keep
-    launch.rollout.gpus_per_node GPUs of it from the first rollout or evaluation to the flow's end, so GRPO trains
-    on what is left."""
+    """This host as the run's one node with the flow's long-lived engines, which keep their GPUs while GRPO
+    trains on what is left."""
     engines, trainer = cfg.launch.rollout.gpus_per_node, cfg.launch.grpo.gpus_per_node
     shared = cfg.launch.ray_address is None and cfg.rollout.engine_lifetime == "flow"
     if not shared or not {"rollout", "grpo"} <= set(stages) or host.device_count == 0:
@@ -345,9 +337,8 @@ def _checkpoint_info(cfg: RunConfig) -> HFModelInfo:
 
 
 def model_architecture(cfg: RunConfig) -> tuple[Architecture, str] | None:
-    """(the Architecture the run trains and serves, the settings it comes from, for messages): model.hf_path's
-    config.json, else the family's flavor; None when it cannot be read or built (checkpoint_problems says
-    why)."""
+    """(the Architecture the run trains and serves, where it comes from): model.hf_path's config.json, else the
+    family's flavor; None when it cannot be read or built (checkpoint_problems says why)."""
     from forge_core.models.flavors import flavor_architecture, from_scratch_flavor
 
     model = cfg.model
@@ -376,8 +367,8 @@ def _data_source_problems(cfg: RunConfig) -> list[str]:
 
 
 def input_problems(cfg: RunConfig) -> list[str]:
-    """What the run reads and writes outside itself, checked without running a stage: the store root, the
-    checkpoint (checkpoint_problems), the tokenizer folder and the data source."""
+    """What the run reads and writes outside itself: the store root, the checkpoint, the tokenizer folder and
+    the data source."""
     tokenizer = _folder_problems(
         "data.tokenizer.path", cfg.data.tokenizer.path, ("tokenizer.json",),
         "an HF tokenizer folder (tokenizer.json), e.g. the model folder", cfg,
@@ -398,9 +389,8 @@ def preflight_problems(
     host: HostDevices | None = None,
     checks: Iterable[Check] = (input_problems,),
 ) -> list[str]:
-    """Every reason `stages` (default: every registered stage) of `cfg` cannot run on this host, plus every
-    problem `checks` find (default: `input_problems`); empty when it can run. An unknown stage name is a
-    ValueError (from the registry)."""
+    """Every reason `stages` (default: all) of `cfg` cannot run on this host, plus every problem `checks` find;
+    empty when it can run. Raises ValueError for an unknown stage name."""
     stages = list(stage_names() if stages is None else stages)
     problems = []
     if stages:
@@ -421,8 +411,8 @@ def preflight(
     host: HostDevices | None = None,
     checks: Iterable[Check] = (input_problems,),
 ) -> HostDevices | None:
-    """Raise PreflightError listing every problem of running `stages` here (and of `checks`); returns the probed
-    host (None when no stage runs here)."""
+    """Raise PreflightError listing every problem of `preflight_problems`; returns the probed host (None when no
+    stage runs here)."""
     stages = list(stage_names() if stages is None else stages)
     host = host or (HostDevices.probe() if stages else None)
     problems = preflight_problems(cfg, stages, host, checks)

@@ -1,15 +1,11 @@
 """Loading DCP checkpoints from storage without running pickled code.
 
-A checkpoint comes from object storage, which a run does not fully control (a shared bucket, a restored
-backup). torch's DCP reader unpickles two things with plain pickle: the `.metadata` file and every
-non-tensor value (step counters, optimizer hyper-parameters, RNG states, saved with torch.save and loaded
-with `weights_only=False`). A crafted checkpoint could run code there. The manifest's sha256 does not help:
-whoever can rewrite a checkpoint can rewrite its manifest.
-
-`SafeFsspecReader` reads `.metadata` with an unpickler that only builds DCP's own metadata classes, torch
-sizes, dtypes, layouts and memory formats; `SafeLoadPlanner` loads non-tensor values with
-`torch.load(weights_only=True)` (plus the numpy types an RNG state holds). Tensors themselves are raw bytes
-that DCP already reads with `weights_only=True`. Anything else is refused with `UnsafeCheckpoint`.
+torch's DCP reader unpickles the `.metadata` file and every non-tensor value with plain pickle, so a crafted
+checkpoint in storage could run code (the manifest's sha256 does not help: whoever can rewrite a checkpoint
+can rewrite its manifest). `SafeFsspecReader` reads `.metadata` with an unpickler that only builds DCP's
+metadata classes and torch sizes, dtypes, layouts and memory formats; `SafeLoadPlanner` loads non-tensor
+values with `torch.load(weights_only=True)` plus the numpy types an RNG state holds. Anything else raises
+`UnsafeCheckpoint`.
 
     reader = SafeFsspecReader(store.fsspec_path(uri), **store.storage_options)
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())

@@ -1,5 +1,4 @@
-"""Training losses behind one protocol (`forge_core.losses.base`): the trainer feeds them fp32 per-token target
-log-probabilities; each divides its micro-batch sum by the step's global normalizer.
+"""Training losses behind one protocol (`forge_core.losses.base`).
 
     from forge_core.losses import TokenCrossEntropy
     metrics = trainer.train_step(batch.split(micro_batch_size), TokenCrossEntropy())

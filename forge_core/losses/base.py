@@ -1,21 +1,13 @@
 """The loss protocol shared by every trainer: one forward/backward path, losses injected as components.
 
-The trainer runs the model once per micro-batch and hands the loss fp32 per-token log-probabilities of the
-targets (and, when the loss asks for it, the per-token entropy, computed without grad):
-
     out = ModelOutputs(target_logprobs_BL, entropy_BL)
     result = loss(out, micro_batch, global_normalizer)      # LossOutput(loss, metrics)
     result.loss.backward()
 
-Normalisation contract. `loss.normalizer(micro_batch)` is this micro-batch's share of the loss denominator
-(tokens, sequences, sequences * horizon, ...). The trainer sums it over every micro-batch of an optimizer step
-and all-reduces it over data-parallel ranks into `global_normalizer`; `__call__` returns its micro-batch *sum*
-already divided by that number. Gradients are then summed (never averaged) over micro-batches and ranks, so
-the step's gradient is the same however the global batch is split: 1 x 8 == 8 x 1, 1 rank == N ranks.
-
-Metrics. `LossOutput.metrics` holds detached per-micro-batch SUMS (or maxima for the keys listed in
-`max_reduced_metrics`); the trainer reduces them over micro-batches and ranks and calls `summarize` once to
-turn them into the logged values.
+Normalisation: `loss.normalizer(micro_batch)` is the micro-batch's share of the denominator (tokens,
+sequences, ...); the trainer sums it over the step's micro-batches and data-parallel ranks into
+`global_normalizer`, and `__call__` returns its micro-batch *sum* divided by that. Gradients are summed, never
+averaged, so the step's gradient does not depend on how the batch is split.
 """
 
 from __future__ import annotations
@@ -38,19 +30,18 @@ class ModelOutputs:
 
 @dataclass
 class LossOutput:
-    """`loss`: scalar, this micro-batch's sum divided by the global normalizer (what backward runs on).
-    `metrics`: detached SUMS (or maxima, see `Loss.max_reduced_metrics`) for logging."""
+    """`loss`: scalar, this micro-batch's sum divided by the global normalizer. `metrics`: detached SUMS (or
+    maxima, see `Loss.max_reduced_metrics`) that the trainer reduces over micro-batches and ranks."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Loss(ABC):
-    """Base class of every training loss (SFT cross-entropy, the GRPO family).
+    """Base class of every training loss.
 
-    Subclasses implement `normalizer` and `__call__`; they may set `needs_entropy = True` to receive
-    `ModelOutputs.entropy_BL`, list max-reduced metric keys in `max_reduced_metrics`, and override
-    `summarize` to turn reduced sums into logged values (the default logs the sums as they are).
+    Subclasses implement `normalizer` and `__call__`; they may set `needs_entropy` to receive
+    `ModelOutputs.entropy_BL` and override `summarize` (by default the sums are logged as they are).
     """
 
     needs_entropy: ClassVar[bool] = False

@@ -1,27 +1,25 @@
 """Train-inference mismatch: the correction a GRPO-family loss applies, and the metrics that measure it.
 
-The sampler (vLLM) and the trainer compute different probabilities for the same tokens (kernels, precision,
-batch shapes), and in async mode the sampler is also an older policy. Per response token t of sequence i:
+The sampler (vLLM) and the trainer compute different probabilities for the same tokens, and in async mode the
+sampler is also an older policy. Per response token t of sequence i:
 
-    gen    the sampler's logprob of the sampled token (`RLBatch.generator_logprobs_BL`, stored with the rollout)
-    old    the trainer's logprob of that token under the sampler's weights (`RLBatch.old_logprobs_BL`: one extra
-           no-grad forward per rollout batch, forge_core.run.grpo.attach_old_logprobs)
+    gen    the sampler's logprob of the sampled token (`RLBatch.generator_logprobs_BL`)
+    old    the trainer's logprob of that token under the sampler's weights (`RLBatch.old_logprobs_BL`, see
+           forge_core.run.grpo.attach_policy_logprobs)
     logp   the trainer's current logprob (with grad)
     w_t    exp(old - gen): the correction weight, trainer / sampler
 
-`NoCorrection` keeps today's loss: the PPO ratio is exp(logp - gen) and no weight. Every other correction
-takes the decoupled form: the PPO ratio is exp(logp - old) and each token's policy loss is multiplied by a
-detached weight derived from w (the KL term is not weighted):
+`NoCorrection`: the PPO ratio is exp(logp - gen), no weight. Every other correction is decoupled: the PPO
+ratio is exp(logp - old) and each token's policy loss (not the KL term) is multiplied by a detached weight:
 
     TokenTIS(cap)              min(w_t, cap)                                    (verl / SkyRL "TIS")
     SequenceMIS(threshold)     W_i = prod_t w_t, 0 where W_i > threshold         (TRL's sequence_mask)
     GeometricMeanMask(lo, hi)  1 if lo <= (prod_t w_t)^(1/|y_i|) <= hi else 0    (a sequence rejection mask)
     IcePop(lo, hi)             w_t if lo <= w_t <= hi else 0                     (IcePop, Ring-1T)
 
-A masked token keeps its place in the loss's normaliser (its weight is 0), so the normaliser, and with it the
-split-invariance contract of forge_core.losses.base, does not depend on the correction. Every correction
-depends on a row's own tokens only, so micro-batching cannot change it. When `old == gen` every weight is 1
-and nothing is masked, so each correction equals `none` exactly.
+A masked token keeps its place in the normaliser (weight 0), so the normaliser does not depend on the
+correction. Every correction depends on a row's own tokens only, so micro-batching cannot change it. When
+`old == gen` each correction equals `none` exactly.
 
     correction = build_correction(cfg.grpo.correction)
     summary = mismatch_summary(batch, correction)   # once per rollout batch: means, quantiles, fractions
@@ -61,14 +59,14 @@ class CorrectionWeights:
 def missing_old_logprobs(what: str) -> ValueError:
     return ValueError(
         f"grpo.correction.type={what!r}: the batch has no old_logprobs_BL (the trainer's logprobs of the "
-        "sampling policy); compute them for every rollout batch (forge_core.run.grpo.attach_old_logprobs) "
+        "sampling policy); compute them for every rollout batch (forge_core.run.grpo.attach_policy_logprobs) "
         "or set grpo.correction.type=none"
     )
 
 
 def log_weights(batch: RLBatch, what: str) -> torch.Tensor:
-    """log w = old - gen per token, 0 outside the response mask (padding there may hold anything). `what`
-    names the correction in the error when the batch has no old logprobs."""
+    """log w = old - gen per token, 0 outside the response mask. Raises ValueError naming the correction
+    `what` when the batch has no old logprobs."""
     if batch.old_logprobs_BL is None:
         raise missing_old_logprobs(what)
     mask = batch.response_mask_BL
@@ -117,8 +115,7 @@ class Correction(ABC):
 
 @dataclass(frozen=True)
 class NoCorrection(Correction):
-    """The PPO ratio against the sampler's logprobs, weight 1: the loss exactly as it was before corrections
-    existed (and equal to torchtitan's DAPOLoss)."""
+    """The PPO ratio against the sampler's logprobs, weight 1 (equal to torchtitan's DAPOLoss)."""
 
     name: ClassVar[str] = "none"
     reads_old_logprobs: ClassVar[bool] = False
@@ -219,8 +216,7 @@ def k3_sampler_trainer(log_w_BL: torch.Tensor) -> torch.Tensor:
 
 def mismatch_sums(batch: RLBatch, weights: CorrectionWeights) -> dict[str, torch.Tensor]:
     """Per-micro-batch SUMS (maxima for the `*_max` keys) of the sampler-vs-trainer mismatch and of what the
-    correction did to the batch (its `weights`); {} when the batch has no old logprobs. Reduced by the
-    trainer, turned into logged values by `summarize_mismatch`."""
+    correction did (its `weights`); {} when the batch has no old logprobs. See `summarize_mismatch`."""
     if batch.old_logprobs_BL is None:
         return {}
     mask = batch.response_mask_BL
@@ -263,8 +259,8 @@ def summarize_mismatch(sums: dict[str, float], tokens: float, sequences: float) 
 
 
 def mismatch_summary(batch: RLBatch, correction: Correction) -> dict[str, float]:
-    """The mismatch metrics of a whole rollout batch (rows that carry loss), plus the quantiles of the
-    sequence-level ratio W_i = prod_t w_t, which per-micro-batch sums cannot give. Needs old logprobs."""
+    """The mismatch metrics of a whole rollout batch (rows that carry loss), plus quantiles of the sequence
+    ratio W_i = prod_t w_t. Raises ValueError when the batch has no old logprobs."""
     if batch.old_logprobs_BL is None:
         raise missing_old_logprobs(correction.name)
     mask = batch.response_mask_BL

@@ -2,9 +2,6 @@
 
     loss_fn = TokenCrossEntropy()
     loss = loss_fn(ModelOutputs(target_logprobs_BL), batch, global_normalizer)   # sum(-logp * mask) / N
-
-`normalizer(batch)` is the micro-batch's number of loss tokens, so with the trainer's global normalizer every
-completion token of the optimizer step weighs the same, however the batch is split over micro-batches/ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +17,8 @@ if TYPE_CHECKING:  # the trainers import the losses, not the other way round
 
 
 class TokenCrossEntropy(Loss):
-    """-log p(target) summed over masked (completion) tokens, divided by the global token count."""
+    """-log p(target) summed over masked (completion) tokens, divided by the global token count. Raises
+    ValueError when the step has no loss tokens."""
 
     def normalizer(self, batch: TokenBatch) -> float:
         return float(batch.loss_mask_BL.sum())

@@ -1,25 +1,14 @@
-"""GRPO-family policy losses: a policy surrogate (PPO's per-token clip, GSPO's sequence ratio or CISPO's clipped
-IS weight), an optional train-inference mismatch correction (forge_core.losses.correction), an optional KL
-penalty to a frozen reference policy, and an aggregation of tokens (one small class each).
+"""GRPO-family policy losses: a surrogate (PPO's per-token clip, GSPO's sequence ratio or CISPO's clipped IS
+weight), an optional mismatch correction, an optional KL penalty to a frozen reference, and an aggregation.
 
-The ratio is `exp(logp_trainer - logp_base)` with the base logprobs *stored in the batch*: the generator's
-(sampler's) logprobs without a correction, the trainer's own logprobs of the sampling policy with one
-(`correction.ratio_base`). Never `logp - logp.detach()` (that ratio is always 1, so clipping never acts after
-the first optimizer step).
-
-Normalisation. Every loss divides a *sum* over this micro-batch by `global_normalizer`, the sum of
-`loss.normalizer(mb)` over every micro-batch of the mini-batch on every data-parallel rank
-(`TitanTrainer.global_normalizer`). Summing the micro-batch gradients over micro-batches and ranks then gives
-exactly the gradient of the mini-batch loss, however the mini-batch was split (forge_core.batch.rl).
-Surrogates, corrections and aggregations only ever combine tokens of one row, so this holds for all of them.
-
-Usage (the trainer runs the forward, the normalizer, backward and the metric reduction):
+The ratio is `exp(logp_trainer - logp_base)` with the base logprobs *stored in the batch*
+(`correction.ratio_base`), never `logp - logp.detach()`, which is always 1 so clipping would never act.
+Surrogates, corrections and aggregations only combine tokens of one row, so the split-invariance of
+forge_core.losses.base holds for all of them.
 
     loss_fn = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
     metrics = trainer.train_step(micro_batches, loss_fn)     # RLBatch micro-batches of one mini-batch
-    # metrics: loss, policy/loss, policy/clip_low_frac, policy/clip_high_frac, policy/ratio_mean,
-    #          policy/ratio_max, policy/entropy, policy/kl (KL on), policy/logprob_gap_mean, ..._max,
-    #          mismatch/* and correction/* (when the batch has old logprobs)
+    # metrics: loss, policy/* (summarize_policy_metrics), mismatch/* and correction/* (with old logprobs)
 """
 
 from __future__ import annotations
@@ -64,8 +53,8 @@ class SurrogateTerms:
 
 
 def _base_where_masked(logprobs_BL: torch.Tensor, base_logprobs_BL: torch.Tensor, mask_BL: torch.Tensor):
-    """(fp32 logprobs, fp32 base logprobs with the trainer's own detached values outside the mask): whatever
-    the base holds at padding (zeros, NaN) cannot leak into a ratio or a gradient."""
+    """(fp32 logprobs, fp32 base logprobs with the trainer's own detached values outside the mask), so padding
+    in the base (zeros, NaN) cannot leak into a ratio or a gradient."""
     logprobs = logprobs_BL.float()
     return logprobs, torch.where(mask_BL, base_logprobs_BL.float(), logprobs.detach())
 
@@ -147,20 +136,17 @@ def cispo_surrogate(
 
 
 def k1_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
-    """k1 from log_ratio = logp - ref_logp: the log ratio itself (unbiased for KL(pi || ref) under samples
-    of pi, but can be negative)."""
+    """k1: the log ratio logp - ref_logp itself (unbiased, can be negative)."""
     return log_ratio_BL
 
 
 def k2_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
-    """k2 from log_ratio = logp - ref_logp: (logp - ref_logp)^2 / 2 (never negative, low variance, biased; its
-    gradient is that of the reverse KL's f-divergence approximation)."""
+    """k2: (logp - ref_logp)^2 / 2 (never negative, low variance, biased)."""
     return 0.5 * log_ratio_BL.square()
 
 
 def k3_estimate(log_ratio_BL: torch.Tensor) -> torch.Tensor:
-    """k3 from log_ratio = logp - ref_logp: exp(ref - logp) - (ref - logp) - 1 (unbiased and never negative;
-    GRPO's choice)."""
+    """k3: exp(ref - logp) - (ref - logp) - 1 (unbiased and never negative; GRPO's choice)."""
     return torch.exp(-log_ratio_BL) + log_ratio_BL - 1.0
 
 
@@ -187,7 +173,8 @@ class KLPenalty:
             )
 
     def per_token(self, logprobs_BL: torch.Tensor, batch: RLBatch) -> torch.Tensor:
-        """The unweighted KL estimate per token, 0 outside the response mask."""
+        """The unweighted KL estimate per token, 0 outside the response mask. Raises ValueError when the batch
+        has no reference logprobs."""
         if batch.ref_logprobs_BL is None:
             raise ValueError(
                 f"grpo.loss.kl_coef={self.coef}: the batch has no ref_logprobs_BL; compute the frozen "
@@ -202,10 +189,10 @@ class KLPenalty:
 
 class ClippedPolicyLoss(Loss):
     """Shared body of the GRPO-family losses: surrogate (+ correction weight, + KL), metrics, and the division by
-    the global normalizer. Subclasses say how per-token losses are summed and what one micro-batch adds to the
-    denominator (the aggregation), and may replace the surrogate (GSPO, CISPO)."""
+    the global normalizer. Subclasses define the aggregation (`normalizer`, `aggregate`) and may replace the
+    surrogate."""
 
-    # Entropy is only logged (it is computed without grad), but every GRPO step reports it.
+    # Entropy is only logged (computed without grad).
     needs_entropy = True
     max_reduced_metrics = frozenset({"ratio_max", "logprob_gap_max"}) | MISMATCH_MAX_KEYS
     surrogate = staticmethod(clipped_surrogate)
@@ -311,16 +298,15 @@ class FixedHorizonLoss(ClippedPolicyLoss):
 
 
 class GSPOLoss(SequenceMeanLoss):
-    """GSPO (Zheng et al. 2025): one clipped ratio per sequence, the geometric mean of its token ratios,
-    averaged over sequences. Clip bounds act on that mean, so they are far tighter than per-token ones
-    (3e-4 / 4e-4 in the paper)."""
+    """GSPO: one clipped ratio per sequence, the geometric mean of its token ratios, averaged over sequences.
+    Clip bounds act on that mean, so they must be far tighter than per-token ones."""
 
     surrogate = staticmethod(gspo_surrogate)
 
 
 class CISPOLoss(TokenMeanLoss):
-    """CISPO (MiniMax-M1): the clipped importance weight, detached, times each token's log-probability,
-    averaged over the mini-batch's tokens; clipping bounds the weight and never drops a token's gradient."""
+    """CISPO: the detached clipped importance weight times each token's log-probability, averaged over the
+    mini-batch's tokens."""
 
     surrogate = staticmethod(cispo_surrogate)
 
@@ -357,7 +343,7 @@ def policy_metrics(
 
 
 def summarize_policy_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """Turn metrics reduced over micro-batches and ranks into the logged per-token means and fractions."""
+    """Logged per-token means and fractions from metrics reduced over micro-batches and ranks."""
     tokens = max(float(sums["tokens"]), 1.0)
     summary = {
         "policy/loss": float(sums["policy_loss_sum"]) / tokens,

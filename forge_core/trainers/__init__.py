@@ -1,6 +1,5 @@
-"""Trainers: `TitanTrainer` (shared machinery: one forward/backward path with injected losses, optimizer step,
-evaluation, log-probs, checkpoints, export) and `SFTTrainer` (data, loop, eval, resume for the SFT stage).
-GRPO's trainer (`forge_core.trainers.grpo`) subclasses TitanTrainer the same way.
+"""Trainers: `TitanTrainer` (the machinery shared by every stage) and `SFTTrainer`; GRPO's trainer is
+`forge_core.trainers.grpo`.
 """
 
 from forge_core.batch import TokenBatch, pad_token_rows

@@ -6,11 +6,10 @@ advantage is its reward relative to its group:
     GRPO     A_i = (r_i - mean_g) / (std_g + eps)
     Dr.GRPO  A_i =  r_i - mean_g                      (cfg.normalize_std = False)
 
-`std_g` is the sample standard deviation (Bessel-corrected, as in TRL and verl). The returned `keep_mask_B`
-marks the completions that carry loss; a dropped completion keeps its row (so every data-parallel rank runs
-the same number of micro-batches) and the trainer zeroes its response mask (`RLBatch.keep_rows`).
+`std_g` is the sample standard deviation (Bessel-corrected). The returned keep mask marks the completions
+that carry loss; a dropped one keeps its row and gets a zero response mask (`RLBatch.keep_rows`).
 
-Usage (once per rollout batch, on every rank, before splitting into mini-batches):
+Once per rollout batch, on every rank, before splitting into mini-batches:
 
     advantages_B, keep_B, stats = compute_advantages(rewards_B, group_ids_B, cfg.grpo.advantage, truncated_B)
 """
@@ -34,11 +33,8 @@ class GroupStats:
 
 
 def group_statistics(rewards_B: torch.Tensor, group_ids_B: torch.Tensor) -> GroupStats:
-    """Mean, sample std and the zero-variance flag of each completion's group.
-
-    Group ids may be any integers (not necessarily contiguous or sorted). A group of one completion has no
-    variance to estimate and counts as zero-variance.
-    """
+    """Mean, sample std and the zero-variance flag of each completion's group. Group ids may be any integers;
+    a group of one completion counts as zero-variance."""
     rewards = rewards_B.to(torch.float64)
     _, group_B = torch.unique(group_ids_B, return_inverse=True)
     num_groups = int(group_B.max()) + 1
@@ -67,8 +63,8 @@ def compute_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Advantages (float32, B), the keep mask (bool, B) and rollout-batch statistics for logging.
 
-    Truncated completions stay in their group's baseline (their reward is a real sample of the policy) but
-    get no loss when `cfg.mask_truncated`. Dropped or masked completions have advantage 0.
+    Truncated completions stay in their group's baseline but get no loss when `cfg.mask_truncated`. Dropped
+    or masked completions have advantage 0. Raises ValueError for mismatched shapes or non-finite rewards.
     """
     if rewards_B.ndim != 1 or group_ids_B.shape != rewards_B.shape:
         raise ValueError(

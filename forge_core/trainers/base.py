@@ -1,15 +1,10 @@
 """TitanTrainer: the training machinery shared by SFT and GRPO, built by composition over an `Engine`.
 
-One forward/backward path for every loss:
-
-    model forward -> fp32 target_logprobs_BL (+ no-grad entropy_BL when loss.needs_entropy)
-                  -> loss(ModelOutputs, batch, global_normalizer) -> backward
-
     engine = Engine.Config.from_run_config(cfg, vocab_size, cfg.sft.optimizer, cfg.sft.steps).build()
     trainer = TitanTrainer(engine, sink=build_sinks(cfg.logging, "run", engine.dist.rank))
     metrics = trainer.train_step(batch.split(micro_batch_size), TokenCrossEntropy())
     eval_metrics = trainer.evaluate(eval_batches, TokenCrossEntropy())
-    logp_BL = trainer.compute_logprobs(batch)          # no grad; reference / trainer-vs-generator gap
+    logp_BL = trainer.compute_logprobs(batch)          # no grad
 
 Collectives: FSDP gathers parameters in every forward, so `train_step`, `evaluate` and `compute_logprobs`
 must be called on every rank with the same number of micro-batches (rows may differ).
@@ -54,8 +49,8 @@ class ArtifactContext:
 
 
 class TitanTrainer:
-    """Generic trainer over an `Engine`: forward/backward with an injected loss, optimizer steps, evaluation,
-    log-probabilities, checkpoints, weight export and metric recording. Subclasses own data and loops."""
+    """Generic trainer over an `Engine`: one forward/backward path for every loss, optimizer steps, evaluation,
+    log-probabilities, checkpoints and weight export. Subclasses own data and loops."""
 
     def __init__(
         self,
@@ -87,7 +82,6 @@ class TitanTrainer:
 
     def logits(self, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, L, V] of the current weights as one plain tensor (collective under FSDP/TP)."""
-        # A compiled model runs each batch at its length bucket, so it meets a few shapes, not one per length.
         logits_BLV = forward_logits(
             self.model, input_ids_BL, positions_BL, pad_to=self.engine.padded_length(input_ids_BL.shape[1])
         )
@@ -107,8 +101,7 @@ class TitanTrainer:
         return ModelOutputs(target_logprobs_BL=target_logprobs_BL, entropy_BL=entropy_BL)
 
     def forward_backward(self, batch: TokenBatch, loss: Loss, global_normalizer: float) -> LossOutput:
-        """Forward one micro-batch, apply `loss`, backpropagate (gradients accumulate). Returns the detached
-        LossOutput."""
+        """Forward one micro-batch, apply `loss`, backpropagate (gradients accumulate); the detached result."""
         batch = batch.to(self.device)
         result = loss(self._model_outputs(batch, loss.needs_entropy), batch, global_normalizer)
         result.loss.backward()
@@ -122,12 +115,11 @@ class TitanTrainer:
     # ---- optimizer step -------------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[TokenBatch], loss: Loss) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches (its share of the global batch).
+        """Collective: one optimizer step over this rank's micro-batches (its share of the global batch); the
+        step equals one big batch however it is split.
 
-        Gradients are summed over micro-batches and ranks while every micro-batch loss is divided by the
-        global normalizer, so the step equals one big batch however it is split. Returns metrics: loss,
-        grad_norm, lr (used by this step), tokens, step_time_s, tokens_per_s, mfu (GPU), plus the loss's own
-        summarized metrics. Fires the FORGE_FAULT hook after the update.
+        Returns metrics: loss, grad_norm, lr (used by this step), tokens, step_time_s, tokens_per_s, mfu (GPU),
+        plus the loss's own summarized metrics.
         """
         if not micro_batches:
             raise ValueError("train_step: no micro-batches")
@@ -150,8 +142,7 @@ class TitanTrainer:
     def _reduce_outputs(
         self, outputs: list[LossOutput], micro_batches: Sequence[TokenBatch], loss: Loss
     ) -> dict[str, float]:
-        """Loss, token count and the loss's metrics, reduced over micro-batches and data-parallel ranks in a
-        single collective (two when the loss has max-reduced metrics)."""
+        """Loss, token count and the loss's metrics, reduced over micro-batches and data-parallel ranks."""
         values = reduce_metric_dicts([o.metrics for o in outputs], loss.max_reduced_metrics)
         values[_LOSS_KEY] = torch.stack([o.loss.float() for o in outputs]).sum()
         values[_TOKENS_KEY] = torch.tensor(float(sum(mb.num_tokens() for mb in micro_batches)))
@@ -178,8 +169,7 @@ class TitanTrainer:
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[TokenBatch], loss: Loss) -> dict[str, float]:
-        """`loss` over `batches` (every rank passes its shard, same count on every rank) without updating
-        anything: {"loss": ..., **loss.summarize(...)}."""
+        """Collective: `loss` over this rank's shard `batches`, updating nothing: {"loss", **loss.summarize}."""
         if not batches:
             raise ValueError("evaluate: no batches")
         beat(self.rank, self.step, f"evaluation at step {self.step}")
@@ -217,17 +207,16 @@ class TitanTrainer:
         return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor)
 
     def load_checkpoint(self) -> ResumeState | None:
-        """Collective: restore the newest valid committed checkpoint; sets `self.step`. None when there is
-        none (a fresh start)."""
+        """Collective: restore the newest valid committed checkpoint and set `self.step`; None when there is
+        none."""
         resume = self._require_checkpointer().load_latest(self.engine.checkpoint_components())
         if resume is not None:
             self.step = resume.step
         return resume
 
     def export_weights(self, uri: str, tokenizer_dir: str | None, metrics: dict | None = None) -> str:
-        """Collective: gather the full weights to rank 0, write an HF folder (safetensors + config + tokenizer
-        files) in the training dtype (`engine.export_dtype`: bf16 where training is bf16) and commit it as a
-        `policy` artifact at `uri`. Returns `uri`."""
+        """Collective: write the full weights as an HF folder in `engine.export_dtype` and commit it as a
+        `policy` artifact at `uri` (on rank 0). Returns `uri`."""
         if self.artifacts is None:
             raise ValueError("this trainer was built without artifacts=ArtifactContext(...); cannot export")
         full = self.engine.full_state_dict(dtype=self.engine.export_dtype)

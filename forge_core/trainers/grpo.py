@@ -9,17 +9,9 @@
     resume = trainer.load_checkpoint()                                   # mid-stage resume (or None)
     history = trainer.fit(batch, seed=plan_seed, history=resume.data_cursor["history"] if resume else [])
 
-One rollout batch feeds `epochs * samples / mini_batch_size` optimizer steps (`forge_core.batch.plan_minibatches`):
-every step is one `TitanTrainer.train_step` over this rank's micro-batches, whose losses are divided by the
-mini-batch's global normaliser (summed over micro-batches and data-parallel ranks), so the update does not
-depend on how the mini-batch is split. The ratio in the loss is taken against the sampling policy's
-logprobs (the generator's stored ones, or with a mismatch correction the trainer's own under the sampler's
-weights, `old_logprobs_BL`), so the first step of a sync stage is on-policy (ratio 1 where trainer and
-generator agree) and later steps are clipped against the policy that sampled the data.
-
-Resume: the plan of a rollout batch is a pure function of (samples, config, seed, rank), and the checkpoint
-stores the completed step count, the per-step metrics so far and every rank's RNG, so a resumed stage runs
-exactly the steps an uninterrupted one would have run next.
+One rollout batch feeds `epochs * samples / mini_batch_size` optimizer steps (`forge_core.batch.plan_minibatches`).
+Resume: the plan is a pure function of (samples, config, seed, rank) and the checkpoint stores the completed
+steps, their metrics and every rank's RNG, so a resumed stage runs exactly the steps an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -45,8 +37,7 @@ from forge_core.trainers.base import TitanTrainer
 
 log = logging.getLogger(__name__)
 
-# Columns of `rollouts.parquet` the trainer reads (the rollout stage writes more: rewards per component,
-# sampling params, seeds, ...).
+# Columns of `rollouts.parquet` the trainer reads (the rollout stage writes more).
 ROLLOUT_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "group_id", "reward", "finish_reason")
 TRUNCATED_FINISH_REASON = "length"
 
@@ -93,8 +84,8 @@ def training_rows(table: pa.Table) -> pa.Table:
 
 
 def response_masks(table: pa.Table, source: str) -> list[np.ndarray] | None:
-    """Per row, which response tokens the model generated (multi-turn episodes, forge_core.envs: the
-    `response_mask` column); None for single-turn rows, where every response token is the model's."""
+    """Per row, which response tokens the model generated (the `response_mask` column of multi-turn
+    episodes); None for single-turn rows, where every response token is the model's."""
     if RESPONSE_MASK_COLUMN not in table.column_names:
         return None
     masks = [np.asarray(m, dtype=bool) for m in table.column(RESPONSE_MASK_COLUMN).to_pylist()]
@@ -112,13 +103,11 @@ def rollouts_to_rl_batch(
 ) -> RolloutBatch:
     """Turn the rollout rows GRPO trains on (`training_rows`) into one right-padded RLBatch, in table order.
 
-    Row i is `prompt_ids + response_ids`; the model reads all but the last token and is scored on the next
-    one, so response token j is the target at position `len(prompt) - 1 + j`, where the generator's
-    `response_logprobs[j]` and the response mask are placed. A multi-turn episode (a `response_mask` column,
-    forge_core.envs) carries loss only on the tokens the model generated: the environment's tokens are context,
-    and their stored logprobs (0.0) are never read, since every loss term and the mismatch metrics go through
-    that mask. Advantages come from `reward` within `group_id`;
+    Row i is `prompt_ids + response_ids`; response token j is the target at position `len(prompt) - 1 + j`,
+    where its generator logprob and response mask are placed. A multi-turn episode carries loss only on the
+    tokens the model generated (`response_masks`). Advantages come from `reward` within `group_id`;
     completions with `finish_reason == "length"` are truncated (masked when `advantage_cfg.mask_truncated`).
+    Raises ValueError for missing columns, no kept rows, or malformed rows.
     """
     _check_rollout_columns(table, source)
     generated = table.num_rows
@@ -165,8 +154,7 @@ def rollouts_to_rl_batch(
 
 
 def trim_padding(batch: RLBatch) -> RLBatch:
-    """Drop the trailing columns that are padding in every row (a micro-batch is padded to the longest row
-    of the whole rollout batch). Causal attention means no real token ever saw those columns."""
+    """Drop the trailing columns that are padding in every row; with causal attention no real token saw them."""
     width = int(batch.lengths_B.max())
     if width == batch.seq_len:
         return batch
@@ -207,9 +195,8 @@ def steps_per_batch(cfg: GRPOConfig, num_samples: int) -> int:
 
 
 class GRPOTrainer(TitanTrainer):
-    """TitanTrainer plus GRPO's data plan: mini-batches x epochs over one rollout batch, logprobs under fixed
-    weights (the sampler's for the mismatch correction, the reference's for the KL term), in-stage checkpoints
-    and progress lines."""
+    """TitanTrainer plus GRPO's data plan (mini-batches x epochs over one rollout batch), logprobs under fixed
+    weights, in-stage checkpoints and progress lines."""
 
     def __init__(self, engine: Engine, cfg: GRPOConfig, loss: ClippedPolicyLoss, **kwargs) -> None:
         super().__init__(engine, **kwargs)
@@ -232,12 +219,9 @@ class GRPOTrainer(TitanTrainer):
 
     @staticmethod
     def micro_batch_rows(batch: RLBatch, step: MiniBatchStep) -> list[torch.Tensor]:
-        """Row indices of this rank's micro-batches of one step.
-
-        The step's rows are regrouped by length (a stable sort) before they are cut into micro-batches of the
-        planned sizes: the step's gradient is a sum over all its rows, so the grouping changes only fp
-        rounding, while rows of similar length share less padding (completions of varied length would
-        otherwise pad every micro-batch to the longest one)."""
+        """Row indices of this rank's micro-batches of one step, regrouped by length (a stable sort) so rows
+        of similar length share less padding; the step's gradient is a sum over all its rows, so only fp
+        rounding changes."""
         rows = torch.cat(step.micro_rows)
         by_length = rows[torch.sort(batch.lengths_B[rows], stable=True).indices]
         return list(by_length.split([len(r) for r in step.micro_rows]))
@@ -250,11 +234,9 @@ class GRPOTrainer(TitanTrainer):
 
     @torch.no_grad()
     def score_logprobs(self, batch: RLBatch) -> torch.Tensor:
-        """[B, L] fp32 logprobs (CPU) of every row's targets under the engine's CURRENT weights: the sampling
-        policy's for the mismatch correction, the reference's for the KL term (load them first). Collective:
-        each data-parallel rank scores an equal contiguous share of the rows, grouped by length into
-        micro-batches of up to `micro_batch_size` rows, and the shares are all-gathered so every rank holds
-        every row."""
+        """Collective: [B, L] fp32 logprobs (CPU) of every row's targets under the engine's CURRENT weights
+        (load the sampler's or the reference's first). Each data-parallel rank scores an equal share of the
+        rows and every rank gets all of them. Raises ValueError when B does not divide over the ranks."""
         dp_size, dp_rank = self.engine.dp_degree, self.engine.dp_rank
         rows = batch.batch_size
         if rows % dp_size:
@@ -281,18 +263,14 @@ class GRPOTrainer(TitanTrainer):
     def fit(
         self, batch: RLBatch, seed: int, history: Sequence[dict[str, float]] = (), log_extra: dict | None = None
     ) -> list[dict[str, float]]:
-        """Run the plan of one rollout batch from step `len(history)` (0, or the step a resumed stage had
-        completed) to its end. Returns the metrics of every step of the plan, `history` included.
+        """Run the plan of one rollout batch from step `len(history)` to its end. Returns the metrics of every
+        step of the plan, `history` included; `log_extra` is logged with the plan's first step.
 
-        A mini-batch in which no completion carries loss (all dropped, e.g. zero reward variance) is skipped
-        rather than stepped: AdamW's momentum would still move the weights on a zero gradient. It counts as a
-        plan step with metrics {"skipped": 1}. With a checkpointer, checkpoints every `checkpoint_every` plan
-        steps before the last one: after the last one the stage exports and commits its policy at once, so a
-        model + optimizer checkpoint there would be written for nothing (a crash before that commit resumes
-        from the previous checkpoint). A stage trains one rollout batch, so `self.step` and the plan position
-        coincide there. An in-process loop may call `fit` on batch after batch with one optimizer (no
-        checkpointer): `self.step` keeps counting plan steps across batches.
-        `log_extra` (e.g. the rollout batch's reward statistics) is logged with the plan's first step."""
+        A mini-batch in which no completion carries loss is skipped rather than stepped (AdamW's momentum
+        would still move the weights) and counts as a plan step with metrics {"skipped": 1}. With a
+        checkpointer, checkpoints every `checkpoint_every` plan steps except after the last, where the stage
+        commits its policy instead; a checkpointed stage trains exactly one rollout batch. Without one, `fit`
+        may run batch after batch and `self.step` keeps counting across them."""
         plan = self.plan(batch.batch_size, seed)
         carries_loss = self._minibatches_with_loss(batch, seed)
         history = [dict(m) for m in history]
@@ -315,8 +293,8 @@ class GRPOTrainer(TitanTrainer):
         return history
 
     def _minibatches_with_loss(self, batch: RLBatch, seed: int) -> list[bool]:
-        """Per plan step: does its whole mini-batch (all ranks) hold a token that carries loss? Every rank
-        derives the same answer without communicating: the mini-batch order does not depend on the rank."""
+        """Per plan step: does its whole mini-batch (all ranks) hold a token that carries loss? Computed
+        identically on every rank without communicating."""
         whole = plan_minibatches(
             batch.batch_size, self.cfg.mini_batch_size, self.cfg.mini_batch_size, self.cfg.epochs, seed=seed
         )

@@ -2,12 +2,11 @@
 
     sampler = GlobalBatchSampler(num_rows=936, global_batch_size=128, dp_degree=2, dp_rank=0, seed=0)
     rows = sampler.next_local_rows()      # this rank's 64 row indices of the next global batch
-    cursor = sampler.cursor()             # {"epoch": e, "position": p} -> saved in checkpoints
+    cursor = sampler.cursor()             # {"epoch", "position", "seed", "num_rows"}: saved in checkpoints
     sampler.restore(cursor)
 
-Every epoch is a fresh permutation of all rows drawn from (seed, epoch) alone, so the sequence of global
-batches does not depend on the number of ranks; a global batch that crosses an epoch boundary takes the
-rest of one epoch and the start of the next. Rank r trains on the r-th contiguous block of each global batch.
+Every epoch is a permutation drawn from (seed, epoch) alone, so the sequence of global batches does not depend
+on the number of ranks; a batch may span an epoch boundary. Rank r takes the r-th contiguous block of each.
 """
 
 from __future__ import annotations

@@ -6,17 +6,11 @@
                          sink=sink, checkpointer=ckpt, artifacts=ArtifactContext(store, "sft", cfg_dict, inputs))
     summary = trainer.fit()        # resumes from the newest committed checkpoint; ends holding the selected weights
 
-The loss is token cross-entropy on completion tokens (loss_mask = 1), averaged over the global batch.
-`cfg.eval_rows` rows, chosen by the seed, are held out from training for validation: every `eval_every` steps
-and after the last step, the held-out loss and (given `exact_match`) the greedy exact match. `cfg.select` picks
-the weights `fit` ends with: the last step's, or the best validation's (`select_metric`); `cfg.patience`
-stops the run after that many validations without a better one, `cfg.target` at the first validation that
-reaches it (forge_core.trainers.validation.Selection).
-The best validation's step is checkpointed at once and pinned against retention, so its weights can be
-loaded back at the end; no checkpoint is written at the step where training ends (the export follows).
-The loop checkpoints every `checkpoint_every` steps; the data cursor, the RNG states and the selection state
-travel in the checkpoint, so an interrupted run that resumes produces the same losses, the same validations
-and the same selection as one that was not.
+The loss is token cross-entropy on completion tokens. `cfg.eval_rows` rows, chosen by the seed, are held out
+and validated every `eval_every` steps and after the last step; `cfg.select`, `patience` and `target` pick the
+weights `fit` ends with and when it stops (forge_core.trainers.validation.Selection). A new best is
+checkpointed at once and pinned against retention, so its weights can be loaded back at the end. Checkpoints
+carry the data cursor, RNG and selection state, so a resumed run reproduces an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ class SFTData:
     @classmethod
     def from_table(cls, table: pa.Table, eval_rows: int, seed: int, where: str = "sft.parquet") -> SFTData:
         """Rows from a table with `input_ids` and `loss_mask` list columns (and optionally `ground_truth`);
-        `eval_rows` of them, picked by `seed`, are held out."""
+        `eval_rows` of them, picked by `seed`, are held out. Raises ValueError for a malformed table."""
         missing = [c for c in SFT_COLUMNS if c not in table.column_names]
         if missing:
             raise ValueError(
@@ -138,8 +132,7 @@ class SFTSummary:
 
 
 class SFTTrainer(TitanTrainer):
-    """The SFT loop on top of TitanTrainer: sampling, micro-batching, validation and selection, checkpoints,
-    resume."""
+    """The SFT loop on top of TitanTrainer: sampling, validation and selection, checkpoints, resume."""
 
     def __init__(
         self,
@@ -265,8 +258,8 @@ class SFTTrainer(TitanTrainer):
             ends = is_last or self.selection.stopped
             if self.step % self.log_every == 0 or ends or self.step == resumed_from + 1 or "val/loss" in metrics:
                 self.record_metrics(metrics)
-            # The step training ends at needs no checkpoint: the export follows (a crash before it resumes from
-            # the previous one). A new best is checkpointed at once: its weights may be the ones exported.
+            # The last step needs no checkpoint (the export follows); a new best is checkpointed at once, since
+            # its weights may be the ones exported.
             pin_now = improved and self.selection.pinned_step == self.step
             if not ends and (self.step % self.cfg.checkpoint_every == 0 or pin_now):
                 self._checkpoint()

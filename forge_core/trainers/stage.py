@@ -2,8 +2,7 @@
 
 Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 
-    policy/                 a nested committed `policy` artifact: HF folder (safetensors, config, tokenizer);
-                            its layout, kind check and downloads: forge_core.artifacts.policy
+    policy/                 a nested committed `policy` artifact (HF folder, see forge_core.artifacts.policy)
     _checkpoints/step-N/    nested committed DCP checkpoints (resume; the newest storage.keep_checkpoints)
     _attempts/<attempt>/    train_summary.json: stage metrics (+ per-step metrics for GRPO)
     _MANIFEST.json          kind sft|grpo, lineage (inputs), config, metrics, the attempt it lists
@@ -57,10 +56,8 @@ def commit_stage(
     metrics: dict,
     summary: dict,
 ) -> None:
-    """Rank 0: write `train_summary.json` and commit the stage artifact (the manifest is the commit point).
-
-    When another attempt of the stage committed it first, this attempt's files are removed and the stage is
-    done all the same: the artifact at `output_uri` is the same computation's."""
+    """Rank 0: write `train_summary.json` and commit the stage artifact. When another attempt committed it
+    first, this attempt's files are removed and the stage is done all the same."""
     writer = None
     try:
         writer = store.writer(output_uri, kind=kind, stage=kind)

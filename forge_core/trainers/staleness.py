@@ -1,20 +1,14 @@
 """Rollout staleness: how many policy updates lie between the policy that sampled a row and the one it trains.
 
-Policy index v: the SFT policy is 0, the policy after GRPO iteration k (0-based) is k+1. Iteration k trains
-policy k, so a rollout row for iteration k (its `iteration` column) sampled by policy `policy_iteration` has
-staleness `iteration - policy_iteration`. `grpo.mode=sync` means staleness 0; `async` allows up to
-`grpo.max_staleness`. The GRPO stage checks every row before training (a row above the bound is a fatal
-ValueError, never a silent off-policy update) and logs the mean and max:
+Policy index: the SFT policy is 0, the policy after GRPO iteration k (0-based) is k+1. Iteration k trains
+policy k, so a row for iteration k sampled by policy `policy_iteration` has staleness
+`iteration - policy_iteration`. `grpo.mode=sync` means staleness 0; `async` allows up to `grpo.max_staleness`.
+A row above the bound is a ValueError, never a silent off-policy update:
 
     metrics = check_staleness(table, cfg.grpo, source="inputs.rollouts=<uri>/rollouts.parquet")
     # {"rollout/staleness_mean": 0.5, "rollout/staleness_max": 1.0}
 
-The flow's schedule (flows/post_train.py) comes from `rollouts_to_start`, which names each rollout's sampler
-with `sampling_policy_index`.
-
-The correction for what staleness there is lives in the loss: its clipped ratio is taken against the
-sampling policy's logprobs, with a train-inference mismatch correction on top (`grpo.correction`,
-forge_core.losses.correction); async with a bound above 0 requires one (or grpo.allow_uncorrected_async).
+The staleness that is allowed is corrected in the loss (`grpo.correction`, forge_core.losses.correction).
 """
 
 from __future__ import annotations
@@ -47,17 +41,16 @@ def staleness_bound(mode: str, max_staleness: int) -> int:
 def rollouts_to_start(
     trains_next: int, started: int, iterations: int, mode: str, max_staleness: int
 ) -> list[tuple[int, int]]:
-    """The rollouts the flow starts when policies 0..`trains_next` are committed and GRPO iteration
-    `trains_next` is about to train, after the first `started` ones: (iteration, sampling policy index) for
-    every iteration up to trains_next + bound, each sampled by a policy that exists. In sync (bound 0) that is
-    iteration trains_next alone, from policy trains_next."""
+    """The rollouts to start, after the first `started`, when GRPO iteration `trains_next` is about to train:
+    (iteration, sampling policy index) for every iteration up to trains_next + bound, each sampled by a
+    policy that exists."""
     last = min(iterations - 1, trains_next + staleness_bound(mode, max_staleness))
     return [(j, sampling_policy_index(j, mode, max_staleness)) for j in range(started, last + 1)]
 
 
 def row_staleness(table: pa.Table, source: str) -> np.ndarray:
-    """Per-row staleness, `iteration - policy_iteration`. A table without a `policy_iteration` column (hand-made,
-    or written before the column existed, when every rollout was on-policy) counts as staleness 0."""
+    """Per-row staleness, `iteration - policy_iteration` (0 for a table without those columns). Raises
+    ValueError for a row sampled by a policy newer than the one it trains."""
     if POLICY_ITERATION_COLUMN not in table.column_names or ITERATION_COLUMN not in table.column_names:
         log.warning("%s: no %s/%s columns; treating its rows as on-policy (staleness 0)",
                     source, ITERATION_COLUMN, POLICY_ITERATION_COLUMN)

@@ -1,31 +1,20 @@
 """Validation during SFT and the choice of the weights the stage exports (sft.select, select_metric, patience).
 
-    exact_match = GreedyExactMatch(prompts, ground_truths, decode, eos_id, rewards, micro_batch_size=64)
+    exact_match = GreedyExactMatch(prompts, references, ground_truths, decode, eos_id, rewards, micro_batch_size=64)
     value = exact_match(trainer)        # collective: every data-parallel rank decodes its share, rank 0 scores
     selection = Selection.from_config(cfg.sft)
     improved = selection.observe({"step": 300, "loss": 0.41, "exact_match": 0.58})
     step, reason = selection.selected(last_step=450)   # (300, "early_stop") | (.., "target") | (.., "best") | (.., "last")
 
-Which rows: the `sft.eval_rows` rows of sft.parquet that SFTData holds out from training (chosen by the seed).
-They are never rows of the data artifact's eval split (the prepare stage keeps sft and eval apart), so the
-selection never sees the prompts the flow's evaluation reports: selecting on the eval split would be selecting
-on the test set.
+The rows are the `sft.eval_rows` of sft.parquet that SFTData holds out, never the data artifact's eval split:
+selecting on that would be selecting on the test set.
 
-Exact match is the evaluate stage's greedy accuracy on these rows: the trainer's own model decodes each prompt
-greedily (argmax, up to as many tokens as the longest reference completion of the rows), and the `sft.verifier`
-reward function scores the text against the row's ground truth; a completion passes when it reaches
-PASS_THRESHOLD. Before training starts the verifier is checked on the reference completions themselves: a
-verifier that rejects most of them does not fit the data (exact_answer on GSM8K answers, say), and selecting on
-it would select noise, so that is a ValueError naming sft.verifier.
+Exact match: the trainer's own model decodes each prompt greedily (plain torch, no KV cache, up to the longest
+reference completion), and the `sft.verifier` reward function scores it against the ground truth; a
+completion passes at PASS_THRESHOLD. Before training the verifier is checked on the reference completions:
+one that rejects most of them does not fit the data, and selecting on it would select noise.
 
-The decode is plain torch on the training model (right-padded rows, each extended at its own length; causal
-attention keeps the padding invisible): cheap for small models and short completions, and a full forward per
-new token (no KV cache). For large models on GPU the rollout engine's greedy generation is the faster path: it
-would plug in as another callable with this one's signature, `(trainer) -> float`, that loads the trainer's
-current weights into the engine (as the GRPO stage loads a policy in place) and generates there.
-
-Selection state (curve, best so far, its step, validations since) is plain JSON: the SFT trainer stores it in
-every checkpoint's data cursor, so a resumed run selects exactly as an uninterrupted one.
+Selection state is plain JSON stored in every checkpoint, so a resumed run selects as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -91,10 +80,10 @@ def _greedy_batch(
 
 
 class GreedyExactMatch:
-    """Greedy exact match of the trainer's model on validation prompts, decided by a verifier (module docstring).
+    """Greedy exact match of the trainer's model on validation prompts, decided by a verifier.
 
     `decode(token_ids) -> text` is the tokenizer's (special tokens skipped, as vLLM returns text); `rewards`
-    holds the verifier as its only component (its isolation, if any, is how the rollout stages score)."""
+    holds the verifier as its only component."""
 
     def __init__(
         self,
@@ -127,8 +116,7 @@ class GreedyExactMatch:
 
     def __call__(self, trainer: TitanTrainer) -> float:
         """Collective: the share of this trainer's greedy completions that pass the verifier (same on every
-        rank). Rows are split over data-parallel ranks as the validation loss splits them: the first
-        len - len % dp_degree rows, row i on dp rank i % dp_degree."""
+        rank). Rows are split over data-parallel ranks as the validation loss splits them."""
         degree, rank = trainer.engine.dp_degree, trainer.engine.dp_rank
         usable = len(self.prompts) - len(self.prompts) % degree
         if usable == 0:
@@ -181,8 +169,7 @@ def _until_eos(ids: list[int], eos_id: int) -> list[int]:
 
 
 def _interleave(gathered: list[tuple[int, list]] | None, degree: int, usable: int) -> list:
-    """Rank 0: the rows back in validation order from every dp rank's share (row i came from dp rank i % degree;
-    ranks that share a dp rank, e.g. tensor-parallel peers, sent the same share)."""
+    """Rank 0: the rows back in validation order from every dp rank's share (row i came from dp rank i % degree)."""
     assert gathered is not None, "only rank 0 interleaves"
     shares = dict(gathered)
     return [shares[i % degree][i // degree] for i in range(usable)]
@@ -192,11 +179,10 @@ def _interleave(gathered: list[tuple[int, list]] | None, degree: int, usable: in
 class Selection:
     """Which validation's weights the stage exports; its state travels in the checkpoints (`state_dict`).
 
-    `observe` takes each validation in step order. Better means a higher exact match (an equal one with a lower
-    loss: on a few dozen rows exact match often ties) or, for `metric="loss"`, a lower loss; strictly, so the
-    earliest of equal ones stays the best. With `patience`, that many validations in a row without a better one
-    stop the run; with `target`, the first validation whose metric reaches it (exact match >= target, loss <=
-    target) does, and is the best by construction (`stop_reason`: "patience" | "target")."""
+    `observe` takes each validation in step order. Better means a higher exact match (ties broken by a lower
+    loss) or, for `metric="loss"`, a lower loss; strictly, so the earliest of equal ones stays the best. With
+    `patience`, that many validations in a row without a better one stop the run; with `target`, the first
+    validation whose metric reaches it does (`stop_reason`: "patience" | "target")."""
 
     select: str = "best"
     metric: str = EXACT_MATCH
