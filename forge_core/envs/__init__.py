@@ -4,13 +4,8 @@
     batch = run_episodes(engine, prompts, env, sampling, seed, encode, episode_limits(cfg.rollout.env))
     batch.episodes    # forge_core.rollout.types.Episode: tokens, model-token mask, per-turn records
 
-- base.py      the protocol: Environment.start(row) -> EpisodeState.step(model text) -> Observation | ToolRequest
-               | End
-- episodes.py  the driver: batched turns through the generation protocol, limits, masks, metrics
-- parsers.py   named tool-call parsers (tag, hermes)
-- tools.py     tools by name, run in the isolated worker pool with a per-call timeout (the reward workers')
-- tool_env.py  `tool_use`: call tools until the model answers
-- skyrl.py     `skyrl_gym:<env id>`: environments of the skyrl-gym library
+The protocol is in base.py, the batched driver in episodes.py; built-in environments are `tool_use`
+(tool_env.py, tools.py, parsers.py) and `skyrl_gym:<env id>` (skyrl.py).
 """
 
 from forge_core.envs.base import End, Environment, EpisodeState, Observation, ToolRequest

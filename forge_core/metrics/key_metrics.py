@@ -1,11 +1,7 @@
 """The one line a reader looks for first in each stage's committed metrics (the stage table's `key metric`).
 
-Each built-in stage names its function in its registry record (`Stage.key_metric`, "module:function"); a stage
-registered elsewhere may name its own. Every function takes the manifest's metrics as the stage worker wrote
-them and returns a short line: prepare writes `rows` ({split: count}), sft `final_loss` and its selection
-(`selected_step` of `steps`, `selected_by`, the validation's `val_exact_match` / `eval_loss`), rollout
-`reward_mean` and `pass_rate`, grpo the statistics of its rollout batch (`reward/mean`) and `final/loss`,
-evaluate `accuracy` (and the tool-call rate of episodes).
+A stage names its function in its registry record (`Stage.key_metric`, "module:function"). Each function takes
+the manifest's metrics as the stage worker wrote them and returns a short line; a missing metric prints "n/a".
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ def data_rows(m: Mapping) -> str:
 
 
 def sft_loss_and_selection(m: Mapping) -> str:
-    # Which step's weights the stage exported and why (sft.select): "last", "best", "early_stop" or "target".
     text = f"loss {fmt(m.get('final_loss'))}"
     if m.get("selected_step") is None:
         return text

@@ -16,8 +16,7 @@ PHASE_PREFIX = "phase/"
 
 
 class PhaseClock:
-    """Splits elapsed time into named phases. A lap charges the time since the previous lap (or since the
-    clock started) to its phase; a phase lapped twice sums both."""
+    """Splits elapsed time into named phases; a phase lapped twice sums both laps."""
 
     def __init__(self) -> None:
         self._last = time.perf_counter()

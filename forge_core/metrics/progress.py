@@ -1,8 +1,8 @@
 """Progress lines: how a worker tells its launcher (and the Prefect UI) how far it is.
 
-A worker prints `FORGE_PROGRESS {"stage": "sft", "step": 30, "total": 300}` on rank 0; the launcher streams
-stdout line by line, and the stage task turns such lines into a progress artifact. A plain text protocol keeps
-forge_core free of Prefect and works the same under torchrun, a plain process or a remote node.
+A worker prints `FORGE_PROGRESS {"stage": "sft", "step": 30, "total": 300}` on rank 0 and the stage task turns
+such stdout lines into a progress artifact: a text protocol keeps forge_core free of Prefect and works under
+torchrun, a plain process or a remote node alike.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class MetricsSink(ABC):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def summary(self, metrics: dict[str, float]) -> None:
-        """Final numbers of the run (default: logged once more without a step)."""
+        """Final numbers of the run (default: ignored)."""
 
     def close(self) -> None:
         """Flush and release files / background processes."""
@@ -140,8 +140,8 @@ def run_dir(cfg: LoggingConfig, run_name: str) -> Path:
 
 
 def build_sinks(cfg: LoggingConfig, run_name: str, rank: int = 0, config: dict | None = None) -> MetricsSink:
-    """Console + JSON lines + wandb (unless `wandb_mode=disabled`) on rank 0; a NullSink elsewhere when
-    `cfg.rank0_only` (the default). `config` is recorded with the wandb run."""
+    """Console + JSON lines + wandb (unless `wandb_mode=disabled`); a NullSink off rank 0 when `cfg.rank0_only`.
+    `config` is recorded with the wandb run."""
     if rank != 0 and cfg.rank0_only:
         return NullSink()
     directory = run_dir(cfg, run_name if rank == 0 else f"{run_name}-rank{rank}")

@@ -6,8 +6,7 @@ and weighted sums with one column per component.
     scored = rewards.score(completions, ground_truths, refs)  # .columns["reward_exact_answer"], .total
     resolve_reward("my_pkg.scoring:brevity").fn(text, truth)  # fn(completion, ground_truth, **kwargs)
 
-Built-ins: exact_answer, per_digit, numeric_answer, answer_format, overlong (DAPO's length penalty), math_verify
-(`pip install math-verify`).
+Built-ins are listed in forge_core.rewards.builtin.
 """
 
 from forge_core.rewards.answers import final_number, parse_number, tagged_answer

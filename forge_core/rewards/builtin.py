@@ -1,26 +1,19 @@
 """The built-in reward functions. Each takes `(completion, ground_truth, **kwargs)` and returns a float.
 
-- `exact_answer(tag="answer")`: 1 if the tagged answer equals the ground truth exactly (demo task:
-  `<answer>0168</answer>`), else 0.
-- `per_digit(tag="answer")`: share of ground-truth characters the tagged answer gets right, position by
-  position, in [0, 1].
+- `exact_answer(tag="answer")`: 1 if the tagged answer equals the ground truth exactly, else 0.
+- `per_digit(tag="answer")`: share of ground-truth characters the tagged answer gets right, by position, in [0, 1].
 - `numeric_answer(tag="answer", rel_tol=1e-6, abs_tol=1e-6)`: 1 if the final number equals the reference's
-  final number within tolerance (GSM8K: `... #### 42`), else 0.
+  final number (GSM8K: `... #### 42`) within tolerance, else 0.
 - `answer_format(tag="answer")`: 1 if the completion holds exactly one non-empty, well-formed answer tag.
-- `math_verify()`: 1 if HF math-verify finds the completion's answer equivalent to the ground truth (needs
-  the `math-verify` package).
-- `reasoning_gym(tag="answer")`: the reasoning-gym task's own scorer on the tagged answer; the ground truth is
-  the task's entry as JSON (data.source=reasoning_gym:<task>, forge_core.data.generated; needs `reasoning-gym`).
-- `environment(scale=1.0)`: the reward a multi-turn episode's environment gave (forge_core.envs; rollout.env).
-- `overlong(window=4, penalty=1.0)`: DAPO's soft overlong punishment, 0 for completions of at most
-  `max_new_tokens - window` tokens, falling linearly to `-penalty` at `max_new_tokens` (and below it for
-  anything longer). It reads the sample's `response_len` and the run's `max_new_tokens`
-  (forge_core.rewards.scoring), not the text. Add it next to the task reward, e.g.
-  `rollout.rewards=[{name: exact_answer}, {name: overlong, kwargs: {window: 4, penalty: 1.0}}]`; masking
-  truncated completions altogether is `grpo.advantage.mask_truncated`.
+- `math_verify()`: 1 if HF math-verify finds the answer equivalent to the ground truth (needs `math-verify`).
+- `reasoning_gym(tag="answer")`: the reasoning-gym task's scorer on the tagged answer; the ground truth is the
+  task's entry as JSON (data.source=reasoning_gym:<task>; needs `reasoning-gym`).
+- `environment(scale=1.0)`: the reward a multi-turn episode's environment gave (rollout.env).
+- `overlong(window=4, penalty=1.0)`: DAPO's soft overlong penalty on the sample's `response_len`, not the text;
+  add it next to the task reward.
 
-A malformed completion (no tag, no number) scores 0: that is the model's mistake, not an error. A ground truth
-that cannot be scored at all (no number for `numeric_answer`) raises ValueError: that is a data problem.
+A malformed completion (no tag, no number) scores 0: the model's mistake. A ground truth that cannot be scored
+(no number for `numeric_answer`) raises ValueError: a data problem.
 """
 
 from __future__ import annotations
@@ -39,8 +32,8 @@ def exact_answer(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG) 
 
 @register_reward("per_digit", version="1")
 def per_digit(completion: str, ground_truth: str, *, tag: str = DEFAULT_TAG) -> float:
-    """Partial credit, a smoother GRPO signal than exact match: a too-long answer is penalised by dividing by
-    the longer of the two lengths, so only the exact answer scores 1."""
+    """Partial credit divided by the longer length, so a too-long answer is penalised and only the exact
+    answer scores 1."""
     answer = tagged_answer(completion, tag)
     truth = ground_truth.strip()
     if answer is None or not truth:
@@ -87,8 +80,9 @@ def overlong(
     window: int = 4,
     penalty: float = 1.0,
 ) -> float:
-    """(L_max - window - L) / window * penalty inside the window before L_max = max_new_tokens, else 0 or
-    -penalty (DAPO, arXiv 2503.14476, eq. 13)."""
+    """0 up to `max_new_tokens - window` tokens, then linearly down to `-penalty` at `max_new_tokens`, and
+    `-penalty` beyond (DAPO, arXiv 2503.14476, eq. 13). ValueError for a window outside [1, max_new_tokens]
+    or a negative penalty."""
     if not 0 < window <= max_new_tokens:
         raise ValueError(
             f"overlong: kwargs.window={window} must be in [1, max_new_tokens={max_new_tokens}]; set "
@@ -123,8 +117,7 @@ register_optional_reward(
 
 @register_reward("environment", version="1")
 def environment(completion: str, ground_truth: str, *, env_reward: float, scale: float = 1.0) -> float:
-    """The reward the episode's environment gave (e.g. a skyrl-gym environment's step rewards, summed over
-    the episode: forge_core.envs), times `scale`. Only multi-turn episodes carry one (rollout.env)."""
+    """The episode environment's reward times `scale`; only multi-turn episodes (rollout.env) carry one."""
     return scale * float(env_reward)
 
 

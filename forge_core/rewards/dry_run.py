@@ -3,14 +3,10 @@ before anything trains.
 
     problems = reward_problems(cfg)   # [] or one message per reward that cannot score this data
 
-Each reward component scores the reference completion of the first rows of `data.source` (read as the prepare
-stage reads them) against its ground truth. A reward that scores 0 on every reference cannot tell a right
-answer from a wrong one on this data (e.g. `answer_format` looks for `<answer>` tags that GSM8K answers never
-have): GRPO would train on zero advantage. Its problem shows what the reward saw (a reference completion and
-its ground truth, as the layout made them) and the settings that change what it compares (data.ground_truth_field,
-the reward's kwargs). A reward that raises on a reference, ends or replaces its worker process, or outlasts the
-dry run's per-sample bound is a problem naming the reward, the sample and the fix. Rewards that score sample facts
-instead of the text (`overlong`: they take `response_len` ...) are not dry-run: 0 is their normal value.
+A reward that scores 0 on every reference cannot tell a right answer from a wrong one on this data, so GRPO
+would train on zero advantage; its problem shows what the reward saw and the settings that change what it
+compares. A reward that raises, kills its worker or outlasts the per-sample bound is a problem too. Rewards of
+sample facts (`overlong`) are run but not judged: 0 is their normal value.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ DRY_RUN_ROWS = 16
 
 
 def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
-    """One problem per reward of `rollout.rewards` that scores 0 on every reference answer of the first `rows`
-    rows of the data (or raises on one); [] when each can score it."""
+    """One problem per reward (rollout.rewards, sft.verifier) that scores 0 on every reference answer of the
+    first `rows` rows, or fails on one; [] when each can score them or the data cannot be read."""
     try:
         examples = reference_examples(cfg, rows)
     except (ValueError, OSError):
@@ -72,8 +68,7 @@ def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
 
 
 def _scores_nothing(cfg: RunConfig, component: RewardComponent, examples, layout: str) -> str:
-    """The problem of a reward that scored 0 on every reference: what it saw (the first reference completion
-    and its ground truth, as the layout made them) and the settings that change what it compares."""
+    """The problem of a reward that scored 0 on every reference: what it saw and the settings to change."""
     verifier = component.config_key.startswith("sft.verifier")
     key = "sft.verifier" if verifier else f"{component.config_key}.name"
     kwargs_key = "sft.verifier_kwargs" if verifier else f"{component.config_key}.kwargs"
@@ -113,8 +108,7 @@ def _ground_truth_source(data, layout: str) -> tuple[str, str]:
 
 
 def _kwargs_it_takes(component: RewardComponent) -> str:
-    """`tag='answer', rel_tol=1e-06`: the parameters a reward function takes besides completion, ground truth
-    and the sample facts (the kwargs a config may set), with their defaults."""
+    """The kwargs a config may set for the reward, with defaults: `tag='answer', rel_tol=1e-06`."""
     try:
         parameters = list(inspect.signature(component.spec.fn).parameters.values())[2:]
     except (TypeError, ValueError):

@@ -1,36 +1,19 @@
 """Reward functions run in worker processes, each call bounded in time, so user code cannot hang or crash the
-stage (or, with in-process stages, the flow process).
+calling process.
 
     rewards = RewardSet.from_config(cfg.rollout.rewards, isolation=RewardIsolation.from_config(cfg.rollout))
     scored = rewards.score(completions, ground_truths, refs)     # scored in the workers of this process's pool
     scored.failures       # {"reward/timeouts": 0, "reward/crashes": 0, "reward/zeroed": 0}
 
-The samples are split into `workers` contiguous slices; each slice is scored in order by one worker process
-(`python -m forge_core.rewards.worker`, started once per process and reused: the flow process keeps its
-workers across its in-process stages). A worker answers sample by sample; the parent waits `timeout_s` for
-each answer:
+The samples are split into `workers` contiguous slices, each scored by one reused worker process. A sample's
+values are bit for bit those of in-process scoring; an exception or non-finite value is a RewardFunctionError
+(fatal). On a timeout or a dead worker, a fresh worker rescores the slice from that sample; a sample failing
+MAX_ATTEMPTS times scores 0 and is counted, and more zeroed samples than `failure_limit` fail the stage with a
+RewardFunctionError: a reward failing on everything is a bug, not a worse policy.
 
-- an answer: the sample's component values (exactly what `RewardComponent.score` returns in-process, so with
-  no failure the rewards equal in-process scoring bit for bit, whatever `workers` is);
-- a Python exception or a non-finite value: RewardFunctionError (a ValueError: the stage fails fatally with
-  the function, the sample and the fix), as in-process scoring does;
-- no answer within `timeout_s` (a hang), or the worker died (segfault, os._exit, the OOM killer): the worker
-  is ended, a fresh one starts and scores the slice again from that sample (the ones before it are kept).
-  A sample that fails twice (MAX_ATTEMPTS) gets reward 0 in every component and the stage goes on; the
-  counts go into the stage's metrics: `reward/timeouts` and `reward/crashes` (failed attempts),
-  `reward/zeroed` (samples scored 0). More zeroed samples than `failure_limit` (max(3, 10 %) of the batch)
-  fail the stage as a RewardFunctionError: a reward that hangs or crashes on everything is a bug to fix (or
-  a `rollout.reward_timeout_s` too small for it), not a policy that got worse.
-
-A worker watches its parent (forge_core.launch.owner) and exits with it; an idle one exits when its parent
-closes the channel.
-
-Workers run user code, so they get an allow-listed environment (`worker_environment`): the names in
-WORKER_ENV and LC_*, their import path, and the names the user allows (`rollout.worker_env_allow`); never the
-flow process's credentials (AWS_*, RAY_AUTH_TOKEN, WANDB_API_KEY, FORGE_SECRET_URLS, HF_TOKEN, ...) unless
-named there. A call's result (an environment's tool) is bounded too: one whose pickled size exceeds
-`max_result_bytes` (rollout.env.max_tool_result_bytes) never leaves its worker; it is an outcome of kind
-CALL_TOO_LARGE.
+Workers run user code, so they get an allow-listed environment (`worker_environment`), never the parent's
+credentials unless `rollout.worker_env_allow` names them. A call result (a tool's) over `max_result_bytes`
+pickled never leaves its worker: it is an outcome of kind CALL_TOO_LARGE.
 """
 
 from __future__ import annotations
@@ -64,9 +47,8 @@ MAX_ATTEMPTS = 2
 FAILURE_FRACTION = 0.1
 FAILURE_FLOOR = 3
 TIMEOUTS, CRASHES, ZEROED = "reward/timeouts", "reward/crashes", "reward/zeroed"
-# What a worker's environment keeps of its parent's (besides LC_*, and PYTHONPATH, which it sets): what
-# Python, locales and temp files need, and FORGE_LAUNCH_ID, by which a launch's process tree is found and
-# ended.
+# What a worker keeps of its parent's environment besides LC_* and PYTHONPATH: what Python, locales and temp
+# files need, and FORGE_LAUNCH_ID, by which a launch's process tree is found and ended.
 WORKER_ENV = (
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "LD_LIBRARY_PATH",
     "PYTHONHASHSEED", "OMP_NUM_THREADS", "FORGE_LAUNCH_ID", "FORGE_STAGE",
@@ -79,8 +61,8 @@ def no_failures() -> dict[str, int]:
 
 
 def worker_environment(allow: Sequence[str] = ()) -> dict[str, str]:
-    """A worker's environment: this process's variables named in WORKER_ENV, LC_* or `allow`, and the parent's
-    import path as PYTHONPATH (so a worker imports the same reward modules the parent resolved)."""
+    """This process's variables in WORKER_ENV, LC_* or `allow`, and its import path as PYTHONPATH (so a worker
+    imports the same reward modules the parent resolved)."""
     keep = set(WORKER_ENV) | set(allow)
     env = {name: value for name, value in os.environ.items() if name in keep or name.startswith("LC_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -94,8 +76,7 @@ def failure_limit(samples: int) -> int:
 
 @dataclass(frozen=True)
 class RewardIsolation:
-    """How rewards are scored outside the calling process: the per-sample timeout, the worker count and the
-    names of further environment variables the workers get (`worker_environment`)."""
+    """Per-sample timeout, worker count and extra environment variables of the reward workers."""
 
     timeout_s: float = 30.0
     workers: int = 1
@@ -111,8 +92,7 @@ class RewardIsolation:
 
 
 class IsolatedRewards(Protocol):
-    """What the pool needs of a RewardSet (forge_core.rewards.scoring, which calls it): the configs a worker
-    rebuilds it from, its components (their count) and their versions (for messages)."""
+    """What the pool needs of a RewardSet: the configs a worker rebuilds it from, its components, versions."""
 
     configs: list[RewardComponentConfig] | None
     section: str
@@ -126,9 +106,8 @@ CALL_RAISED, CALL_TIMEOUT, CALL_CRASHED, CALL_TOO_LARGE = "raised", "timeout", "
 
 @dataclass(frozen=True)
 class CallOutcome:
-    """One isolated call's outcome (RewardPool.call_each): its value, or `kind` (raised, timeout, crashed) and
-    `error` (what happened; CALL_TOO_LARGE: a result over the size bound); `latency_s` is the call's time (the
-    wait, for a call that never answered)."""
+    """One isolated call's `value`, or its `kind` (a CALL_* constant) and `error`; `latency_s` is the call's
+    time, or the wait for one that never answered."""
 
     value: object = None
     error: str = ""
@@ -210,8 +189,8 @@ class RewardPool:
     def score(
         self, rewards: IsolatedRewards, items: Sequence[tuple], isolation: RewardIsolation
     ) -> tuple[list[list[float]], dict[str, int]]:
-        """Per-sample component values (in `rewards.components` order) and the failure counts; `items` are
-        `RewardSet.score_sample`'s arguments, one tuple per sample."""
+        """Per-sample component values (in `rewards.components` order) and the failure counts; `items` holds
+        `RewardSet.score_sample`'s arguments per sample. Raises RewardFunctionError or RewardWorkerError."""
         assert rewards.configs is not None, "isolated scoring needs a RewardSet built by from_config"
         with self._lock:
             slots = max(1, min(isolation.workers, len(items)))
@@ -285,12 +264,10 @@ class RewardPool:
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         env_allow: Sequence[str] = (),
     ) -> list[CallOutcome]:
-        """Run the function `fn` ('package.module:function') once per `(args, kwargs)` in `calls`, in a worker
-        process, each call bounded by `timeout_s`: an environment's tools (forge_core.envs.tools). A call
-        that raises, hangs past the timeout, kills its worker or returns more than `max_result_bytes`
-        (pickled) is an outcome with an `error` (after a timeout or crash the worker is replaced and the next
-        call goes to a fresh one), never an exception here: the caller decides what a failed call means.
-        `env_allow`: further environment variables the worker gets (`worker_environment`).
+        """Run `fn` ('package.module:function') once per `(args, kwargs)` in a worker, each call bounded by
+        `timeout_s`. A call that raises, hangs, kills its worker or returns more than `max_result_bytes`
+        (pickled) is an outcome with an `error`, never an exception here; a fresh worker takes the next call.
+        `env_allow` extends the worker's environment (`worker_environment`).
 
         Raises:
             ValueError: `fn` cannot be imported (a config mistake).
@@ -423,9 +400,8 @@ _pool_lock = threading.Lock()
 
 
 def process_pool() -> RewardPool:
-    """This process's reward pool, started on first use; its workers end with this process's launches
-    (terminate_all_live: SIGTERM, the flow's cancel or crash, interpreter exit), so none outlives a flow that
-    is told to stop."""
+    """This process's reward pool, started on first use; its workers end with this process's launches, so
+    none outlives a flow that is told to stop."""
     global _pool
     with _pool_lock:
         if _pool is None:

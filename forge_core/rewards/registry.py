@@ -3,10 +3,8 @@
     @register_reward("exact_answer", version="1")      # how forge_core.rewards.builtin adds the built-ins
     def exact_answer(completion: str, ground_truth: str, tag: str = "answer") -> float: ...
 
-A reward function takes the completion text and the ground truth (plus the component's `kwargs` from the
-config) and returns a number; `RewardFunctionError` is what scoring raises when one fails on a sample.
-Looking a name up (built-ins, optional ones, user functions by import path) is forge_core.rewards.resolve,
-which imports the built-ins first: this module imports no other reward module, so builtin can import it.
+Name lookup is forge_core.rewards.resolve, which imports the built-ins first; this module imports no other
+reward module, so builtin can import it without a cycle.
 """
 
 from __future__ import annotations

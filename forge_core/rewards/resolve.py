@@ -5,11 +5,9 @@ user functions given by import path.
     spec = resolve_reward("my_pkg.rewards:brevity")       # fn(completion, ground_truth, **kwargs) -> float
     spec.fn("<answer>0168</answer>", "0168")              # 1.0
 
-Every function carries a version string that is stored with the rollouts and is part of the content key of
-every stage that scores (rollout, evaluate), so a table says which scorer produced its rewards and a changed
-scorer is never served stale results: built-ins bump it when their behaviour changes; a user function's
-version is its `version` attribute if it has one, else a hash of the source of the module that defines it
-(its helpers and constants included), read from disk when resolved.
+Every function carries a version that is stored with the rollouts and is part of the content key of every
+stage that scores, so a changed scorer is never served stale results. A built-in's is set at registration; a
+user function's is its `version` attribute, else a hash of its whole module's source, read from disk when resolved.
 """
 
 from __future__ import annotations
@@ -38,8 +36,9 @@ def builtin_reward_names() -> list[str]:
 def resolve_reward(name: str) -> RewardSpec:
     """The reward function for a registered name or a `package.module:function` import path.
 
-    Raises ValueError naming the reward and the fix for an unknown name, a missing optional package, an
-    import path that does not import, or an object that is not callable.
+    Raises:
+        ValueError: naming the reward and the fix, for an unknown name, a missing optional package, an import
+            path that does not import, or an object that is not callable.
     """
     known = registered(name)
     if isinstance(known, RewardSpec):

@@ -5,21 +5,16 @@
     scored.columns["reward_exact_answer"], scored.total        # one value per sample
     rewards.versions()                                          # {"exact_answer": "1", ...}
 
-A component function that raises, or returns anything but a finite number, stops scoring with a
-`RewardFunctionError` naming the function, the config entry and the sample: a silent zero would look like a
-policy that got worse.
+A component that raises, or returns anything but a finite number, stops scoring with a `RewardFunctionError`
+naming the function, the config entry and the sample: a silent zero would look like a worse policy.
 
-A function may also ask for facts about the sample that its text does not carry, by naming them as
-keyword-only parameters: `response_len` (tokens), `finish_reason` ("stop" or "length") and `max_new_tokens`
-(the generation budget). The stages pass them per sample (`contexts`, built by `sample_context`); e.g. the
-`overlong` reward (DAPO's soft length penalty) takes `response_len` and `max_new_tokens`.
+A function may take sample facts its text does not carry as keyword parameters named in SAMPLE_FIELDS
+(`response_len` in tokens, `finish_reason`, `max_new_tokens`, `env_reward`); the caller passes them per sample:
 
     scored = rewards.score(texts, truths, refs, contexts=[sample_context(s, max_new_tokens) for s in samples])
 
-The rollout and evaluate stages build their RewardSet with `isolation=RewardIsolation.from_config(cfg.rollout)`:
-then `score` runs the functions in worker processes with a per-sample timeout, so a reward that hangs or
-crashes costs a retry of that sample in a fresh worker, then a 0 for it, counted in `ScoredRewards.failures`
-(forge_core.rewards.isolation). Without failures the values are the same as in-process scoring.
+With `isolation` set, `score` runs the functions in worker processes (forge_core.rewards.isolation); without
+failures the values equal in-process scoring.
 """
 
 from __future__ import annotations
@@ -42,7 +37,6 @@ TOTAL_COLUMN = "reward"
 _SNIPPET_CHARS = 120
 
 
-# Sample facts a reward function may take as keyword-only parameters (see the module docstring).
 # `env_reward` only exists for multi-turn episodes (forge_core.envs): the reward their environment gave.
 SAMPLE_FIELDS = ("response_len", "finish_reason", "max_new_tokens", "env_reward")
 _EXAMPLE_CONTEXT = {"response_len": 1, "finish_reason": "stop", "max_new_tokens": 1, "env_reward": 0.0}
@@ -54,8 +48,7 @@ def example_context() -> dict[str, Any]:
 
 
 def sample_context(sample: Any, max_new_tokens: int) -> dict[str, Any]:
-    """The SAMPLE_FIELDS of one generated sample (anything with `response_len` and `finish_reason`; an
-    episode of forge_core.envs also has `env_reward`)."""
+    """The SAMPLE_FIELDS of one sample or episode (anything with `response_len` and `finish_reason`)."""
     context = {
         "response_len": int(sample.response_len),
         "finish_reason": str(sample.finish_reason),
@@ -87,7 +80,7 @@ class RewardComponent:
 
     @property
     def sample_fields(self) -> tuple[str, ...]:
-        """The SAMPLE_FIELDS the function takes as parameters (the stages pass them per sample)."""
+        """The SAMPLE_FIELDS the function takes and `kwargs` does not set."""
         try:
             parameters = inspect.signature(self.spec.fn).parameters
         except (TypeError, ValueError):
@@ -145,8 +138,8 @@ class RewardComponent:
 
 @dataclass(frozen=True)
 class ScoredRewards:
-    """Per-sample scores: `columns[reward_<name>]` for every component and the weighted `total`; `failures`
-    counts what isolated scoring could not score ({} in-process; forge_core.rewards.isolation)."""
+    """Per-sample `columns[reward_<name>]` per component and the weighted `total`; `failures` counts what
+    isolated scoring could not score ({} in-process)."""
 
     columns: dict[str, list[float]]
     total: list[float]
@@ -154,11 +147,8 @@ class ScoredRewards:
 
 
 class RewardSet:
-    """The components of a run's reward, in config order.
-
-    `configs`/`section`: what `from_config` built it from (a reward worker rebuilds it from them);
-    `isolation`: score in worker processes (forge_core.rewards.isolation) instead of this process.
-    """
+    """The components of a run's reward, in config order. `configs`/`section`: what `from_config` built it
+    from (a reward worker rebuilds it from them); `isolation`: score in worker processes when set."""
 
     configs: list[RewardComponentConfig] | None = None
     section: str = "rollout.rewards"
@@ -166,8 +156,7 @@ class RewardSet:
 
     @classmethod
     def for_stage(cls, rollout: RolloutConfig) -> RewardSet:
-        """What a rollout/evaluate stage scores with: `rollout.rewards`, isolated per `rollout.reward_timeout_s`
-        and `rollout.reward_workers`; `failures` adds up its scoring failures for the stage's metrics."""
+        """`rollout.rewards`, isolated as `rollout` configures; `failures` adds up across `score` calls."""
         return cls.from_config(rollout.rewards, isolation=RewardIsolation.from_config(rollout))
 
     def __init__(self, components: Sequence[RewardComponent]) -> None:
@@ -230,8 +219,8 @@ class RewardSet:
         sample_refs: Sequence[str],
         contexts: Sequence[Mapping[str, Any]] | None = None,
     ) -> ScoredRewards:
-        """Every component on every sample; `contexts` (one `sample_context` per sample) feed the components
-        that take sample facts."""
+        """Every component on every sample; `contexts`: one `sample_context` per sample, needed when a
+        component takes sample facts. Raises RewardFunctionError (module docstring)."""
         contexts = [None] * len(completions) if contexts is None else contexts
         if not len(completions) == len(ground_truths) == len(sample_refs) == len(contexts):
             raise ValueError(

@@ -2,13 +2,11 @@
 
     python -m forge_core.rewards.worker --fd N --owner <pid>:<create time>
 
-(started by the pool, never by hand). It serves score requests on the socket `--fd`, answering sample by
-sample: ("ready"), then ("value", i, [component values]) per sample and ("done", n); a reward function's
-Python error becomes ("error", i, message) and ends that request. It also serves call requests (a function by
-import path, e.g. an environment's tool: forge_core.envs.tools), answered call by call the same way, where the
-function's exception is an answer ("raised"), not the end of the request, and so is a result whose pickled
-size exceeds the request's `max_result_bytes` ("too_large": it is never sent). It exits when the parent closes the
-socket or is gone (forge_core.launch.owner); a hang or a crash in a function is the parent's to notice.
+Started by the pool, never by hand. A score request on socket `--fd` is answered ("ready"), then ("value", i,
+[component values]) per sample and ("done", n); a reward error is ("error", i, message) and ends the request.
+A call request (a function by import path, e.g. a tool) is answered call by call, where an exception
+("raised") or an oversized result ("too_large", never sent) is an answer, not the end. The worker exits when
+its parent closes the socket or is gone; a hang or crash in a function is the parent's to notice.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ _EXIT_OWNER_GONE = 3
 
 
 def serve(conn: Connection) -> None:
-    """Answer score requests until the parent closes the channel."""
+    """Answer score and call requests until the parent closes the channel."""
     built: dict[str, RewardSet] = {}
     while True:
         try:

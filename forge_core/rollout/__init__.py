@@ -5,11 +5,9 @@
         samples = gen.generate(prompts, cfg.rollout.sampling, seed=7)   # list[Sample]: tokens, logprobs, text
         gen.reload(policy_dir, new_version)            # new weights written into policy_dir: reload in place
 
-Every generator (one engine in this process, the run's engine actors: actor_engines.py) speaks the one
-generation protocol of `protocol.py` (`GenerationEngine`); several engines sit behind one `EngineRouter`.
-
-Stages built on it: `python -m forge_core.run rollout --spec <uri>` and `... evaluate --spec <uri>`.
-Names are imported lazily so that importing the package does not import vLLM.
+Every engine, in this process or an engine actor (actor_engines.py), speaks the generation protocol of
+`protocol.py`; several sit behind one `EngineRouter`. Names are imported lazily, so importing the package
+does not import vLLM.
 """
 
 from __future__ import annotations

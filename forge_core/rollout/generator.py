@@ -8,8 +8,7 @@ protocol of protocol.py, in this process).
         greedy = gen.generate(prompts, evaluation_sampling(cfg.eval, cfg.rollout.sampling), seed=7)
 
 vLLM starts worker processes with `spawn`, so a script that builds a Generator needs an
-`if __name__ == "__main__":` guard. Starting an engine takes tens of seconds on CPU; reloading weights into a
-running one takes milliseconds for small models, which is why the class keeps the engine and offers reload.
+`if __name__ == "__main__":` guard. Starting an engine is slow and reloading weights is cheap, hence `reload`.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "tor
 
 
 class Generator:
-    """A vLLM engine built from a local HF folder (see module docstring); `policy_version` names its weights
-    (policy.weights_version of the artifact the folder was fetched from, or any label for a bare folder)."""
+    """A vLLM engine on a local HF folder; `policy_version` names its weights (the artifact's
+    weights_version, or any label for a bare folder). ValueError for a folder this vLLM cannot run."""
 
     def __init__(
         self, policy_dir: str | Path, engine: EngineOptions | None = None, *, policy_version: str
@@ -62,11 +61,8 @@ class Generator:
     # ---- generation -----------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int) -> list[Sample]:
-        """`sampling.group_size` samples for every prompt, in prompt order then sample index.
-
-        Each prompt's samples are drawn with `request_seed(seed, group_id, prompt_id)`, so the same seed
-        gives the same samples whatever else is in the batch.
-        """
+        """`sampling.group_size` samples per prompt, in prompt order then sample index, seeded per prompt
+        (`request_seed`) so they do not depend on the rest of the batch. ValueError: see check_prompt_lengths."""
         check_prompt_lengths(prompts, sampling, self.max_model_len)
         requests = [{"prompt_token_ids": list(p.prompt_ids)} for p in prompts]
         params = [sampling.build(request_seed(seed, p.group_id, p.prompt_id)) for p in prompts]
@@ -79,12 +75,11 @@ class Generator:
     # ---- weights --------------------------------------------------------------------------------------
 
     def reload(self, policy_dir: str | Path, policy_version: str) -> float:
-        """Serve `policy_version` from `policy_dir` from now on; returns the seconds the reload took.
+        """Serve `policy_version` from `policy_dir` from now on; returns the reload's seconds.
 
-        The engine's own folder re-reads its weights (a writer replaced its safetensors); another folder's
-        weights are loaded (same architecture and tokenizer, else ValueError). The version already served
-        reloads nothing (it is the weights' checksum; the folder is recorded) and takes 0.0 s. Cached prompt
-        prefixes are dropped: they were computed with the old weights.
+        The engine's own folder re-reads its weights; another folder must hold the same architecture and
+        tokenizer (else ValueError). The version already served reloads nothing (0.0 s). Cached prompt prefixes
+        are dropped: they were computed with the old weights.
         """
         new_dir = Path(policy_dir)
         _check_policy_folder(new_dir)
@@ -103,14 +98,11 @@ class Generator:
         return self.reload_s
 
     def weight_transfer(self, method: str, *args) -> None:
-        """One step of vLLM's weight-transfer round trip in the engine's workers (`init_weight_transfer_engine`,
-        `start_weight_update`, `update_weights`, `finish_weight_update`: forge_core.rollout.weight_transfer)."""
+        """Run one step of the weight-transfer round trip (forge_core.rollout.weight_transfer) in the workers."""
         self._llm.collective_rpc(method, args=args)
 
     def weights_received(self, policy_version: str, seconds: float) -> None:
-        """Serve `policy_version` from now on: its weights came over a transfer, in place. Cached prompt prefixes
-        are dropped (computed with the old weights); the folder stays the one the engine started from (same
-        architecture and tokenizer)."""
+        """Serve `policy_version`, whose weights came over a transfer; drops cached prompt prefixes."""
         self._llm.reset_prefix_cache()
         self.policy_version, self.reload_s = policy_version, seconds
 
@@ -203,8 +195,7 @@ def _check_policy_folder(folder: Path) -> None:
 
 
 def _check_engine_runs_model(folder: Path) -> None:
-    """ValueError (a fatal error: no retry changes the model) when this platform's vLLM cannot run the model;
-    vLLM itself would start and then die at the first request."""
+    """ValueError (fatal) when this platform's vLLM cannot run the model: vLLM would die at the first request."""
     config = json.loads((folder / "config.json").read_text())
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)

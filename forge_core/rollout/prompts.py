@@ -1,10 +1,9 @@
 """Which prompts a GRPO iteration samples, and reading them from a `data` artifact.
 
-Iteration k takes the prompts at positions [k*P, (k+1)*P) of an endless stream over `rl_prompts` (P =
-rollout.prompts_per_iteration). The stream visits the table in epochs; each epoch is a fresh permutation
-fixed by (seed, epoch), so within an epoch no prompt repeats, and any iteration can be recomputed alone (a
-retried or resumed stage picks exactly the same prompts). The permutation orders rows by a keyed hash, which
-is stable across numpy and Python versions.
+Iteration k takes positions [k*P, (k+1)*P) of an endless stream over `rl_prompts` (P =
+rollout.prompts_per_iteration). Each epoch of the stream is a permutation fixed by (seed, epoch), by a keyed
+hash stable across numpy and Python versions: no prompt repeats within an epoch, and a retried or resumed
+iteration picks exactly the same prompts.
 
     indices = iteration_indices(num_rows=len(table), per_iteration=32, iteration=3, seed=0)
     prompts = prompts_from_table(table.take(indices), first_group_id=3 * 32)

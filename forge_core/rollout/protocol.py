@@ -2,21 +2,14 @@
 
     samples = engine.generate(prompts, sampling, seed)   # sampling.group_size samples per prompt, prompt order
     engine.policy_version                                # the weights it serves (policy.weights_version)
-    engine.startup_s, engine.reload_s                    # its start-up seconds (0 when it was running already)
-                                                         # and its last reload's seconds (0 before any)
+    engine.startup_s, engine.reload_s                    # start-up (0 if already running), last reload (0 if none)
     engine.reload(policy_dir, policy_version)            # serve other weights of the same architecture
     engine.close()
 
-Implementations:
-- `Generator` (generator.py): one vLLM engine in this process;
-- `EngineRouter` (router.py): several engines behind one handle, prompts split across them, a lost engine's
-  prompts re-routed to the others; its engines are `EngineConnection`s: `HostedEngine` (actor_engines.py), an
-  engine actor on the Ray cluster that owns a Generator.
-
-Samples depend on (prompt, sampling, seed) alone: each prompt is sampled with its own
-`request_seed(seed, group_id, prompt_id)` (sampling.py), so every implementation returns the same samples
-for the same call, however the prompts are split. `reload` with the version already served does nothing (the
-version is the weights' checksum) and returns 0.0.
+Implementations: `Generator` (one vLLM engine in this process) and `EngineRouter` over `EngineConnection`s
+such as `HostedEngine` (an engine actor on the Ray cluster). Samples depend on (prompt, sampling, seed) alone,
+each prompt seeded by `request_seed`, so every implementation returns the same samples however the prompts
+are split. `reload` of the version already served does nothing and returns 0.0.
 """
 
 from __future__ import annotations
@@ -52,9 +45,8 @@ class GenerationEngine(Protocol):
 
 @runtime_checkable
 class EngineConnection(GenerationEngine, Protocol):
-    """One engine of a router, reached over a pipe or a socket: a GenerationEngine with a name and a pid (for
-    messages). `generate` raises `EngineLost` when the engine is gone; `close` ends the connection (and the
-    engine, when the connection owns it)."""
+    """One engine of a router, with a name and pid for messages; `generate` raises `EngineLost` when the engine
+    is gone; `close` ends the connection (and the engine, when the connection owns it)."""
 
     @property
     def name(self) -> str: ...
@@ -64,8 +56,7 @@ class EngineConnection(GenerationEngine, Protocol):
 
 
 class EngineLost(RetryableStageError):
-    """An engine is gone (its process died, its connection ended, or it failed and exits): a router serves its
-    unfinished prompts with the others; a retry of the stage starts a new one."""
+    """An engine is gone (process died, connection ended, or it failed): a router re-routes its prompts."""
 
 
 class PolicyVersionMismatch(RetryableStageError):

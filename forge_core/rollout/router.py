@@ -6,12 +6,10 @@ order, a lost engine's prompts re-routed to the others.
     router.reload(policy_dir, version)             # every live engine (concurrently)
     router.close()                                 # closes every connection (the engine actors keep running)
 
-Every prompt's samples are drawn with its own seed (sampling.request_seed), so they are the same whichever
-engine serves it: splitting and re-routing change no sample. An engine that is lost mid-request (EngineLost:
-its process died, its connection ended, it failed and exits) is dropped with a warning naming it, and its
-unfinished prompts go to the live ones; only when no engine is left does `generate` raise EngineLost
-(retryable: the stage's retry starts new engines). Any other error (a ValueError for a bad prompt, a
-PolicyVersionMismatch) is raised as is once the round is over.
+Prompts are seeded one by one (sampling.request_seed), so splitting and re-routing change no sample. An engine
+lost mid-request (EngineLost) is dropped with a warning and its unfinished prompts go to the live ones; only
+when none is left does `generate` raise EngineLost (retryable). Any other error (a ValueError for a bad
+prompt, a PolicyVersionMismatch) is raised as is once the round is over.
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ class EngineRouter:
     # ---- generation ---------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seed: int) -> list[Sample]:
-        """`group_size` samples per prompt in prompt order, as one engine would return them (module
-        docstring: a lost engine's prompts go to the others)."""
+        """`group_size` samples per prompt in prompt order, as one engine would return them."""
         by_prompt: list[list[Sample]] = [[] for _ in prompts]
         pending = list(range(len(prompts)))
         while pending:
@@ -149,9 +146,8 @@ class EngineRouter:
     # ---- the engines --------------------------------------------------------------------------------
 
     def _on_each(self, jobs: list[tuple[EngineConnection, Callable[[], T], str]]) -> list[T | None]:
-        """Every job's call (on its engine) concurrently: each one's result, None where the engine was lost
-        (it is dropped; the warning says what happens to its work, e.g. "re-routing ... to" the live ones).
-        Another error is raised once every call has ended."""
+        """Every job's call concurrently: each result, None where the engine was lost (it is dropped and the
+        warning says `what` happens to its work). Another error is raised once every call has ended."""
         with ThreadPoolExecutor(len(jobs), thread_name_prefix="forge-engine-route") as pool:
             futures: list[Future] = [pool.submit(call) for _, call, _ in jobs]
         results: list[T | None] = []

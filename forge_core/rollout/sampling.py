@@ -1,10 +1,8 @@
 """The seeds that make rollouts reproducible, and the evaluation's sampling (SamplingConfig.build(seed) makes
 vLLM's SamplingParams).
 
-Every prompt gets its own seed, derived from the rollout seed, its group id and its prompt id
-(`request_seed`). vLLM then draws that prompt's samples from its own random stream, so the samples do not
-depend on which other prompts share the batch, how the scheduler orders them, or which of several engines
-(data parallel) serves the prompt.
+Every prompt gets its own seed (`request_seed`), so its samples do not depend on which other prompts share
+the batch, how the scheduler orders them, or which engine serves it.
 """
 
 from __future__ import annotations
@@ -31,11 +29,8 @@ def rollout_seed(cfg_seed: int, sampling: SamplingConfig) -> int:
 
 
 def evaluation_sampling(eval_cfg: EvalConfig, rollout_sampling: SamplingConfig) -> SamplingConfig:
-    """Greedy single samples for `pass_k == 1`; otherwise `pass_k` samples at the rollout temperature.
-
-    Stop strings, top-p and top-k come from the rollout sampling, so the evaluated policy finishes its
-    answers the way it does in training.
-    """
+    """Greedy single samples for `pass_k == 1`, else `pass_k` samples at the rollout temperature, top-p and
+    top-k; stop strings always come from the rollout sampling, so answers end as in training."""
     if eval_cfg.pass_k == 1:
         return replace(
             rollout_sampling,

@@ -19,12 +19,10 @@
 | sampling_round | int32 | the generation round (0; 1.. are dynamic sampling's extra rounds) |
 | kept | bool | GRPO trains on this row (dynamic sampling keeps prompts_per_iteration groups; else all) |
 
-With `rollout.env` (multi-turn episodes, forge_core.envs) a row is one episode and the table has these columns
-too (a single-turn table has none of them, so it stays what it was):
+With `rollout.env` a row is one episode and the table also has these columns (a single-turn table has none):
 
 | column | type | meaning |
 | --- | --- | --- |
-| response_ids, response_logprobs | list | every token after the first prompt, model and environment interleaved; logprob 0.0 on environment tokens |
 | response_mask | list<int8> | 1 on the model's tokens (they carry loss), 0 on the environment's (context only) |
 | turns | list<struct> | per turn: turn, role (model/env), text, start/end (into response_ids), tool, latency_s, error |
 | num_turns, model_tokens | int32 | model turns; tokens the model generated |
@@ -33,14 +31,10 @@ too (a single-turn table has none of them, so it stays what it was):
 | env_reward | float64 (null) | the environment's own reward (the `environment` reward component reads it) |
 | environment | string | JSON: the environment, its tools/parser/package and the limits (lineage) |
 
-`response_text` is then the model's text of every turn, concatenated (what the rewards scored), and
-`response_len` counts every token after the prompt.
-
-A row's staleness is `iteration - policy_iteration`: 0 in `grpo.mode: sync`, at most `grpo.max_staleness` in
-`async` (forge_core.trainers.staleness checks it in the GRPO stage).
-
-`policy_version` is `forge_core.artifacts.policy.weights_version` of the policy's manifest: the checksum the
-engine confirmed it was serving when it generated these rows.
+`response_ids` then interleave model and environment tokens (logprob 0.0 on the latter), `response_text` is the
+model's text of every turn, and `response_len` counts every token after the prompt.
+A row's staleness is `iteration - policy_iteration` (0 in `grpo.mode: sync`). `policy_version` is the weights
+checksum the engine confirmed serving when it generated the rows.
 
     table = rollout_table(samples, scored, lineage)
     metrics = rollout_metrics(table, primary_column="reward_exact_answer")
@@ -130,9 +124,9 @@ class RolloutLineage:
     seed: int
     sampling_params: str  # JSON
     reward_versions: str  # JSON
-    # The sampling policy's index (forge_core.trainers.staleness); None = `iteration` (on-policy, sync).
+    # The sampling policy's index; None = `iteration` (on-policy, sync).
     policy_iteration: int | None = None
-    # JSON describing the environment of multi-turn episodes (forge_core.envs); None = single-turn samples.
+    # JSON describing the environment of multi-turn episodes; None = single-turn samples.
     environment: str | None = None
 
     @property
@@ -174,9 +168,8 @@ def episode_columns(episodes: Sequence[Episode], environment: str) -> dict[str, 
 def rollout_table(
     samples: Sequence[Sample], scored: ScoredRewards, lineage: RolloutLineage, sampling_round: int = 0
 ) -> pa.Table:
-    """The rows of `samples` with their rewards and lineage, in the explicit rollout schema; every row is
-    `kept` (dynamic sampling decides otherwise once it has all its rounds). With `lineage.environment` the
-    samples are Episodes and the table has the multi-turn columns."""
+    """The rows of `samples` with rewards and lineage, every row `kept`; with `lineage.environment` the samples
+    are Episodes and the table has the multi-turn columns."""
     n = len(samples)
     if len(scored.total) != n:
         raise ValueError(f"rollout_table: {n} samples but {len(scored.total)} rewards")
@@ -219,9 +212,8 @@ def reward_columns_of(schema: pa.Schema) -> list[str]:
 def rollout_metrics(table: pa.Table, primary_column: str) -> dict[str, float]:
     """Reward, pass-rate, group and length statistics of a rollout table (the manifest's metrics).
 
-    pass_rate: share of samples whose primary reward reaches PASS_THRESHOLD; group_pass_rate: share of groups
-    with at least one such sample; zero_variance_group_fraction: groups whose samples all got the same
-    reward, which carry no GRPO signal.
+    pass_rate is the share of samples whose primary reward reaches PASS_THRESHOLD, group_pass_rate the share
+    of groups with one such sample, zero_variance_group_fraction the share of groups with equal rewards.
     """
     rewards = np.asarray(table.column(TOTAL_COLUMN).to_pylist(), dtype=np.float64)
     passed = np.asarray(table.column(primary_column).to_pylist(), dtype=np.float64) >= PASS_THRESHOLD

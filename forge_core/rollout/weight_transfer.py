@@ -1,26 +1,20 @@
 """Weights from the trainer to running vLLM engines through a collective group, on vLLM's weight-transfer API.
 
-vLLM defines the contract (vllm.distributed.weight_transfer): an engine is configured with a backend
-(`weight_transfer_config={"backend": ...}`); its workers then take `init_weight_transfer_engine`,
-`start_weight_update`, `update_weights` and `finish_weight_update`, and a trainer-side engine drives that round
-trip through a client. vLLM ships NCCL backends for GPUs. This module adds the CPU one, `gloo`, and registers it
+vLLM defines the contract (vllm.distributed.weight_transfer): an engine's workers take
+`init_weight_transfer_engine`, `start_weight_update`, `update_weights` and `finish_weight_update`, driven by a
+trainer-side engine through a client. vLLM ships NCCL backends for GPUs; this module registers a CPU one, `gloo`,
 with vLLM's factories when imported:
 
     LLM(..., weight_transfer_config={"backend": "gloo"}, worker_extension_cls=REGISTRATION)   # EngineOptions does
     sender = GlooTrainerEngine.trainer_init(GlooTrainerInit(..., rank=0), client=client, source=source)
     sender.send_weights()                                # every engine behind `client` now holds the weights
 
-A group is one sender (a trainer rank, rank 0 of the group) and the engines it serves (ranks 1..K). The sender
-streams the weights in buckets of at most `bucket_bytes` (a parameter larger than that is a bucket of its own):
-each bucket is one gloo broadcast of the parameters' bytes (`GroupBuckets`), which the engines cut along the
-same plan (both sides plan from the same metadata) and load with the model's `load_weights`, two buckets
-travelling while the next is filled or loaded. When every engine of a group runs on the sender's host
-(`GlooTrainerInit.shared_memory`), the buckets, whole decoder layers each, go through two shared-memory files
-instead, the engines load them from there in place, and the group only paces them (`SharedMemoryBuckets`): the
-CPU counterpart of vLLM's CUDA-IPC backend, without the loopback socket's copies. Nothing is written to disk.
-
-`REGISTRATION` names a worker extension whose import registers the backend, so an engine core that runs in a
-process of its own (vLLM's multiprocessing) knows it too.
+A group is one sender (a trainer rank, rank 0) and the engines it serves (ranks 1..K). The sender streams the
+weights in buckets of at most `bucket_bytes` (a larger parameter is a bucket of its own), each one gloo
+broadcast (`GroupBuckets`) that the engines cut along the same plan and load with `load_weights`. With every
+engine on the sender's host (`GlooTrainerInit.shared_memory`), buckets go through shared-memory files instead
+(`SharedMemoryBuckets`). Nothing is written to disk. Importing `REGISTRATION` registers the backend in vLLM's
+worker processes too.
 """
 
 from __future__ import annotations
@@ -101,8 +95,7 @@ class GlooTrainerInit(TrainerInitInfo):
 
 @dataclass
 class GlooUpdate(WeightTransferUpdateInfo):
-    """One round's parameters, in the order the sender streams them, and the shared-memory files the buckets
-    go through (none: through the group)."""
+    """One round's parameters in streaming order, and the shared-memory files (none: through the group)."""
 
     names: list[str]
     dtype_names: list[str]
@@ -131,8 +124,7 @@ def plan_buckets(
     params: Sequence[ParamMeta], bucket_bytes: int, together: Callable[[str], str] | None = None
 ) -> list[range]:
     """Consecutive runs of parameter indices, each at most `bucket_bytes` unless one unit alone is larger. A unit
-    is one parameter, or with `together` a run of consecutive parameters of one `together(name)`: a bucket never
-    splits a unit."""
+    (never split) is one parameter, or with `together` a run of consecutive parameters of one `together(name)`."""
     units: list[range] = []
     for index, meta in enumerate(params):
         if units and together is not None and together(meta.name) == together(params[units[-1].start].name):
@@ -164,8 +156,8 @@ def decoder_layer(name: str) -> str:
 def open_group(
     master_address: str, master_port: int, rank: int, world_size: int, listen_address: str, timeout_s: float
 ) -> torch.distributed.ProcessGroup:
-    """A gloo group of its own (not torch's default group): rank 0 hosts the store at `master_address:master_port`;
-    this member's connections listen on `listen_address` only."""
+    """A gloo group apart from torch's default group: rank 0 hosts the store at `master_address:master_port`;
+    this member listens on `listen_address` only."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = torch.distributed.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
@@ -178,17 +170,16 @@ def open_group(
 
 
 def start_broadcast(group: torch.distributed.ProcessGroup, buffer: torch.Tensor):
-    """Start sending rank 0's `buffer` into every member's (a collective of the whole group); its work object,
-    whose `wait()` returns once this member's part is done. Broadcasts complete in the order they were started."""
+    """Start broadcasting rank 0's `buffer` to every member; returns the work object. Broadcasts complete in
+    the order they were started."""
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
     return group.broadcast([buffer], options)
 
 
 def pipelined(buckets: Iterator[tuple[Any, torch.Tensor]], group: torch.distributed.ProcessGroup):
-    """Broadcast each (item, buffer) of `buckets` with up to IN_FLIGHT of them travelling at once; yields each
-    item once its buffer has arrived (sent). The next buckets are filled (sender) or loaded (engine) while
-    earlier ones travel."""
+    """Broadcast each (item, buffer) of `buckets`, up to IN_FLIGHT at once; yields each item once its buffer
+    has arrived (or been sent)."""
     travelling: collections.deque = collections.deque()
     for item, buffer in buckets:
         travelling.append((item, start_broadcast(group, buffer)))
@@ -217,8 +208,7 @@ class GroupBuckets:
         return plan_buckets(params, bucket_bytes)
 
     def sender_ring(self, largest: int) -> list[torch.Tensor]:
-        # Reused: when bucket k is filled, the broadcast of bucket k - IN_FLIGHT has ended (`pipelined` waits for
-        # it before starting the next), and fresh pages would cost a fault each.
+        # Reused safely: `pipelined` has waited for bucket k - IN_FLIGHT before bucket k is filled.
         return [torch.empty(largest, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
 
     def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
@@ -246,15 +236,11 @@ def _pace(group: torch.distributed.ProcessGroup) -> None:
 class SharedMemoryBuckets:
     """Buckets through shared-memory files of one host; the group carries no bytes, it only paces the round.
 
-    Bucket k is written into file k % 2. The sender fills bucket k, then every member passes barrier k; an
-    engine loads bucket k straight from the file while the sender fills bucket k + 1 into the other one, and
-    reaches barrier k + 1 only when done, so the sender never overwrites a bucket an engine still reads. A last
-    barrier after the last bucket lets the sender remove the files.
-
-    vLLM's layerwise reload keeps the tensors it is given until their layer is complete, so buckets hold whole
-    decoder layers (`decoder_layer`), and after each bucket the engine copies out of the file whatever vLLM
-    still keeps of it (a layer that completes only at the end, such as a padded embedding). Without vLLM's
-    record of what it keeps (`_layerwise_buffers`), the engine copies every bucket out instead."""
+    Bucket k goes into file k % 2, then every member passes barrier k. An engine reaches barrier k + 1 only
+    after loading bucket k, so the sender never overwrites a bucket an engine still reads; a final barrier lets
+    the sender remove the files. vLLM's layerwise reload keeps the tensors it is given until their layer is
+    complete, so buckets hold whole decoder layers and the engine copies out whatever vLLM still keeps after
+    each bucket (or every bucket, without `_layerwise_buffers`)."""
 
     COUNT = 2
 
@@ -312,8 +298,7 @@ class SharedMemoryBuckets:
 
 
 def _layerwise_buffers() -> Any:
-    """vLLM's record of the tensors its layerwise reload keeps until their layer is complete (module -> info
-    whose `loaded_weights` holds the loaders' bound arguments), or None where this vLLM has none."""
+    """vLLM's record of the tensors its layerwise reload keeps until their layer is complete, or None."""
     try:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     except ImportError:
@@ -325,7 +310,7 @@ def _layerwise_buffers() -> Any:
 
 
 class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
-    """A vLLM worker's end of a group (module docstring): receives each bucket and loads its parameters."""
+    """A vLLM worker's end of a group: receives each bucket and loads its parameters."""
 
     init_info_cls = GlooInit
     update_info_cls = GlooUpdate
@@ -345,8 +330,7 @@ class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
         )  # fmt: skip
 
     def start_weight_update(self) -> None:
-        """vLLM's layerwise reload: a layer's parameters take checkpoint-format weights again (on CPU vLLM repacks
-        linear weights after loading) and each layer is processed once all of its weights have come."""
+        """Start vLLM's layerwise reload: each layer takes checkpoint-format weights, processed once complete."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -394,9 +378,8 @@ def _unpacked(buffer: torch.Tensor, metas: Sequence[ParamMeta]) -> Iterator[tupl
 
 
 class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
-    """A trainer rank's end of a group (module docstring). Every rank of the trainer iterates `source` (gathering
-    a sharded parameter is a collective of the trainer's ranks); a rank that is a group's sender also broadcasts
-    each bucket and drives its engines through `client`."""
+    """A trainer rank's end of a group. Every trainer rank iterates `source` (gathering a sharded parameter is
+    a collective); the sender also broadcasts each bucket and drives its engines through `client`."""
 
     init_info_cls = GlooTrainerInit
 
@@ -494,9 +477,8 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
 
 
 class GeneratorClient:
-    """vLLM's VLLMWeightSyncClient over a Generator of this process (forge_core.rollout.generator): the engine
-    side of a round trip, for an engine at hand (EngineHost's, or a test's). After it the generator serves
-    `version`, its reload time the round trip's."""
+    """A VLLMWeightSyncClient over a Generator of this process; after a round trip the generator serves the
+    new version and reports the round trip as its reload time."""
 
     def __init__(self, generator: Any, version: str = "") -> None:
         self.generator, self.version = generator, version
