@@ -33,8 +33,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    """The config, then what a flow start checks before its first stage (flows.preflight.check_run): paths,
-    checkpoint, pools, wandb, rewards on the data, this host for the stages run here (--here: for all)."""
+    """The config, then what a flow start checks before its first stage (--here: this host for every stage)."""
+
     from flows.preflight import check_run
 
     cfg = load_config(args.config, args.overrides)

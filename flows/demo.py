@@ -5,14 +5,10 @@
     .venv/bin/python -m flows.demo --verbose grpo.iterations=2   # also stream every worker's log lines
     .venv/bin/python -m flows.demo --config configs/demo_tools_cpu.yaml   # the tool-use demo (make demo-tools)
 
-Runs the `post-train` flow on Prefect's ephemeral local API with configs/demo_cpu.yaml: a local-folder object
-store (./.forge-store), wandb offline (./.forge-runs), vLLM on CPU, torchrun with 2 ranks for SFT and GRPO.
-The terminal shows one line per stage start/finish and a progress bar for SFT and GRPO; worker logs go to the
-Prefect API (and to the terminal with --verbose). It ends as every run does (flows.report.finish_run, also
-`forgeflow run`): the stage table (duration, key metric, artifact URI), held-out accuracy after SFT and after
-every GRPO iteration, the final policy and the `forgeflow export` command that copies it to an HF folder, the
-plot, the Prefect flow-run id and the `wandb sync` command that uploads the offline runs later. Re-running with
-the same config skips every committed stage. Exits 1 when GRPO stopped early for lack of learning signal.
+Runs the `post-train` flow on Prefect's ephemeral local API. The terminal shows stage lines and progress bars;
+worker logs go to the Prefect API (and the terminal with --verbose). It ends with the run's report
+(flows.report.finish_run). Re-running with the same config skips every committed stage. Exits 1 when GRPO
+stopped early for lack of learning signal, 2 on a config error.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ def _prepare_environment() -> None:
 
 
 class _HideWorkerLines(logging.Filter):
-    """Keeps the terminal to the flow's stage lines: task-run INFO records (every worker's log line, which
-    the stage tasks forward) still reach the Prefect API, only the console skips them."""
+    """Drops task-run INFO records (forwarded worker lines) from the console; the Prefect API still gets them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.name.startswith("prefect.task_runs") and record.levelno < logging.WARNING)
@@ -52,9 +47,9 @@ def _quiet_worker_logs() -> None:
 
 
 def run_demo(overrides: list[str], verbose: bool = False, config: str = DEMO_CONFIG) -> dict:
-    """Run the demo flow with `overrides` on top of `config` (configs/demo_cpu.yaml), print the run's ending
-    (flows.report.finish_run), return the flow's summary (flows.post_train.PipelineSummary as a dict) with its
-    recorded file (`summary_path`)."""
+    """Run the demo flow with `overrides` on top of `config`, print its report; returns the summary dict
+    (with `summary_path`). Raises ConfigError before Prefect starts on a bad config."""
+
     _prepare_environment()
     from flows.post_train import post_train
     from flows.report import finish_run

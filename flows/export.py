@@ -5,10 +5,9 @@
     forgeflow export s3://bucket/runs/grpo/<key>/policy ./my-model   # any committed policy or sft/grpo artifact
     forgeflow export last ./my-model --push-to-hub me/my-model       # then upload it (needs a Hugging Face token)
 
-The copy is verified against the policy's manifest (forge_core.artifacts.policy.export_policy_folder). A URI
-is read with the store settings of `--config` (endpoint, region) when given, else the S3 endpoint in
-FORGE_S3_ENDPOINT_URL / AWS_ENDPOINT_URL; a run is read from the store it recorded.
+The copy is verified against the policy's manifest. A run is read from the store it recorded.
 """
+
 
 from __future__ import annotations
 
@@ -65,7 +64,8 @@ def push_to_hub(folder: Path, repo_id: str, token: str) -> str:
 
 
 def export(source: str, target: str, cfg: RunConfig, hub_repo: str | None = None) -> Path:
-    """Copy the policy `source` names into `target` (and upload it to `hub_repo`); prints what it did."""
+    """Copy the policy `source` names into `target` (and upload it to `hub_repo`; without a Hugging Face
+    token, ValueError before anything is copied); prints what it did."""
     token = hub_token() if hub_repo else None  # refused before anything is copied
     store, uri = policy_source(source, cfg)
     folder = Path(target).expanduser().absolute()
@@ -77,8 +77,8 @@ def export(source: str, target: str, cfg: RunConfig, hub_repo: str | None = None
 
 
 def export_command(final_policy_uri: str, cfg: RunConfig, target: str | None = None) -> str:
-    """The command that exports a run's final policy, as the run's ending prints it (the store's endpoint
-    included: the command works from any folder)."""
+    """The shell command that exports a run's final policy, the store's endpoint included."""
+
     endpoint = f"FORGE_S3_ENDPOINT_URL={cfg.storage.endpoint_url} " if cfg.storage.endpoint_url else ""
     return f"{endpoint}forgeflow export {final_policy_uri} {target or './' + cfg.name + '-policy'}"
 

@@ -1,14 +1,10 @@
 """Where a finished run left its results, for the commands that come after it.
 
-    path = record_run(summary, cfg)            # every run's ending (flows.report.finish_run)
+    path = record_run(summary, cfg)            # every run's ending
     record = read_run(".forge-runs", "last")   # forgeflow export last <dir>
-    store, origin = status_store(cfg, store_named=False)   # forgeflow status: the last run's store, or cfg's
 
-A run's record is its summary (flows.post_train.PipelineSummary as a dict) plus the store it wrote to
-(`store`: root, endpoint_url, region) and the config it ran. It is written under the run's `logging.dir` twice:
-`<name>/<flow run id>/summary-<flow run id>.json` (kept) and `last-run.json` (the newest run's, replaced by the
-next one). A command that is not given a config reads the default `logging.dir`, ./.forge-runs: run it from the
-folder the run started in, or pass `logging.dir=<dir>` (or `--config` with the run's config).
+A record (summary, store, config) is written under `logging.dir` as
+`<name>/<flow run id>/summary-<flow run id>.json` (kept) and `last-run.json` (replaced by the next run).
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ def record_run(summary: dict, cfg: RunConfig, config: str | None = None) -> Path
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """A reader (another run's `forgeflow status`) never sees half a record."""
+    """Write via a temp file and rename, so a concurrent reader never sees half a record."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
         f.write(text)
@@ -57,11 +53,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def read_run(log_dir: str | os.PathLike, run: str = LAST) -> dict:
-    """The record of `run` (`last`, or a flow run id) under the runs folder `log_dir`.
+    """The record of `run` (`last`, or a flow run id) under `log_dir`; ValueError saying where it looked."""
 
-    Raises:
-        ValueError: no such record, naming the folder read and how to point at another.
-    """
     log_dir = Path(log_dir).expanduser().resolve()
     if run == LAST:
         candidates = [log_dir / LAST_RUN_FILE]
@@ -99,8 +92,9 @@ def run_store(record: dict, cfg: RunConfig) -> ObjectStore:
 
 
 def status_store(cfg: RunConfig, store_named: bool) -> tuple[ObjectStore, str]:
-    """The store `forgeflow status` reads and where that choice came from: `cfg`'s when the command named a
-    store (`store_named`: --config or a storage.* override), else the last run's recorded one, else the default."""
+    """The store `forgeflow status` reads and where the choice came from: `cfg`'s when `store_named`, else the
+    last run's recorded one, else the default."""
+
     if not store_named:
         record = find_run(cfg.logging.dir)
         if record is not None:

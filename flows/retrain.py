@@ -3,20 +3,12 @@
     python -m flows.retrain configs/demo_cpu.yaml data.demo.num_rl=40000
     prefect deployment run 'retrain/nightly-demo'        # the cron schedule in prefect.yaml (inactive by default)
 
-The promoted policy is a compare-and-swap pointer on the store (`_pointers/promoted-<run name>-<identity>/`,
-one generation object per promotion: store.pointer_state / pointer_write), keyed by the run name and the
-config identity (`promotion_pointer`: a hash of the model, data and eval sections, so a run with another
-architecture, task, tokenizer or eval protocol never competes with this one). With no promoted policy yet, the
-flow runs SFT first and promotes the result of the whole run.
-
-Promotion is safe against overlapping runs (the cron run and a manual one; the nightly deployment also has a
-concurrency limit of 1 in prefect.yaml): the pointer is swapped only from the version whose target the
-candidate was compared with; when another run moved it meanwhile, the candidate is compared with the new
-incumbent (evaluated on this run's data if needed) before trying again, so a worse policy never replaces a
-better one. The incumbent must use the tokenizer of the freshly prepared data: a different one is a clear
-error (its held-out accuracy on token ids it was not trained on would mean nothing) rather than a silent
-comparison; start a new line of runs (another run name) when the tokenizer changes.
+The promoted policy is a compare-and-swap pointer on the store, keyed by the run name and a hash of the
+model, data and eval sections (`promotion_pointer`), so runs of another setup never compete. With no promoted
+policy yet, the flow runs SFT first. Promotion is safe against overlapping runs (flows.promotion). The
+incumbent must use the fresh data's tokenizer; start another run name when the tokenizer changes.
 """
+
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Names of the model families and flavors forgeflow builds. Config data, below the models that build them
-(`forge_core.models.flavors` holds the builders for these names; validating a config never imports torch).
+"""Names of the model families and flavors forgeflow builds, kept apart from their builders
+(forge_core.models.flavors) so validating a config never imports torch.
 
     from forge_core.config.catalog import FLAVORS, flavor_errors
     flavor_errors("llama3", "tiny")   # -> [] ; an unknown name -> ["model.flavor='x': ... valid flavors: [...]"]

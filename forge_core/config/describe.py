@@ -4,9 +4,9 @@ comments).
     python -m forge_core.config describe > docs/config-reference.md
     config_json_schema()                    # docs/config.schema.json: editors validate YAML configs with it
 
-The descriptions are the `#` comments written above (or after) each field in schema.py, read from the source
-with `ast` + `tokenize`, so the schema stays the single place where a key is documented.
+Descriptions are the `#` comments above (or after) each field in schema.py, so a key is documented in one place.
 """
+
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Load a `RunConfig` from YAML + command-line overrides, validate all of it at once, and serialise it.
 
-    from forge_core.config import load_config, config_to_json
     cfg = load_config("configs/demo_cpu.yaml", ["sft.steps=50", "rollout.rewards.0.weight=0.5"])
-    cfg = load_config(None)          # the embedded defaults (what configs/demo_cpu.yaml spells out)
-    python -m forge_core.config check configs/demo_cpu.yaml sft.steps=50   # same, from a shell
+    cfg = load_config(None)          # the embedded defaults
 
-Overrides are `dotted.key=value`; the value is parsed as YAML (`seed=3`, `sft.optimizer.lr=1e-3`,
-`rollout.sampling.stop=["\\n"]`, `rollout.rewards=[{"name": "exact_answer", "weight": 0.5}]`). A numeric key
-part indexes a list (`rollout.rewards.1.weight=0.25`). A mapping value is merged into the section
-(`sft={steps: 10}` keeps the other sft keys), any other value replaces the old one.
-
-Types and unknown keys are pydantic's to check (forge_core.config.schema: strict types, an int taken for a
-float); every problem comes back in one `ConfigError`, each with its key, value and fix ("did you mean"), and
-then each section's `check()` and `RunConfig.check()` run on the config with every rejected value reset to its
-default (a check message about a rejected key is dropped: the type error already names it).
+Overrides are `dotted.key=value` with a YAML value; a numeric key part indexes a list. A mapping value merges
+into the section (`sft={steps: 10}` keeps the other sft keys); any other value replaces the old one. Every
+problem comes back in one `ConfigError`: type and unknown-key errors, then every section's `check()`.
 """
 
 from __future__ import annotations
@@ -45,8 +37,6 @@ from forge_core.config.yaml_io import parse_yaml
 from forge_core.credentials import scrub_text
 
 SectionT = TypeVar("SectionT", bound=Section)
-
-
 
 
 # ---- public API -------------------------------------------------------------------------------------------
@@ -86,8 +76,7 @@ def validate_config(cfg: RunConfig) -> RunConfig:
 
 
 def replace(section: SectionT, **changes: Any) -> SectionT:
-    """A copy of a config section with `changes` (field name -> value), unvalidated like `dataclasses.replace`:
-    `validate_config` checks a whole config."""
+    """A copy of a config section with `changes`, unvalidated (`validate_config` checks a whole config)."""
     return section.model_copy(update=changes)
 
 
@@ -104,8 +93,7 @@ def config_to_json(cfg: Section) -> str:
 
 
 def section_to_dict(cfg: RunConfig, path: str) -> Any:
-    """The value at a dotted path as plain data: `section_to_dict(cfg, "sft")`, `(cfg, "grpo.loss")`; what a
-    stage's content key is made of.
+    """The value at a dotted path (`"sft"`, `"grpo.loss"`) as a detached plain copy.
 
     Raises:
         KeyError: the path names no field, with the fields there are.
@@ -177,8 +165,8 @@ def _apply_override(data: dict[str, Any], override: str, errors: list[str]) -> d
 
 
 def _set(data: Any, parts: list[Any], value: Any, walked: list[Any]) -> Any:
-    """A copy of `data` with `value` at `parts` (copies along the path only). An index reaches into the list the
-    config has there, the default one when the data sets none; a mapping value merges into a section."""
+    """A copy of `data` with `value` at `parts`, copying only along the path."""
+
     head, rest, here = parts[0], parts[1:], [*walked, parts[0]]
     if isinstance(head, int):
         data = data if data is not None else schema_at(walked)[1]
@@ -210,8 +198,6 @@ def _merged(old: Any, value: Any, tp: Any) -> Any:
 
 def _plain(value: Any) -> Any:
     return config_to_dict(value) if isinstance(value, BaseModel) else value
-
-
 
 
 # ---- validation -------------------------------------------------------------------------------------------
@@ -249,17 +235,10 @@ def _sections(section: BaseModel, path: str) -> Iterator[tuple[str, BaseModel]]:
     yield path, section
 
 
-
-
-
-
-
-
-
-
 def _without(data: Any, problems: Sequence[Mapping[str, Any]]) -> Any:
-    """`data` with the key of each problem removed, so that its section's default takes its place. Copies only
-    the containers along those keys: a rejected value may be a YAML alias bomb, never to be walked whole."""
+    """`data` with each problem's key removed, so its default takes its place. Copies only the containers
+    along those keys: a rejected value may be a YAML alias bomb, never to be walked whole."""
+
     for problem in problems:
         loc, _ = located(data, problem["loc"])
         named = [i for i, part in enumerate(loc) if isinstance(part, str)]
@@ -275,22 +254,6 @@ def _dropped(data: Any, loc: Sequence[Any]) -> Any:
     else:
         copy[loc[0]] = _dropped(data[loc[0]], loc[1:])
     return copy
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _run_check(path: str, section: Any) -> list[str]:

@@ -1,10 +1,9 @@
 """YAML parsing for configs with YAML 1.2 scalars and duplicate-key detection.
 
-PyYAML implements YAML 1.1, where `lr: 1e-3` is a *string* (a float needs a dot: `1.0e-3`) and `off`, `no`,
-`yes`, `on` are booleans (`wandb_mode: off` would become False). Config authors write the YAML 1.2 forms, so
-this loader reads `1e-3` as a float and only `true`/`false` as booleans. It also rejects a key given twice in
-one mapping, which PyYAML would otherwise resolve silently by keeping the last value.
+Under PyYAML's YAML 1.1, `lr: 1e-3` is a string and `wandb_mode: off` a boolean. This loader reads `1e-3` as a
+float and only `true`/`false` as booleans, and rejects a key given twice in one mapping.
 """
+
 
 from __future__ import annotations
 

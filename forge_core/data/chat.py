@@ -1,11 +1,10 @@
 """Rendering chat-style records (`messages`) with a Jinja chat template, as transformers does.
 
-The environment mirrors transformers' `apply_chat_template` (sandboxed, trim_blocks/lstrip_blocks,
-loopcontrols, `raise_exception`, a `tojson` that does not escape HTML, a `{% generation %}` block) so that
-prompts rendered here match what a trained model sees elsewhere. `strftime_now` is deliberately absent:
-templates that use it fall back to their fixed date, which keeps prepared data deterministic.
+The environment mirrors transformers' `apply_chat_template` so prompts rendered here match what a model sees
+elsewhere. `strftime_now` is deliberately absent: templates fall back to their fixed date, which keeps
+prepared data deterministic.
 
-    template = ChatTemplate(tokenizer.chat_template, tokenizer)
+    template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token, tok.pad_token)
     prompt, completion = template.split_last_turn(messages)
 """
 
@@ -68,13 +67,10 @@ class ChatTemplate:
         )
 
     def split_last_turn(self, messages: list[dict]) -> tuple[str, str]:
-        """(prompt text up to the assistant's turn, the rest of the rendered conversation).
+        """(prompt up to the final assistant turn with the generation prompt, what the full rendering adds);
+        ChatTemplateError when the template rewrites earlier turns, so the prompt is not a prefix."""
 
-        The prompt is the conversation without its final assistant message, rendered with the generation
-        prompt; the completion is what the full conversation adds after it (the answer plus the template's
-        end-of-turn markers). Raises ChatTemplateError when the full rendering does not start with the
-        prompt rendering, i.e. the template rewrites earlier turns.
-        """
+
         prompt = self.render(messages[:-1], add_generation_prompt=True)
         full = self.render(messages, add_generation_prompt=False)
         if not full.startswith(prompt):

@@ -1,14 +1,10 @@
 """The built-in verifiable task: zero-padded multi-digit addition.
 
-A record is `Q: 123+045=? A: ` -> `<answer>0168</answer>`: both operands have `num_digits` digits, the sum
-has `num_digits + 1`, all zero-padded, so every answer of a difficulty has the same length and a reward can
-check it exactly (`check_answer`) or digit by digit (`per_digit_score`). The answer sits in a tag so a format
-reward (`has_answer_tag`) measures something real. The demo's budgets (docs/getting-started.md, "Does it learn?") rest on what
-was measured with this format and the demo's BPE: at 2 digits, SFT of the tiny model on 1000 labels sometimes
-only memorises them (~10% held out) and on 1500 labels jumps to 30-75% after 300-450 steps; at 3 digits, 1000
-labels give 1-2% on every seed tried.
+A record is `Q: 123+045=? A: ` -> `<answer>0168</answer>`: operands have `num_digits` digits, the sum
+`num_digits + 1`, all zero-padded, so a reward can check it exactly (`check_answer`) or digit by digit
+(`per_digit_score`). The answer sits in a tag so a format reward (`has_answer_tag`) measures something real.
 
-This module is dependency-free (standard library only) so reward functions can import it anywhere:
+Standard library only, so reward functions can import it anywhere:
 
     from forge_core.data.demo import check_answer, extract_answer
     check_answer("<answer>0168</answer>", "0168")  # True
@@ -68,11 +64,8 @@ def check_answer(completion_text: str, ground_truth: str) -> bool:
 
 
 def per_digit_score(completion_text: str, ground_truth: str) -> float:
-    """Share of ground-truth digit positions that the tagged answer gets right, in [0, 1].
-
-    Positions are compared left to right; a missing tag scores 0 and a too-long answer is penalised by
-    dividing by the longer of the two lengths, so only the exact answer scores 1.
-    """
+    """Share of digit positions, left to right, that the tagged answer gets right, in [0, 1]; divided by the
+    longer length, so only the exact answer scores 1. A missing tag scores 0."""
     answer = extract_answer(completion_text)
     truth = ground_truth.strip()
     if answer is None or not truth:
@@ -89,11 +82,10 @@ def num_pairs(num_digits: int) -> int:
 def generate_splits(
     num_digits: int, num_sft: int, num_rl: int, num_eval: int, seed: int
 ) -> dict[str, list[AdditionExample]]:
-    """Disjoint `eval`, `sft` and `rl` splits of distinct operand pairs, deterministic in `seed`.
+    """Disjoint splits of distinct operand pairs, deterministic in `seed`; eval is drawn first, so it stays the
+    same when only `num_sft` or `num_rl` change. ValueError when the sizes exceed the distinct pairs."""
 
-    Pairs are drawn one by one without replacement and handed out eval first, then sft, then rl, so the
-    held-out eval set stays the same when only `num_sft` or `num_rl` change.
-    """
+
     wanted = {"eval": num_eval, "sft": num_sft, "rl": num_rl}
     total = num_eval + num_sft + num_rl
     space = num_pairs(num_digits)

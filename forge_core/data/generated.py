@@ -3,25 +3,15 @@
     data.source: demo_tools                  # 2-digit multiplication with a calculator tool (data.demo sizes)
     data.source: reasoning_gym:chain_sum     # any reasoning-gym task; data.reasoning_gym: sizes and generator kwargs
 
-Both are deterministic in the run's seed and the settings, so they are keyed like any prepared data (the
-prepare stage's key holds `data`; a reasoning-gym source is fingerprinted by the package's version:
-forge_core.run.external).
-
-**demo_tools.** `Q: 37*48=? A: ` -> `1776`. A 0.5M-parameter model cannot learn multiplication from a few
-hundred labels, but it can learn to call the calculator and copy its result. `data.demo.tool_fraction` of the
-SFT examples are tool-use traces (forge_core.data.traces):
+Both are deterministic in the run's seed and settings. In demo_tools, `data.demo.tool_fraction` of the SFT
+examples are tool-use traces (a tiny model cannot learn multiplication, but can learn to call the calculator):
 
     <calculator>37*48</calculator></s>   <result>1776</result>   <answer>1776</answer></s>
     (model turn, ends with EOS)          (observation: no loss)  (model turn)
 
-the rest answer directly (`<answer>1776</answer>`). The tool call's format is the `tag` parser's and the result's
-the `tool_use` environment's default templates (forge_core.envs), which configs/demo_tools_cpu.yaml uses.
-
-**reasoning_gym:<task>.** `reasoning_gym.create_dataset(task, seed=..., size=..., **kwargs)` per split (each
-split its own seed; sft and rl rows whose question is in eval are dropped). Prompt `<question>\nAnswer: `,
-completion `<answer>{answer}</answer>`, and the ground truth is the reasoning-gym entry as JSON, which the
-`reasoning_gym` reward (forge_core.rewards.builtin) hands to the task's own scorer.
+A reasoning-gym split drops rows whose question is in eval; its ground truth is the entry as JSON.
 """
+
 
 from __future__ import annotations
 
@@ -83,8 +73,8 @@ class MultiplicationExample:
 
 
 def tools_demo_splits(cfg: RunConfig) -> dict[str, list[MultiplicationExample]]:
-    """Disjoint operand pairs (the addition demo's draw, forge_core.data.demo), as multiplication examples;
-    the first round(tool_fraction * num_sft) SFT examples are tool-use traces (the draw is random already)."""
+    """Disjoint operand pairs (the addition demo's draw) as multiplication examples; the first
+    round(tool_fraction * num_sft) SFT examples are tool-use traces."""
     settings = cfg.data.demo
     pairs = demo.generate_splits(settings.num_digits, settings.num_sft, settings.num_rl, settings.num_eval, cfg.seed)
     traces = round(settings.tool_fraction * settings.num_sft)
@@ -105,7 +95,7 @@ def reasoning_gym_task(source: str) -> str:
 
 
 def reasoning_gym_version() -> str:
-    """The installed package's version (part of a reasoning-gym source's key)."""
+    """The installed package's version (part of a reasoning-gym source's key); ValueError if not installed."""
     try:
         return importlib.metadata.version(REASONING_GYM_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError as exc:
@@ -121,8 +111,8 @@ def _split_seed(seed: int, split: str) -> int:
 
 
 def reasoning_gym_rows(cfg: RunConfig) -> dict[str, list[dict]]:
-    """{split: reasoning-gym entries}: each split generated with its own seed, eval questions kept out of the
-    sft and rl splits."""
+    """{split: reasoning-gym entries}, each split with its own seed, eval questions kept out of sft and rl."""
+
     task = reasoning_gym_task(cfg.data.source)
     reasoning_gym_version()
     import reasoning_gym

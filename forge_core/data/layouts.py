@@ -5,11 +5,11 @@
 - `ChatLayout`: `messages` = [{role, content}, ...] ending with the assistant's turn, rendered with the
   tokenizer's chat template; the prompt ends with the generation prompt, the completion is the rest.
 
-    layout = layout_from_config(cfg.data, tokenizer)
+    layout = layout_from_config(cfg.data, tokenizer.chat_template, tokenizer.special_tokens)
     examples, rejects = layout.to_examples(raw_batch)
 
-Each layout names the source `fields` it needs (name -> Arrow type, for the JSONL fast path) and whether its
-prompts get the tokenizer's special tokens (chat templates write BOS themselves, as transformers does).
+Each layout names the source `fields` it needs and whether its prompts get the tokenizer's special tokens
+(chat templates write BOS themselves).
 """
 
 from __future__ import annotations
@@ -239,7 +239,8 @@ Layout = PromptCompletionLayout | GSM8KLayout | ChatLayout
 
 
 def layout_from_config(data_cfg, chat_template: str | None, special: SpecialTokens) -> Layout:
-    """The layout named by `data.layout` with its column mapping; chat needs a chat template."""
+    """The layout named by `data.layout` with its column mapping; ValueError for chat without a template."""
+
     if data_cfg.layout == "gsm8k":
         return GSM8KLayout(data_cfg.question_field, data_cfg.answer_field)
     if data_cfg.layout == "chat":

@@ -3,17 +3,8 @@
     from forge_core.data import prepare_data
     manifest = prepare_data(cfg, output_uri, store)   # cfg.data says what to read; returns the committed manifest
 
-As a worker: `python -m forge_core.run prepare --spec <output_uri>/_spec.json` (one process).
-
-The artifact (kind `data`) holds `sft.parquet`, `rl_prompts.parquet`, `eval.parquet`, `rejects.parquet` and
-`tokenizer/` (see forge_core.data.schemas). Where rows go:
-- demo task: its own disjoint splits (data.demo): sft -> sft, rl -> rl_prompts, eval -> eval;
-- a file source: disjoint splits by a hash of each row's prompt and the seed (`SplitAssigner`: a prompt never
-  lands in two splits, the same seed gives the same splits): eval below data.eval_fraction, rl_prompts in the
-  next data.rl_fraction, sft the rest; with data.rl_reuses_sft every non-eval row goes to both sft and
-  rl_prompts. The manifest records how (`splits`).
-The source streams in batches of data.batch_rows rows (one Parquet row group each), so memory does not grow
-with the row count. Identical inputs and config give byte-identical files.
+The artifact's tables are those of forge_core.data.schemas plus `tokenizer/`. The source streams in batches
+of data.batch_rows rows, so memory stays flat. Identical inputs and config give byte-identical files.
 """
 
 from __future__ import annotations
@@ -75,9 +66,8 @@ class TokenizedExamples:
 def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifest:
     """Run the prepare stage in this process and commit its artifact at `output_uri`.
 
-    Raises DataSourceError / TokenizerError (ValueErrors naming the file or setting) for unusable input and
-    RejectThresholdExceeded when more than data.max_reject_fraction of the rows were rejected; nothing is
-    committed then.
+    Raises DataSourceError / TokenizerError for unusable input and RejectThresholdExceeded when more than
+    data.max_reject_fraction of the rows were rejected; nothing is committed then.
     """
     started = time.perf_counter()
     data = cfg.data
@@ -147,7 +137,8 @@ def _write_splits(writer, chunks: Iterable[Chunk], tokenizer: HFTokenizer, adds_
 def stage_config(cfg: RunConfig) -> dict:
     """The config slice recorded in a data artifact's manifest."""
     full = config_to_dict(cfg)
-    # The config sections that determine a data artifact: the slice its key is made of (forge_core.stages).
+    # The slice of config a data artifact's key is made of.
+
     return {section: full[section] for section in stage_named("prepare").key_sections}
 
 
@@ -192,9 +183,7 @@ def _demo_texts(examples: list[demo.AdditionExample]) -> Iterator[str]:
 
 
 def _source_texts(cfg: RunConfig, options: dict) -> Iterator[str]:
-    """Prompts and completions of the train rows for training a BPE: a first pass over the source whose
-    rejects are counted in the second. Chat records render with the configured template and the special
-    tokens every trained BPE has."""
+    """Prompts and completions of the non-eval rows, to train a BPE on (rejects are counted in the main pass)."""
     layout = layout_from_config(cfg.data, cfg.data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS)
     for chunk in _source_chunks(cfg, layout, options):
         if chunk.destinations != EVAL_DESTINATIONS:
@@ -239,8 +228,8 @@ def _source_chunks(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[Ch
 
 
 def reference_examples(cfg: RunConfig, limit: int = 16) -> ExampleBatch | None:
-    """The first `limit` valid examples of data.source as the prepare stage reads them (prompt, reference
-    completion, ground truth): what preflight dry-runs the rewards on. None for generated sources."""
+    """The first `limit` valid examples of data.source as the prepare stage reads them; None for generated
+    sources."""
     data = cfg.data
     if data.source == DEMO_SOURCE:
         splits = demo.generate_splits(data.demo.num_digits, limit, 1, 1, cfg.seed)
@@ -263,10 +252,8 @@ def reference_examples(cfg: RunConfig, limit: int = 16) -> ExampleBatch | None:
 
 
 class SplitAssigner:
-    """`assign(prompt)` -> the tables a row goes to: crc32 of the prompt salted by the seed, as a share u of
-    2**32, puts it in eval when u < eval_fraction, in rl_prompts when u < eval_fraction + rl_fraction, else in
-    sft (with `rl_reuses_sft`, every non-eval row in sft and rl_prompts). Disjoint by construction and the
-    same for the same seed; the eval cut is the one earlier versions used, so eval splits did not move."""
+    """Called with a prompt, returns the tables its row goes to by crc32 of the prompt salted by the seed:
+    disjoint, the same for the same seed; with `rl_reuses_sft` every non-eval row goes to sft and rl_prompts."""
 
     def __init__(self, seed: int, eval_fraction: float, rl_fraction: float, rl_reuses_sft: bool) -> None:
         self._salt = zlib.crc32(f"forgeflow-eval-split:{seed}".encode())
@@ -310,11 +297,9 @@ def _encoder(backend) -> Callable:
 
 
 def end_with_eos(ids: list[int], eos_id: int) -> list[int]:
-    """Completion ids ending in exactly one final EOS: cut after the last EOS already there, else append one.
+    """Completion ids ending in exactly one final EOS: cut after the last EOS already there (generation
+    stops there, so a template's trailing text must not be trained on), else append one."""
 
-    A chat template may write EOS (and a newline after it) into the text; generation stops at EOS, so what
-    follows it is never produced and must not be trained on.
-    """
     if eos_id in ids:
         last = len(ids) - 1 - ids[::-1].index(eos_id)
         return ids[: last + 1]

@@ -1,8 +1,7 @@
 """Rejected rows: why a source row did not make it into a split, kept as a table instead of dropped.
 
-Every reader and layout reports a bad row as a `Reject` with one of the `RejectReason` values; the prepare
-stage writes them to `rejects.parquet`, counts them per reason in the manifest and the logs, and fails when
-their share passes `data.max_reject_fraction` (`check_reject_share`).
+The prepare stage writes rejects to `rejects.parquet`, counts them per reason, and fails when their share
+passes `data.max_reject_fraction` (`check_reject_share`).
 """
 
 from __future__ import annotations
@@ -72,7 +71,9 @@ class RejectCounter:
 
 
 def check_reject_share(counter: RejectCounter, max_fraction: float, source: str) -> None:
-    """Raise RejectThresholdExceeded naming counts, examples and fixes when too many rows were rejected."""
+    """Raise RejectThresholdExceeded, naming counts, examples and fixes, when too many rows were rejected or
+    none were read."""
+
     if counter.rows_read == 0:
         raise RejectThresholdExceeded(f"data.source={source!r}: no rows read; the source is empty")
     if counter.share() <= max_fraction:

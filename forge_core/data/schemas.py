@@ -91,9 +91,9 @@ def sft_batch(
     ground_truths: list[str],
     completion_masks: list[list[int] | None] | None = None,
 ) -> pa.RecordBatch:
-    """SFT rows: input_ids = prompt + completion (which already ends with EOS); loss on the completion; the
-    ground truth a verifier checks a generated completion against (SFT validation: forge_core.trainers.validation).
-    `completion_masks` (per row, None = all ones) marks the model's tokens of a multi-turn trace."""
+    """SFT rows: input_ids = prompt + completion (already ending with EOS), loss on the completion, or on the
+    model's tokens per `completion_masks` (per row, None = all ones) for multi-turn traces."""
+
     prompt_lengths = _lengths(prompt_ids)
     completion_lengths = _lengths(completion_ids)
     lengths = prompt_lengths + completion_lengths

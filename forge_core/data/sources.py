@@ -1,17 +1,10 @@
 """Streaming readers for JSONL, Parquet, CSV and `datasets.save_to_disk` folders on any fsspec URI.
 
-`read_source(uri, format, fields, batch_rows, storage_options)` yields `RawBatch`es of at most `batch_rows`
-rows holding only the requested fields as Python lists, so memory stays flat however long the file is.
-Rows that cannot be read (invalid UTF-8, a JSONL line that is not a JSON object, a CSV row with the wrong
-number of columns) come back as `Reject`s in the batch instead of stopping the read. A source that does not
-exist, has an unknown format, or lacks a requested column fails at once with a `DataSourceError` naming the
-file and the columns it has.
+Memory stays flat however long the source; unreadable rows come back as `Reject`s, while a missing source,
+unknown format or missing column raises `DataSourceError` at once. `save_to_disk` folders need only pyarrow.
 
     for batch in read_source("s3://bucket/train.jsonl", "auto", {"prompt": pa.string()}, 8192, opts):
         batch.columns["prompt"]  # list[str | None]
-
-A `save_to_disk` folder (`state.json` + Arrow IPC stream files) is read with pyarrow alone, so the runtime
-does not need the `datasets` package.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ FORMAT_EXTENSIONS = {
 HF_STATE_FILE = "state.json"
 HF_DICT_FILE = "dataset_dict.json"
 _READ_CHUNK_BYTES = 4 << 20
-# A CSV field longer than this is rejected as field_too_large (Arrow's own streaming limit was 1 MiB per row).
+# A CSV field longer than this is rejected as field_too_large.
 CSV_MAX_FIELD_BYTES = 1 << 20
 # A JSONL line longer than this is rejected as line_too_large unless data.max_line_bytes says otherwise.
 MAX_LINE_BYTES = 1 << 20
@@ -82,12 +75,8 @@ def read_source(
     storage_options: dict | None = None,
     max_line_bytes: int = MAX_LINE_BYTES,
 ) -> Iterator[RawBatch]:
-    """Stream every file of the source `uri` as RawBatches of the requested `fields` (name -> Arrow type).
-
-    `fields` types matter only for JSONL's fast path (text fields are `pa.string()`); readers return
-    whatever Python values the file holds and leave type checks to the layout. A JSONL line over
-    `max_line_bytes` is a `line_too_large` reject, read but never held whole or parsed.
-    """
+    """Stream every file of the source `uri` as RawBatches of `fields` (name -> Arrow type, used only by the
+    JSONL fast path; values come back as the file holds them). Lines over `max_line_bytes` become rejects."""
     fs, files = resolve_source(uri, fmt, storage_options)
     with _credentials_scrubbed():
         for source_file in files:
@@ -142,11 +131,8 @@ def _resolve_files(uri: str, fmt: str, fs: fsspec.AbstractFileSystem, path: str)
 
 
 def source_fingerprint(uri: str, fmt: str, storage_options: dict | None = None) -> str:
-    """Content fingerprint (forge_core.storage.fingerprints) of every file the source reads, named relative
-    to `uri`.
-
-    For content keys: a source rewritten in place gets a new key, a byte-identical copy elsewhere the same.
-    """
+    """Content fingerprint of every file the source reads, named relative to `uri`: changes when a file is
+    rewritten in place, equal for a byte-identical copy elsewhere."""
     fs, files = resolve_source(uri, fmt, storage_options)
     root = _open_source(uri, storage_options)[1]
     paths = []
@@ -167,9 +153,8 @@ def _open_source(uri: str, storage_options: dict | None) -> tuple[fsspec.Abstrac
 
 @contextlib.contextmanager
 def _credentials_scrubbed() -> Iterator[None]:
-    """Errors raised while a real (credentialed) URL is open name the URL redacted (and drop their chain, which
-    may hold it too). A ValueError (bad data, a parse error) stays a fatal DataSourceError; anything else comes
-    from the transport (an HTTP 5xx, a reset connection) and becomes a retryable OSError."""
+    """Re-raise errors that leak a credentialed URL with it redacted and their chain dropped: a ValueError as
+    a fatal DataSourceError, anything else (transport) as a retryable OSError."""
     try:
         yield
     except Exception as exc:
@@ -238,12 +223,8 @@ class LineTooLarge(bytes):
 
 
 def _iter_lines(f, chunk_bytes: int = _READ_CHUNK_BYTES, max_line_bytes: int | None = None) -> Iterator[bytes]:
-    """Lines without their newline, read in large chunks (fsspec's readline on object stores is slow).
-
-    Linear however long a line is: the pieces of a line that spans chunks are kept in a list and joined once,
-    when its end arrives (concatenating each chunk onto the tail would copy a tens-of-MB line over and over).
-    A line over `max_line_bytes` is never held whole: it comes as a `LineTooLarge` (its first bytes and size).
-    """
+    """Lines without their newline, read in large chunks (fsspec's readline is slow on object stores), in
+    linear time; a line over `max_line_bytes` is never held whole but comes as a `LineTooLarge`."""
     pending: list[bytes] = []
     pending_bytes = 0
     while chunk := f.read(chunk_bytes):
@@ -286,8 +267,7 @@ def _read_jsonl(fs, source_file: SourceFile, fields: dict[str, pa.DataType], bat
 def _jsonl_blocks(
     fs, path: str, batch_rows: int, max_line_bytes: int
 ) -> Iterator[tuple[list[bytes], list[int], list[tuple[LineTooLarge, int]]]]:
-    """Up to `batch_rows` non-blank lines at a time, with their 1-based line numbers (what an editor shows), and
-    the lines over `max_line_bytes` among them (previews, never parsed) with theirs."""
+    """Up to `batch_rows` lines at a time: non-blank lines with their 1-based numbers, and the oversized ones."""
     lines: list[bytes] = []
     rows: list[int] = []
     too_large: list[tuple[LineTooLarge, int]] = []
@@ -388,9 +368,8 @@ def _rebatch(batches, batch_rows: int) -> Iterator[pa.RecordBatch]:
 def _arrow_batch(
     source: str, batch: pa.RecordBatch, first_row: int, names: list[str], row_numbers: list[int] | None = None
 ) -> RawBatch:
-    """Python columns of an Arrow batch; rows holding invalid UTF-8 become rejects one by one.
-
-    Row i is numbered `row_numbers[i]` when given (CSV: its line number), else `first_row + i`."""
+    """Python columns of an Arrow batch, row i numbered `row_numbers[i]` or `first_row + i`; rows holding
+    invalid UTF-8 become rejects."""
     batch = batch.select(names)
     numbers = row_numbers if row_numbers is not None else list(range(first_row, first_row + batch.num_rows))
     try:
@@ -437,11 +416,11 @@ def _read_parquet(fs, source_file: SourceFile, fields: dict[str, pa.DataType], b
 def _read_csv(fs, source_file: SourceFile, fields: dict[str, pa.DataType], batch_rows: int):
     """CSV in blocks of `batch_rows` lines, each parsed by Arrow with the header line in front.
 
-    A record is one physical line (Arrow's CSV parser does not take newlines inside quoted values), so the
-    reader knows every row's 1-based line number: every CSV reject carries it as its `source_row`. Splitting
-    lines first also lifts Arrow's streaming block limit, which failed the whole file on a row over 1 MiB; a
-    field over `CSV_MAX_FIELD_BYTES` is rejected instead (no such text fits any data.max_seq_len).
+    A record is one physical line, so every reject carries its line number, and Arrow's streaming block limit
+    never fails the whole file: a field over `CSV_MAX_FIELD_BYTES` is rejected instead.
     """
+
+
     names = list(fields)
     with fs.open(source_file.path, "rb") as f:
         lines = _csv_lines(f)

@@ -1,15 +1,13 @@
 """Tokenizers in Hugging Face format: train a small BPE for the demo or your data, or load an existing one.
 
-Every tokenizer is an `HFTokenizer`: the `tokenizers` backend used for encoding plus the files of an HF
-tokenizer folder (`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`, optionally
-`chat_template.jinja`), so `transformers.AutoTokenizer.from_pretrained(folder)` and vLLM load what we save.
+An `HFTokenizer` is the `tokenizers` backend plus an HF tokenizer folder's files, which transformers and vLLM load.
 
-    tok = train_demo_tokenizer(texts, vocab_size=64)       # digits stay single tokens
+
+    tok = train_demo_tokenizer(texts, vocab_size=64, model_max_length=256, alphabet="0123456789+=")
     tok = load_tokenizer("s3://bucket/tokenizers/mine")     # any folder with tokenizer.json
     tok.save(local_dir)
 
-Training is deterministic: the BPE trainer breaks ties by pair ids, which depend only on the sorted alphabet
-and the merge order, so the same texts give a byte-identical `tokenizer.json` in every process.
+Training is deterministic: the same texts give a byte-identical `tokenizer.json` in every process.
 """
 
 from __future__ import annotations
@@ -122,11 +120,8 @@ class HFTokenizer:
 def train_demo_tokenizer(
     texts: Iterable[str], vocab_size: int, model_max_length: int, alphabet: str
 ) -> HFTokenizer:
-    """A small BPE over the characters of `alphabet` (kept even if unseen), with every digit a single token.
-
-    Splitting digits before BPE keeps numbers as one token per digit (merged digit pairs make arithmetic
-    much harder to learn); the fixed text around them ("Q: ", "<answer>", ...) merges into few tokens.
-    """
+    """A small BPE over the characters of `alphabet` (kept even if unseen), with every digit a single token
+    (merged digit pairs make arithmetic much harder to learn)."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     symbols = sorted({char for piece, _ in byte_level.pre_tokenize_str(alphabet) for char in piece})
@@ -134,7 +129,7 @@ def train_demo_tokenizer(
 
 
 def train_text_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int) -> HFTokenizer:
-    """A byte-level BPE (GPT-2 style word splitting, single-digit numbers) for arbitrary text."""
+    """A byte-level BPE (GPT-2 style words, single-digit numbers); TokenizerError below MIN_TEXT_VOCAB."""
     if vocab_size < MIN_TEXT_VOCAB:
         raise TokenizerError(
             f"data.tokenizer.vocab_size={vocab_size}: a byte-level BPE needs >= {MIN_TEXT_VOCAB} "
@@ -191,12 +186,9 @@ def _train_bpe(
 
 
 def load_tokenizer(uri: str, storage_options: dict | None = None) -> HFTokenizer:
-    """Load an HF tokenizer folder from a local path or a storage URI (`s3://...`, `file://...`).
+    """Load an HF tokenizer folder from a local path or a storage URI; TokenizerError without a folder,
+    a `tokenizer.json` (a fast tokenizer) or an EOS token."""
 
-    The folder needs `tokenizer.json` (a "fast" tokenizer; convert a sentencepiece-only one with
-    `AutoTokenizer.from_pretrained(path).save_pretrained(path)`) and an EOS token in
-    `tokenizer_config.json` or `special_tokens_map.json`.
-    """
     fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     if not fs.isdir(root):
         raise TokenizerError(f"data.tokenizer.path={uri!r}: folder not found; give a folder with tokenizer.json")

@@ -1,16 +1,13 @@
 """Multi-turn SFT traces: a completion made of model turns and environment observations, trained on the model's
 tokens only.
 
-A trace completion is one string whose segments are separated by TURN_SEPARATOR (ASCII record separator),
-alternating model turn, observation, model turn, ..., starting and ending with a model turn:
+A trace completion is one string of segments joined by TURN_SEPARATOR, alternating model turn and
+observation, starting and ending with a model turn:
 
     completion = join_trace(["<calculator>12*34</calculator>", "<result>408</result>", "<answer>408</answer>"])
 
-The prepare stage tokenizes each segment on its own, exactly as a multi-turn rollout builds its token sequence
-(forge_core.envs.episodes: the observation's tokens are appended to the context, never merged with the model's),
-ends every model turn with EOS (the end-of-turn token of the rollout's turns) and sets the loss mask to 1 on
-model tokens and 0 on observation tokens. A completion without the separator is a single-turn completion, as
-before.
+Each segment is tokenized on its own, as a multi-turn rollout builds its tokens; every model turn ends with
+EOS. A completion without the separator is a single-turn completion.
 """
 
 from __future__ import annotations
@@ -21,7 +18,8 @@ TURN_SEPARATOR = "\x1e"
 
 
 def join_trace(segments: Sequence[str]) -> str:
-    """One completion string from model/observation segments (model first and last)."""
+    """One completion string from model/observation segments (model first and last); ValueError otherwise."""
+
     if len(segments) % 2 == 0:
         raise ValueError(f"a trace alternates model turns and observations and ends with a model turn: {segments!r}")
     if any(TURN_SEPARATOR in segment for segment in segments):

@@ -1,29 +1,14 @@
 """Model specs on torchtitan 0.3.0 and HF <-> torchtitan weight conversion.
 
-Typical use (random init on CPU):
-
-    from forge_core.models import build_model, init_weights, attention_for_device
     model = build_model(cfg.model, vocab_size, device="meta", attention=attention_for_device("cpu"))
     init_weights(model, seed=cfg.seed, device="cpu")
     logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)
 
-Starting from an HF folder of any size (download object-store folders first with `store.reader(uri).download_dir`):
-
-    state_dict, info = load_hf_folder(local_dir)      # info.architecture: what its config.json describes
-    model = build_model(cfg.model, info.vocab_size, device="meta", attention="sdpa", architecture=info.architecture)
-    init_buffers(model, device="cpu"); model.load_state_dict(state_dict)
-
-Exporting for vLLM / transformers (`checkpoint=info` keeps the starting checkpoint's config facts):
-
-    write_hf_folder(full_state_dict, cfg.model, vocab_size, out_dir, tokenizer_dir=tok_dir, checkpoint=info)
-
-Families: llama3 (HF `llama`), qwen2, qwen3. Flavors: `model.flavor: auto` takes the architecture from the
-checkpoint's config.json; `FLAVORS[family]` lists the registered names: torchtitan's dense registry flavors
-(real sizes, for GPU) plus forgeflow's CPU flavors `tiny`, `small`, `medium`.
-
-Names are imported lazily, so importing the package does not pull in torch and torchtitan (the flavor names
-live in config: `forge_core.config.catalog`).
+Families: llama3 (HF `llama`), qwen2, qwen3; `FLAVORS[family]` lists the registered flavors. Names are
+imported lazily, so importing the package does not pull in torch (see forge_core.models.hf for HF folders).
 """
+
+
 
 from __future__ import annotations
 

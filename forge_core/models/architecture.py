@@ -1,17 +1,12 @@
-"""The network a model is, in one record: read from an HF `config.json` (any size of a supported family) or from
-a torchtitan config (a registered flavor), compared, and written back into an exported `config.json`.
+"""The network a model is, in one record: read from an HF `config.json` or a torchtitan config, compared,
+and written back into an exported `config.json`.
 
     arch = architecture_of_hf_config(json.loads(text), where="/models/x/config.json")   # ValueError if unsupported
     model_config = build_model_config(cfg.model, vocab_size, attention="sdpa", architecture=arch)
 
-Supported families and the HF `model_type` each reads:
-- `llama3` <- `llama` (Llama 2/3.x, SmolLM, ...): interleaved-pair RoPE inside torchtitan (the HF adapter
-  permutes q/k), optional Llama-3 RoPE scaling, tied or untied embeddings;
-- `qwen2` <- `qwen2` (Qwen2, Qwen2.5, Qwen2.5-Math): biases on the q/k/v projections, no qk-norm;
-- `qwen3` <- `qwen3` (dense Qwen3): qk-norm, no biases.
-Anything else the forward pass would need (another activation, sliding-window attention, YaRN or other RoPE
-scalings, MLP or output biases, experts, quantised weights, partial rotary) is a ValueError naming the
-config.json field and its value, never a silently different model.
+Families and the HF `model_type` each reads: `llama3` <- `llama` (optional Llama-3 RoPE scaling), `qwen2` <-
+`qwen2` (q/k/v biases, no qk-norm), `qwen3` <- `qwen3` (dense; qk-norm). Any other feature the forward pass
+would need is a ValueError naming the config.json field and value, never a silently different model.
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 
 @dataclass(frozen=True)
 class Architecture:
-    """Every size and switch that decides a dense decoder's forward pass (vocab size and context apart: the
-    tokenizer and `model.max_seq_len` set those)."""
+    """Every size and switch that decides a dense decoder's forward pass, except vocab size and context."""
 
     family: str  # "llama3" | "qwen2" | "qwen3"
     hidden_size: int
@@ -94,9 +88,10 @@ def family_of_model_type(raw: dict[str, Any], where: str) -> str:
 
 
 def architecture_of_hf_config(raw: dict[str, Any], where: str) -> Architecture:
-    """The architecture a config.json (as a dict) describes, with transformers' defaults for absent fields.
+    """The architecture a parsed config.json describes, with transformers' defaults for absent fields;
+    ValueError naming `where`, the field and its value for an unsupported model type or feature."""
 
-    Raises ValueError naming `where`, the field and its value for an unsupported model type or feature."""
+
     import transformers
 
     family = family_of_model_type(raw, where)

@@ -24,14 +24,8 @@ def build_model(
     attention: AttentionBackend,
     architecture: Architecture | None = None,
 ) -> Decoder:
-    """Build the torchtitan module for `cfg` (or the checkpoint `architecture`: forge_core.models.flavors.
-    build_model_config) with parameters on `device` (default: meta, no memory).
-
-    A meta model must be materialised by `init_weights(model, seed, device=...)` (random init) or by
-    `model.to_empty(device=...)` followed by `init_weights` and then loading a state dict. On a real device the
-    parameters are allocated but left uninitialised until `init_weights` runs (torchtitan initialises through
-    `init_states`, not in the constructors).
-    """
+    """Build the torchtitan module for `cfg` (or `architecture`) on `device`; parameters stay uninitialised
+    until `init_weights` (or `init_buffers` before loading a state dict)."""
     model_config = build_model_config(cfg, vocab_size, attention=attention, architecture=architecture)
     with torch.device(device):
         model = model_config.build()
@@ -43,12 +37,8 @@ def _has_meta_tensors(model: nn.Module) -> bool:
 
 
 def init_weights(model: Decoder, seed: int, *, device: str | torch.device | None = None) -> Decoder:
-    """Random-initialise every parameter and buffer of `model` (deterministic for a seed on CPU).
-
-    A model still on the meta device is first materialised on `device` (required then). The global RNG state is
-    left as it was: the init draws from a forked generator seeded with `seed`. Works on FSDP-sharded models too:
-    torchtitan's initialisers draw full tensors and scatter them, so every rank gets the same weights for a seed.
-    """
+    """Random-initialise every parameter and buffer, deterministic for a seed (on FSDP, the same on every
+    rank); the global RNG is untouched. A meta model needs `device` (else ValueError)."""
     if _has_meta_tensors(model):
         if device is None:
             raise ValueError("init_weights: the model is on the meta device; pass device='cpu' or 'cuda'")
@@ -63,11 +53,8 @@ def init_weights(model: Decoder, seed: int, *, device: str | torch.device | None
 
 
 def init_buffers(model: Decoder, *, device: str | torch.device) -> Decoder:
-    """Materialise a meta model on `device` with its buffers (RoPE caches) computed but weights left unset.
-
-    For loading a checkpoint next (`model.load_state_dict(load_hf_folder(...)[0])`): it skips drawing random
-    weights that would be overwritten anyway, which matters for real-size models on CPU.
-    """
+    """Materialise a meta model on `device` with its buffers (RoPE caches) computed but weights left unset,
+    for loading a state dict next without drawing random weights first."""
     from torchtitan.protocols.module import Module
 
     model.to_empty(device=device)
@@ -79,11 +66,8 @@ def init_buffers(model: Decoder, *, device: str | torch.device) -> Decoder:
 
 
 def num_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:
-    """Number of distinct parameters (tied weights counted once; FSDP shards counted at full size).
-
-    `exclude_embeddings=True` drops the input embedding table unless it is tied to the output head (a tied
-    table also does the lm_head matmul).
-    """
+    """Number of distinct parameters (tied weights once, FSDP shards at full size); `exclude_embeddings`
+    drops the input embedding table unless it is tied to the lm_head."""
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() for p in params.values())
     if not exclude_embeddings:
@@ -112,12 +96,10 @@ def _matmul_params_per_token(model_config: Decoder.Config) -> int:
 
 
 def flops_per_token(model_config: Decoder.Config, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward) for MFU: 6 N + 12 L H d_head T.
+    """Training FLOPs per token of a dense model: 6 N + 12 L H d_head T, N the matmul parameters; no causal
+    discount, as torchtitan and PaLM count it."""
 
-    N counts the matmul parameters (every linear layer and the lm_head; the embedding lookup is free), the
-    second term is attention scores and value aggregation over `seq_len` (no causal discount, as torchtitan and
-    PaLM count it). Dense models only.
-    """
+
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be >= 1")
     attention_flops = 0

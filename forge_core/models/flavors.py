@@ -1,20 +1,8 @@
-"""Model configs: any architecture of a supported family (read from a checkpoint's config.json:
-forge_core.models.architecture), torchtitan's dense registry flavors and forgeflow's small CPU flavors.
+"""Model configs: any architecture of a supported family, torchtitan's dense registry flavors and forgeflow's
+small CPU flavors, all built from torchtitan's own building blocks and initialisers.
 
-`build_model_config(cfg.model, vocab_size, attention="sdpa", architecture=None)` returns a torchtitan
-`Decoder.Config` (`Llama3Model.Config` / `Qwen2Model.Config` / `Qwen3Model.Config`) with the tokenizer's vocab
-size, `max_seq_len` applied to every layer's RoPE and the chosen inner attention in every layer: the given
-architecture (`model.flavor: auto`, or a flavor that must agree with it) or the named flavor. Build the module
-with `config.build()` or `forge_core.models.build_model`. Every family is assembled from torchtitan's own
-building blocks and initialisers (Qwen2 = Qwen3's decoder with q/k/v biases and no qk-norm).
-
-Attention backends:
-- "sdpa": `F.scaled_dot_product_attention` with `is_causal=True`. Works on CPU and GPU, forward and backward.
-  Causal only: it cannot separate documents packed into one row, so callers feed one sequence per row.
-- "flex": torchtitan's default for language models (GPU). Needs block masks built from positions
-  (`forge_core.models.forward_logits` builds them). FlexAttention has no CPU backward. forgeflow's trainers
-  use SDPA on GPU too (`attention_choice` says why).
-- "varlen": GPU varlen kernels, also mask-driven.
+Attention backends: "sdpa" (causal only, so callers feed one sequence per row; CPU and GPU), "flex" and
+"varlen" (block masks built from positions by `forward_logits`; GPU, flex has no CPU backward).
 """
 
 from __future__ import annotations
@@ -71,8 +59,8 @@ _PLACEHOLDER_SEQ_LEN = 2048
 
 
 class Qwen2Model(Qwen3Model):
-    """Qwen2 / Qwen2.5: Qwen3's decoder with biases on the q/k/v projections and no qk-norm (its own class so
-    that the HF adapter and the export know which family a built config is)."""
+    """Qwen2 / Qwen2.5: Qwen3's decoder with q/k/v biases and no qk-norm; its own class so a built config
+    names its family."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Qwen3Model.Config):
@@ -80,8 +68,7 @@ class Qwen2Model(Qwen3Model):
 
 
 def _llama3_config(arch: Architecture) -> Decoder.Config:
-    """A Llama3 config from torchtitan's own llama3 building blocks and initialisers (module-level helpers of the
-    pinned torchtitan 0.3.0; reusing them initialises our flavors exactly like torchtitan's registry ones)."""
+    """A Llama3 config from torchtitan's llama3 helpers, so it initialises exactly like the registry flavors."""
     from torchtitan.models import llama3 as tt_llama3
     from torchtitan.models.llama3.model import Llama3Model
 
@@ -119,8 +106,7 @@ def _llama3_config(arch: Architecture) -> Decoder.Config:
 
 
 def _qwen_config(arch: Architecture) -> Decoder.Config:
-    """A dense Qwen3 config (qk-norm) from torchtitan's qwen3 building blocks; Qwen2 is the same decoder with
-    q/k/v biases instead of the qk-norm."""
+    """A dense Qwen3 config from torchtitan's qwen3 helpers; Qwen2 swaps the qk-norm for q/k/v biases."""
     from torchtitan.models import qwen3 as tt_qwen3
 
     dim, vocab = arch.hidden_size, _PLACEHOLDER_VOCAB
@@ -194,12 +180,8 @@ def _flavor(family: str, **sizes) -> Architecture:
     return Architecture(family=family, **{**defaults, **sizes})
 
 
-# forgeflow's CPU flavors. llama3 `tiny` is the demo model (hidden 128, 2 layers,
-# 4 heads: ~0.53M parameters with a 15-symbol vocab); `small` mirrors torchtitan's debugmodel (dim 256,
-# 6 layers, Llama-3 RoPE scaling) with grouped-query attention, ~5M parameters with a small vocab; `medium`
-# (dim 512, 8 layers, head dim 64, ~27M parameters) is the size where vLLM starts to beat transformers' generate
-# on CPU (bench/rollout_throughput.py) and the model bench/grpo_iteration.py compares against TRL on.
-# The llama3 FFN widths are torchtitan's compute_ffn_hidden_dim(dim, multiple_of=256).
+# forgeflow's CPU flavors. llama3 `tiny` is the demo model; `small` mirrors torchtitan's debugmodel with
+# grouped-query attention. The llama3 FFN widths are torchtitan's compute_ffn_hidden_dim(dim, multiple_of=256).
 _FORGE_FLAVORS: dict[str, dict[str, Architecture]] = {
     "llama3": {
         "tiny": _flavor(
@@ -241,14 +223,8 @@ assert {family: tuple(flavors) for family, flavors in _FORGE_FLAVORS.items()} ==
 
 
 def attention_choice(device_type: str) -> tuple[AttentionBackend, str]:
-    """The attention backend forgeflow uses on a device type, and why (the engine records both).
-
-    SDPA on both: every trainer batch holds one right-padded sequence per row (forge_core.batch.tokens:
-    padding, not packing), for which plain causal attention is exact. Flex attention is only needed for masks
-    inside a row (packed documents), which forgeflow does not build; on GPU torchtitan 0.3.0 compiles it with
-    max-autotune for every distinct sequence length, and past torch's recompile limit it falls back to an
-    unfused path that materialises B x H x L^2 scores.
-    """
+    """The attention backend forgeflow uses on 'cpu' or 'cuda' (else ValueError), and why: SDPA on both,
+    exact for right-padded batches; flex would recompile per sequence length on GPU."""
     if device_type == "cpu":
         return "sdpa", "CPU: FlexAttention has no CPU backward; batches are right-padded, causal SDPA is exact"
     if device_type == "cuda":
@@ -380,13 +356,9 @@ def _qkv_base_init(family: str) -> dict:
 
 
 def _separate_qkv(attn, family: str):
-    """Replace torchtitan's fused `wqkv` by separate wq/wk/wv projections.
+    """Replace torchtitan's fused `wqkv` by separate wq/wk/wv projections: fused state-dict keys (made by a
+    hook) are not parameter names, which breaks DCP's `get_model_state_dict` / `set_model_state_dict`."""
 
-    With the fused layout, `model.state_dict()` keys (wq/wk/wv, made by a state-dict hook) are not parameter
-    names, which breaks `torch.distributed.checkpoint.state_dict.get_model_state_dict` / `set_model_state_dict`
-    (FQN lookup fails). Separate projections keep parameters, state-dict keys and torchtitan's canonical names
-    identical, so DCP, FSDP full-state-dict gathering and HF conversion all see one naming.
-    """
     qkv = attn.qkv_linear
     if not isinstance(qkv, FusedQKVLinear.Config):
         return attn
@@ -416,8 +388,8 @@ def _with_attention(config: Decoder.Config, family: str, max_seq_len: int, atten
 
 
 def check_architecture(cfg: ModelConfig, architecture: Architecture | None) -> Architecture:
-    """What to build: the checkpoint's architecture (when given), which a hand-set flavor must agree with; else
-    the named flavor's."""
+    """The given checkpoint architecture, else the named flavor's; ValueError when they disagree."""
+
     if architecture is None:
         if cfg.flavor == AUTO_FLAVOR and cfg.hf_path is not None:
             raise ValueError(
@@ -449,17 +421,14 @@ def check_architecture(cfg: ModelConfig, architecture: Architecture | None) -> A
 def build_model_config(
     cfg: ModelConfig, vocab_size: int, *, attention: AttentionBackend, architecture: Architecture | None = None
 ) -> Decoder.Config:
-    """torchtitan model config with the tokenizer's vocab and `cfg.max_seq_len`: `architecture` (read from a
-    checkpoint's config.json: any size of a supported family) when given, else `cfg.family`/`cfg.flavor`.
+    """torchtitan model config with the tokenizer's vocab, `cfg.max_seq_len` and `attention` in every layer.
 
-    Attention uses separate wq/wk/wv projections (torchtitan's registry fuses them into `wqkv`; see
-    `_separate_qkv` for why forgeflow does not), initialised exactly as torchtitan initialises the fused one.
-
-    `attention` is explicit on purpose (FlexAttention has no CPU backward); `attention_choice(device.type)`
-    gives forgeflow's choice and its reason. Raises ValueError for an unknown family/flavor/backend,
-    non-positive sizes, `flavor: auto` without an architecture, or a hand-set flavor (or family) that
-    disagrees with the given architecture (naming both).
+    Builds `architecture` when given, else `cfg.family`/`cfg.flavor`. `attention` is explicit on purpose
+    (FlexAttention has no CPU backward; see `attention_choice`). ValueError for unknown names, non-positive
+    sizes, or a flavor or family that disagrees with `architecture`.
     """
+
+
     if cfg.flavor != AUTO_FLAVOR or cfg.family not in FAMILIES:
         validate_flavor(cfg.family, cfg.flavor)
     if vocab_size < 1:

@@ -1,23 +1,12 @@
 """HF <-> torchtitan weights and configs: import HF checkpoints, export folders that transformers and vLLM load.
 
-Export (end of an SFT/GRPO stage, rank 0, full unsharded state dict of plain tensors):
+    write_hf_folder(state_dict, cfg.model, vocab_size, "/tmp/policy", tokenizer_dir="/tmp/tok")  # full state dict
+    state_dict, info = load_hf_folder("/tmp/policy")                                              # a local folder
+    model = build_model(info.to_model_config(), info.vocab_size, attention="sdpa", architecture=info.architecture)
+    init_buffers(model, device="cpu"); model.load_state_dict(state_dict)
 
-    write_hf_folder(state_dict, cfg.model, vocab_size, "/tmp/policy", tokenizer_dir="/tmp/tok")
-    # -> model.safetensors, config.json, generation_config.json, tokenizer files
-
-Import (object-store folders: download them first with `store.reader(uri).download_dir(prefix, local)`):
-
-    state_dict, info = load_hf_folder("/tmp/policy")
-    model = build_model(info.to_model_config(max_seq_len=256), info.vocab_size, attention="sdpa",
-                        architecture=info.architecture)
-    init_buffers(model, device="cpu")
-    model.load_state_dict(state_dict)
-
-Weight names and layouts go through torchtitan's own `Llama3StateDictAdapter` / `Qwen3StateDictAdapter`
-(Qwen2: Qwen3's plus the q/k/v biases), which also permute Llama's q/k rows between torchtitan's
-interleaved-pair RoPE (`ComplexRoPE`) and HF's rotate-half RoPE. Qwen2/3 use rotate-half on both sides
-(`CosSinRoPE`), so no permutation there. Any size loads: the architecture comes from config.json
-(forge_core.models.architecture).
+Conversion uses torchtitan's state-dict adapters, which permute Llama's q/k rows between interleaved-pair and
+rotate-half RoPE.
 """
 
 from __future__ import annotations
@@ -75,13 +64,8 @@ def hf_config_dict(
     dtype: torch.dtype = torch.float32,
     architecture: Architecture | None = None,
 ) -> dict[str, Any]:
-    """The `config.json` of a model forgeflow made from scratch, as transformers (and vLLM) read it:
-    LlamaConfig, Qwen2Config or Qwen3Config of `architecture` (default: `cfg`'s flavor).
-
-    Built through the installed transformers' own config class so the serialisation format (e.g. v5's
-    `rope_parameters`) is the one its readers expect. `max_position_embeddings` is `cfg.max_seq_len`: a model
-    that started from a checkpoint keeps the checkpoint's config instead (`write_hf_folder(checkpoint=...)`).
-    """
+    """The `config.json` of a from-scratch model, built through the installed transformers' config class so
+    its readers get the format they expect; `max_position_embeddings` is `cfg.max_seq_len`."""
     import transformers
 
     arch = architecture_of_titan(build_model_config(cfg, vocab_size, attention="sdpa", architecture=architecture))
@@ -121,9 +105,8 @@ def _with_dtype(config: dict[str, Any], dtype_name: str) -> dict[str, Any]:
 def checkpoint_config_dict(
     checkpoint: HFModelInfo, arch: Architecture, vocab_size: int, dtype: torch.dtype, token_ids: dict[str, Any]
 ) -> dict[str, Any]:
-    """The starting checkpoint's own config.json for a model trained from it: its context length
-    (`max_position_embeddings`), RoPE settings and every other field kept; the weights' dtype and vocab size
-    set; special token ids it does not state taken from the exported tokenizer."""
+    """The checkpoint's config.json with dtype and vocab size set and missing special token ids filled in;
+    ValueError when `arch` differs from the checkpoint's."""
     if arch != checkpoint.architecture:
         raise ValueError(
             f"export: the trained model's architecture differs from its checkpoint's config.json in "
@@ -170,21 +153,14 @@ def _adapter(model_config: Decoder.Config):
 def titan_to_hf_state_dict(
     state_dict: dict[str, torch.Tensor], model_config: Decoder.Config
 ) -> dict[str, torch.Tensor]:
-    """torchtitan names/layouts (as `model.state_dict()` gives them: wq/wk/wv split) -> HF names/layouts.
-
-    Llama q/k rows are permuted to HF's rotate-half RoPE. A tied lm_head is dropped (HF stores only
-    `model.embed_tokens.weight` then). Input tensors are not modified.
-    """
+    """torchtitan names/layouts -> HF names/layouts; a tied lm_head is dropped. Inputs are not modified."""
     return dict(_adapter(model_config).to_hf(dict(state_dict)))
 
 
 def hf_to_titan_state_dict(
     hf_state_dict: dict[str, torch.Tensor], model_config: Decoder.Config
 ) -> dict[str, torch.Tensor]:
-    """HF names/layouts -> torchtitan names/layouts, loadable with `model.load_state_dict(..., strict=True)`.
-
-    Raises ValueError naming the first HF key torchtitan's adapter does not know.
-    """
+    """HF names/layouts -> torchtitan names/layouts; ValueError names the first HF key it does not know."""
     try:
         return dict(_adapter(model_config).from_hf(dict(hf_state_dict)))
     except KeyError as exc:
@@ -226,8 +202,7 @@ def _check_state_dict_matches(
 
 @dataclass(frozen=True)
 class HFModelInfo:
-    """What an HF folder's config.json (and generation_config.json) say about its model, in forgeflow's terms:
-    what a model trained from it is built as, and the facts its exports keep."""
+    """What an HF folder's config.json (and generation_config.json) say about its model, in forgeflow's terms."""
 
     family: str  # "llama3" | "qwen2" | "qwen3"
     architecture: Architecture
@@ -240,8 +215,7 @@ class HFModelInfo:
     generation_config: dict[str, Any] | None = None  # generation_config.json as written, if the folder has one
 
     def to_model_config(self, max_seq_len: int | None = None, hf_path: str | None = None) -> ModelConfig:
-        """A `ModelConfig` that rebuilds this architecture (context defaults to max_position_embeddings): its
-        registered flavor, else `auto` (build with `architecture=self.architecture`)."""
+        """A `ModelConfig` of this architecture; `auto` flavor needs `architecture=self.architecture` to build."""
         return ModelConfig(
             family=self.family,
             flavor=self.flavor,
@@ -317,12 +291,9 @@ def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_folder(local_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], HFModelInfo]:
-    """Read an HF Llama/Qwen2/Qwen3 folder of any size into a torchtitan state dict (tensors in their stored
-    dtype) and what its config.json says (`info.architecture` builds the model:
-    `build_model_config(cfg, info.vocab_size, attention=..., architecture=info.architecture)`).
+    """Read a local HF Llama/Qwen2/Qwen3 folder into a torchtitan state dict (stored dtypes) and its info.
 
-    Raises ValueError naming the folder/file for a missing config or weights, an unsupported model type or
-    feature (the config.json field and value), or weights that do not fit the config.
+    ValueError for missing config or weights, an unsupported model, or weights that do not fit the config.
     """
     folder = Path(local_dir)
     info = read_hf_info(folder)
@@ -384,13 +355,13 @@ def write_hf_folder(
 ) -> Path:
     """Write `model.safetensors`, `config.json`, `generation_config.json` (+ tokenizer files) into `out_dir`.
 
-    `titan_state_dict` is the full model state dict (plain tensors, as `model.state_dict()` gives it). Special
-    token ids default to those of the tokenizer in `tokenizer_dir`; explicit arguments win. A model trained
-    from `checkpoint` (the HF folder it started from) is built with its architecture and keeps its facts: its
-    config.json (context length, RoPE settings, token ids it states) and its generation_config.json; only the
-    dtype and vocab size are the export's. Files already in `out_dir` are replaced one by one atomically, so a
-    running vLLM can reload the new weights in place. Returns `out_dir`.
+    `titan_state_dict` is the full state dict of plain tensors. Token ids default to `tokenizer_dir`'s. A
+    model trained from `checkpoint` keeps its config files. Files are replaced atomically, so a running vLLM
+    can reload in place. Returns `out_dir`; ValueError for weights that do not fit.
+
     """
+
+
     from safetensors.torch import save_file
 
     out = Path(out_dir)

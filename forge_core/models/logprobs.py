@@ -24,10 +24,8 @@ MIN_BUCKET = 64
 
 
 def length_bucket(length: int, max_len: int) -> int:
-    """The padded length of a batch of `length` positions when the model is compiled: the next power of two
-    (at least MIN_BUCKET), capped at `max_len`. A compiled model then meets about log2(max_len / 64) + 1
-    shapes instead of one per batch length, so it stops recompiling after the first few batches; the price is
-    at most 2x positions on the shortest batches of each bucket."""
+    """The padded length of `length` positions for a compiled model, so it meets few shapes: the next power of
+    two (at least MIN_BUCKET), capped at `max_len`; `length` itself when >= `max_len`."""
     if length < 1:
         raise ValueError(f"length={length}: must be >= 1")
     if length >= max_len:
@@ -42,14 +40,10 @@ def forward_logits(
     *,
     pad_to: int | None = None,
 ) -> torch.Tensor:
-    """Logits of a torchtitan decoder for `input_ids_BL`, in the model's compute dtype. Shape [B, L, V].
+    """Logits [B, L, V] of a torchtitan decoder, in the model's compute dtype.
 
-    With SDPA attention the mask is plain causal and `positions_BL` only moves RoPE (e.g. left padding). With
-    flex/varlen attention the block masks are built from positions (a position of 0 starts a new document);
-    positions default to 0..L-1 in every row.
-
-    `pad_to` > L runs the model on rows right-padded to that length (see `length_bucket`) and returns the
-    first L positions: causal attention keeps every real position blind to the padding after it.
+    With SDPA `positions_BL` only moves RoPE; with flex/varlen the masks come from it (0 starts a document).
+    `pad_to` > L runs on right-padded rows and returns the first L positions, unaffected by the padding.
     """
     length = input_ids_BL.shape[1]
     if pad_to is None or pad_to <= length:
@@ -91,11 +85,9 @@ def model_logprobs(
     target_ids_BL: torch.Tensor,
     positions_BL: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 log-probabilities of `target_ids_BL` under `model` given `input_ids_BL`. Shape [B, L].
+    """fp32 log-probabilities [B, L] of `target_ids_BL` given `input_ids_BL`; padding targets get values too."""
 
-    Targets are usually the inputs shifted left by one; positions whose target is padding still get a value
-    (mask them in the loss).
-    """
+
     if input_ids_BL.shape != target_ids_BL.shape:
         raise ValueError(
             f"input_ids_BL {tuple(input_ids_BL.shape)} and target_ids_BL {tuple(target_ids_BL.shape)} "
