@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-tools test test-all test-fast bench lint docs clean
+.PHONY: install demo demo-tools test test-all test-fast bench drill lint docs clean
 
 install:
 	@VENV=$(VENV) scripts/install.sh
@@ -26,6 +26,11 @@ test-fast: install
 
 bench: install
 	@$(PY) -m bench.run_all
+
+# The simulated fault-drill ladder 3 -> 6 -> 12 nodes (configs/drills/ladder.yaml): report and plots in
+# bench/results/drill/, the fitted recovery exponent in bench/results/drill_ladder.json.
+drill: install
+	@$(PY) -m bench.drill_ladder
 
 # The config reference from the schema, then the site; --strict: a broken link or anchor fails the build.
 docs: install

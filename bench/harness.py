@@ -19,11 +19,12 @@ import math
 import operator
 import re
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
+
+from forge_core.metrics.sampler import PeriodicSampler
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -152,27 +153,16 @@ def write_result(
     return result
 
 
-class TreeMemorySampler:
+class TreeMemorySampler(PeriodicSampler):
     """Peak over time of the summed RSS of a process and all its descendants."""
 
     def __init__(self, pid: int, interval_s: float = 0.5) -> None:
+        super().__init__(interval_s, name="bench-memory")
         self.pid = pid
-        self.interval_s = interval_s
         self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak_bytes = max(self.peak_bytes, self._tree_rss())
+    def sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self._tree_rss())
 
     def _tree_rss(self) -> int:
         import psutil

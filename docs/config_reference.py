@@ -1,4 +1,4 @@
-"""Writes docs/config-reference.md and docs/config.schema.json from the config schema, never by hand.
+"""Writes docs/config-reference.md, docs/config.schema.json and docs/drill.schema.json from the schemas, never by hand.
 
     .venv/bin/python docs/config_reference.py           # regenerate (what `make docs` runs)
     .venv/bin/python docs/config_reference.py --check   # exit 1 when either file is stale (tests/config runs this)
@@ -18,6 +18,7 @@ from pathlib import Path
 
 REFERENCE = Path(__file__).resolve().parent / "config-reference.md"
 JSON_SCHEMA = Path(__file__).resolve().parent / "config.schema.json"
+DRILL_SCHEMA = Path(__file__).resolve().parent / "drill.schema.json"
 
 HEADER = """# Configuration reference
 
@@ -38,8 +39,13 @@ def render() -> dict[Path, str]:
     sys.path.insert(0, str(REFERENCE.parents[1]))
     from forge_core.config import describe_config
     from forge_core.config.describe import config_json_schema
+    from forge_core.drills.plan import DrillPlan
 
-    return {REFERENCE: HEADER + describe_config(), JSON_SCHEMA: json.dumps(config_json_schema(), indent=1) + "\n"}
+    return {
+        REFERENCE: HEADER + describe_config(),
+        JSON_SCHEMA: json.dumps(config_json_schema(), indent=1) + "\n",
+        DRILL_SCHEMA: json.dumps(config_json_schema(DrillPlan), indent=1) + "\n",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ forgeflow validate configs/qwen3_1_7b_gsm8k.yaml [--here]              # check a
 forgeflow status [--config my.yaml] [storage.root=...]                 # recent runs, artifacts (last run's store)
 forgeflow export last ./my-model [--push-to-hub me/my-model]           # a trained policy as an HF folder
 forgeflow pools create forgeflow                                         # a process work pool for the deployment
+forgeflow drill configs/drills/ci.yaml [--out DIR] [--judge drill.json]    # fault drills on a ladder of clusters
 """
 
 from __future__ import annotations
@@ -82,6 +83,29 @@ def _cmd_pools_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_drill(args: argparse.Namespace) -> int:
+    """Exit status 1 when the drill fails its verdict (each problem printed)."""
+    from flows.drill import DrillFailed, drill
+    from forge_core.drills.plan import load_plan
+    from forge_core.drills.report import judge
+
+    if args.judge:
+        import json
+        from pathlib import Path
+
+        problems = judge(json.loads(Path(args.judge).read_text()), load_plan(args.plan, args.overrides))
+    else:
+        try:
+            record = drill(args.plan, args.overrides, args.out)
+            problems = record["problems"]
+        except DrillFailed as exc:
+            problems = str(exc).splitlines()[1:]
+    for problem in problems:
+        print(f"drill problem: {problem}", file=sys.stderr)
+    print(f"drill {'failed' if problems else 'passed'}")
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forgeflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     create.add_argument("name")
     create.set_defaults(handler=_cmd_pools_create)
+
+    drill = sub.add_parser("drill", help="fault drills on a ladder of cluster sizes, judged and reported")
+    drill.add_argument("plan", help="drill plan, e.g. configs/drills/ci.yaml")
+    drill.add_argument("overrides", nargs="*", help="key=value plan overrides, e.g. 'steps=[{nodes: 3}]'")
+    drill.add_argument("--out", default=None, help="report folder (default: <logging.dir>/drills/<name>-<time>)")
+    drill.add_argument("--judge", metavar="DRILL_JSON", default=None,
+                       help="judge a recorded drill.json against the plan instead of running it")
+    drill.set_defaults(handler=_cmd_drill)
     return parser
 
 

@@ -83,3 +83,15 @@ FINGERPRINT_RACY_WINDOW_S = 2.0
 CREATE_TIME_TOLERANCE_S = 1.5
 # Leftovers of a process that died mid-download or mid-removal in the policy cache are cleared once this old.
 POLICY_CACHE_STALE_LEFTOVER_S = 3600.0
+
+# ---- drills -------------------------------------------------------------------------------------------------
+
+# How often a drill looks for its fault's trigger (a marker, a placement group) and at the cluster's state.
+DRILL_POLL_S = 0.2
+# A slow_node fault stops and resumes the node's processes in cycles of this length (drill.faults.slowdown of
+# each cycle stopped): short enough that no heartbeat or collective notices a single stop.
+DRILL_THROTTLE_CYCLE_S = 0.1
+# A simulated node (a raylet of this machine) registers with the head within this, even on a loaded machine.
+DRILL_NODE_START_S = 120.0
+# After a run, how long the drill waits for the Prefect API to hold its task runs in final states.
+DRILL_TASK_RUNS_S = 180.0

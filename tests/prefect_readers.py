@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 
-
-def run_async(coro_fn):
-    """`coro_fn(client)` with a Prefect client, run to its end."""
-
-    async def wrapped():
-        from prefect.client.orchestration import get_client
-
-        async with get_client() as client:
-            return await coro_fn(client)
-
-    return asyncio.run(wrapped())
+from flows.task_runs import read_task_runs, run_async  # noqa: F401 - run_async: read from here by the fault kit
+from flows.task_runs import settled_task_runs as task_runs_settled
 
 
 class TaskRuns(Mapping):
@@ -62,22 +52,8 @@ def task_runs(flow_run_id) -> TaskRuns:
 def settled_task_runs(flow_run_id, count: int) -> list:
     """All task runs of a flow run (several may share a name), once `count` of them are there, each in a final
     state (bounded: TaskRuns.WAIT_S)."""
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.drain_all(timeout=30)
-    deadline = time.monotonic() + TaskRuns.WAIT_S
-    while True:
-        runs = _read_task_runs(flow_run_id)
-        if len(runs) >= count and all(run.state.is_final() for run in runs):
-            return runs
-        if time.monotonic() > deadline:
-            raise AssertionError(f"flow run {flow_run_id}: {count} final task runs expected, found {runs}")
-        time.sleep(0.5)
+    return task_runs_settled(flow_run_id, count, TaskRuns.WAIT_S)
 
 
 def _read_task_runs(flow_run_id) -> list:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    return run_async(
-        lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    )
+    return read_task_runs(flow_run_id)

@@ -11,13 +11,13 @@ import psutil
 
 from forge_core.compute.cluster import (
     POOL_LABEL,
-    TOKEN_PATH_ENV,
     ComputeCluster,
     apply_environment,
     connect,
     embedded_environment,
     private_token_file,
 )
+from forge_core.compute.simulated import stage_processes
 from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
 
 POOL = "gpu-a"
@@ -25,7 +25,6 @@ POOL_NODES = 3
 # Room on a node for an engine actor and a trainer rank at once (the flow-lifetime engines hold their nodes while
 # GRPO trains).
 POOL_NODE_CPUS = 2
-STAGE_FRAGMENTS = ("forge_core.run", "forge_core.rollout", "forge_core.rewards", "torch.distributed.run")
 
 
 class RayTestCluster:
@@ -51,18 +50,7 @@ class RayTestCluster:
     def stage_processes(self) -> list[psutil.Process]:
         """Live processes that Ray workers of this cluster started for forgeflow (ranks, torchrun, engines,
         reward workers), found by the cluster's token path in their environment, orphans included."""
-        found = []
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if proc.pid == os.getpid() or not any(f in cmdline for f in STAGE_FRAGMENTS):
-                continue
-            try:
-                ours = proc.environ().get(TOKEN_PATH_ENV) == str(self.token_path)
-                if ours and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except psutil.Error:
-                continue
-        return found
+        return stage_processes(self.token_path)
 
     def live_actors(self) -> list[dict]:
         """The cluster's actors that are not dead (Ray's GCS table)."""

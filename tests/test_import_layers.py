@@ -14,7 +14,8 @@ builds models;
 the batch types are pure torch, below the losses that consume them; rewards run in workers watched through
 launch; rollout scores with rewards; environments (multi-turn episodes) drive the generation protocol and run
 their tools in the reward workers; trainers read the rollout table (GRPO trains on it) and never the
-reverse; run (the stage workers) ties everything together; tasks wrap run for Prefect, flows call tasks.
+reverse; run (the stage workers) ties everything together; drills (fault drills) read what runs commit; tasks
+wrap run for Prefect, flows call tasks.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("forge_core.envs",),
     ("forge_core.trainers",),
     ("forge_core.run",),
+    ("forge_core.drills",),
     ("tasks",),
     ("flows",),
 )

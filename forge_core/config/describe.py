@@ -44,11 +44,12 @@ def describe_config() -> str:
     return "\n\n".join([top, *blocks]) + "\n"
 
 
-def config_json_schema() -> dict[str, Any]:
-    """The JSON schema of a run config (pydantic's, draft 2020-12), every key described by its schema.py comment."""
-    schema = RunConfig.model_json_schema()
-    for cls in _section_classes(RunConfig):
-        where = schema if cls is RunConfig else schema["$defs"][cls.__name__]
+def config_json_schema(root: type[BaseModel] = RunConfig) -> dict[str, Any]:
+    """The JSON schema of a run config or another root section model (pydantic's, draft 2020-12), every key
+    described by the comment above its field."""
+    schema = root.model_json_schema()
+    for cls in _section_classes(root):
+        where = schema if cls is root else schema["$defs"][cls.__name__]
         for name, text in field_help(cls).items():
             if text:
                 where["properties"][name]["description"] = text

@@ -54,16 +54,19 @@ def located(data: Any, loc: Sequence[Any]) -> tuple[list[Any], Any]:
     return found, data
 
 
-def type_problem(data: dict[str, Any], problem: Mapping[str, Any]) -> tuple[str, str]:
-    """(key, message) for one pydantic error: the key, the value as given, what was expected and the fix."""
+def type_problem(
+    data: dict[str, Any], problem: Mapping[str, Any], root: type[BaseModel] = RunConfig
+) -> tuple[str, str]:
+    """(key, message) for one pydantic error of a `root` model: the key, the value as given, what was expected
+    and the fix."""
     loc, value = located(data, problem["loc"])
     key = ".".join(str(p) for p in loc)
     kind = problem["type"]
     section, name = key.rpartition(".")[0], str(loc[-1]) if loc else ""
     if kind == "extra_forbidden":
-        owner = section_of(schema_at(loc[:-1])[0])
+        owner = section_of(schema_at(loc[:-1], root)[0])
         return key, unknown_key_message(section, name, value, list(field_types(owner)) if owner else [])
-    tp, default = schema_at(loc)
+    tp, default = schema_at(loc, root)
     if "[key]" in problem["loc"]:
         kind = "invalid_key"
     if kind == "literal_error":
@@ -104,14 +107,14 @@ _EXPECTED = {
 }
 
 
-def schema_at(loc: Sequence[Any]) -> tuple[Any, Any]:
-    """The annotation and the default at `loc` ((None, None) past what the schema knows); a list index gives
-    the element type and a fresh element."""
-    tp, value = RunConfig, RunConfig()
+def schema_at(loc: Sequence[Any], root: type[BaseModel] = RunConfig) -> tuple[Any, Any]:
+    """The annotation and the default at `loc` in a `root` model ((None, None) past what the schema knows); a
+    list index gives the element type and a fresh element."""
+    tp, value = root, _default_of(root)
     for part in loc:
         if isinstance(part, int):
             tp = list_element_type(tp)
-            value = cls() if (cls := section_of(tp)) is not None else None
+            value = _default_of(cls) if (cls := section_of(tp)) is not None else None
         elif (cls := section_of(tp)) is not None and part in cls.model_fields:
             tp, value = field_types(cls)[part], getattr(value, part, None)
         else:
@@ -119,6 +122,14 @@ def schema_at(loc: Sequence[Any]) -> tuple[Any, Any]:
         if tp is None:
             return None, None
     return tp, value
+
+
+def _default_of(cls: Any) -> Any:
+    """A model built from its defaults, or None when some field has no default."""
+    try:
+        return cls()
+    except Exception:  # noqa: BLE001 - a required field: no default to show
+        return None
 
 
 def names_a_rejected_key(path: str, message: str, rejected: Sequence[str]) -> bool:

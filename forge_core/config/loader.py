@@ -37,6 +37,7 @@ from forge_core.config.yaml_io import parse_yaml
 from forge_core.credentials import scrub_text
 
 SectionT = TypeVar("SectionT", bound=Section)
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 # ---- public API -------------------------------------------------------------------------------------------
@@ -44,6 +45,17 @@ SectionT = TypeVar("SectionT", bound=Section)
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """Read `path` (None = the embedded defaults), apply `key=value` overrides, validate, return RunConfig.
+
+    Raises:
+        ConfigError: every problem of the file and the overrides at once.
+        TypeError: `overrides` is one string instead of a list of them.
+    """
+    return load_model(RunConfig, path, overrides)
+
+
+def load_model(root: type[ModelT], path: str | Path | None, overrides: Iterable[str] = ()) -> ModelT:
+    """`load_config` for any root section model (a run config, a drill plan): read `path` (None = the
+    model's defaults), apply `key=value` overrides, validate everything at once.
 
     Raises:
         ConfigError: every problem of the file and the overrides at once.
@@ -59,8 +71,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     errors: list[str] = []
     data = _read_yaml_mapping(Path(path)) if path is not None else {}
     for override in overrides:
-        data = _apply_override(data, override, errors)
-    return _build_and_check(data, errors, source)
+        data = _apply_override(data, override, errors, root)
+    return _build_and_check(data, errors, source, root)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "config dict") -> RunConfig:
@@ -143,7 +155,9 @@ class _BadOverride(ValueError):
     """An override whose path cannot be followed (an index past a list's end, an index into a non-list)."""
 
 
-def _apply_override(data: dict[str, Any], override: str, errors: list[str]) -> dict[str, Any]:
+def _apply_override(
+    data: dict[str, Any], override: str, errors: list[str], root: type[BaseModel] = RunConfig
+) -> dict[str, Any]:
     key, sep, text = override.partition("=")
     parts = key.strip().split(".")
     if not sep or not key.strip() or any(not p for p in parts):
@@ -158,18 +172,18 @@ def _apply_override(data: dict[str, Any], override: str, errors: list[str]) -> d
         )
         return data
     try:
-        return _set(data, [int(p) if p.isdigit() else p for p in parts], value, [])
+        return _set(data, [int(p) if p.isdigit() else p for p in parts], value, [], root)
     except _BadOverride as exc:
         errors.append(str(exc))
         return data
 
 
-def _set(data: Any, parts: list[Any], value: Any, walked: list[Any]) -> Any:
+def _set(data: Any, parts: list[Any], value: Any, walked: list[Any], root: type[BaseModel]) -> Any:
     """A copy of `data` with `value` at `parts`, copying only along the path."""
 
     head, rest, here = parts[0], parts[1:], [*walked, parts[0]]
     if isinstance(head, int):
-        data = data if data is not None else schema_at(walked)[1]
+        data = data if data is not None else schema_at(walked, root)[1]
         where = ".".join(map(str, walked))
         if not isinstance(data, list):
             raise _BadOverride(f"{dotted(here)}: {where or 'the config'} is not a list, so it has no element {head}")
@@ -182,8 +196,10 @@ def _set(data: Any, parts: list[Any], value: Any, walked: list[Any]) -> Any:
     else:
         copy = dict(data) if isinstance(data, Mapping) else {}
         if head not in copy and rest:
-            copy[head] = _plain(schema_at(here)[1])
-    copy[head] = _set(copy[head], rest, value, here) if rest else _merged(copy.get(head), value, schema_at(here)[0])
+            copy[head] = _plain(schema_at(here, root)[1])
+    copy[head] = (
+        _set(copy[head], rest, value, here, root) if rest else _merged(copy.get(head), value, schema_at(here, root)[0])
+    )
     return copy
 
 
@@ -203,19 +219,31 @@ def _plain(value: Any) -> Any:
 # ---- validation -------------------------------------------------------------------------------------------
 
 
-def _build_and_check(data: dict[str, Any], errors: list[str], source: str) -> RunConfig:
+def model_from_dict(root: type[ModelT], data: Any, source: str) -> ModelT:
+    """Validate `data` into a `root` section model (a run config, a drill plan) with every problem worded as
+    `load_config` words it, all at once.
+
+    Raises:
+        ConfigError: every type, unknown-key and `check()` problem.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"{source}: expected a mapping of {root.__name__} fields, got {type(data).__name__}"], source)
+    return _build_and_check(dict(data), [], source, root)
+
+
+def _build_and_check(data: dict[str, Any], errors: list[str], source: str, root: type[ModelT] = RunConfig) -> ModelT:
     rejected: list[str] = []
     try:
-        cfg = RunConfig.model_validate(data)
+        cfg = root.model_validate(data)
     except ValidationError as exc:
         problems = exc.errors(include_url=False)
         for problem in problems:
-            key, message = type_problem(data, problem)
+            key, message = type_problem(data, problem, root)
             if message not in errors:
                 errors.append(message)
                 rejected.append(key)
         try:  # the checks run on what is left: every rejected value back at its default
-            cfg = RunConfig.model_validate(_without(data, problems))
+            cfg = root.model_validate(_without(data, problems))
         except ValidationError:
             raise ConfigError(errors, source) from None
     for path, section in _sections(cfg, ""):

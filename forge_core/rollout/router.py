@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Self, TypeVar
@@ -48,6 +49,8 @@ class EngineRouter:
         self.live: list[EngineConnection] = list(engines)
         self.dead: list[str] = []  # names of the engines dropped since this router was made
         self._why_lost: dict[str, str] = {}  # name of a dropped engine -> the first line of its error
+        self._first_lost_at: float | None = None  # wall-clock time of the first drop
+        self._rerouted_prompts = 0
 
     @property
     def names(self) -> list[str]:
@@ -115,7 +118,18 @@ class EngineRouter:
                 unfinished += share
             else:
                 _place(samples, share, by_prompt, sampling.group_size, engine.name)
+        if self.live:
+            self._rerouted_prompts += len(unfinished)
         return sorted(unfinished)
+
+    def failover_metrics(self) -> dict[str, float]:
+        """Engines dropped since this router was made, prompts re-routed from them, and when the first was dropped
+        (wall-clock seconds; 0 when none was)."""
+        return {
+            "engines/lost": float(len(self.dead)),
+            "engines/rerouted_prompts": float(self._rerouted_prompts),
+            "engines/first_lost_at": float(self._first_lost_at or 0.0),
+        }
 
     # ---- weights and lifetime -----------------------------------------------------------------------
 
@@ -166,6 +180,7 @@ class EngineRouter:
     def _drop(self, engine: EngineConnection, error: EngineLost, what: str) -> None:
         self.live.remove(engine)
         self.dead.append(engine.name)
+        self._first_lost_at = self._first_lost_at or time.time()
         engine.close()
         first_line = str(error).splitlines()[0] if str(error) else repr(error)
         self._why_lost[engine.name] = first_line

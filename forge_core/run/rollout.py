@@ -42,6 +42,7 @@ from forge_core.rewards import RewardSet, sample_context
 from forge_core.rollout.dynamic import DynamicSampling
 from forge_core.rollout.prompts import check_prompt_table, iteration_indices, prompts_from_table
 from forge_core.rollout.protocol import GenerationEngine
+from forge_core.rollout.router import EngineRouter
 from forge_core.rollout.sampling import rollout_seed, sampling_json
 from forge_core.rollout.table import ROLLOUTS_TABLE, RolloutLineage, rollout_metrics, rollout_table
 from forge_core.rollout.types import Prompt, Sample
@@ -136,8 +137,11 @@ def iteration_prompts(table: pa.Table, per_iteration: int, iteration: int, seed:
 
 def engine_metrics(cfg: RunConfig, generator: GenerationEngine) -> dict:
     """How the engine was had: started by this stage (`engine_startup_s`) or the flow's, reloaded
-    (`engine_reload_s`, 0 when it served the policy already); also as `phase/engine_start_s`, `phase/sync_s`."""
+    (`engine_reload_s`, 0 when it served the policy already); also as `phase/engine_start_s`, `phase/sync_s`.
+    Behind a router, also what it failed over (`EngineRouter.failover_metrics`)."""
+    failover = generator.failover_metrics() if isinstance(generator, EngineRouter) else {}
     return {
+        **failover,
         "engine_lifetime": cfg.rollout.engine_lifetime,
         "engine_startup_s": float(generator.startup_s),
         "engine_reload_s": float(generator.reload_s),
