@@ -1,4 +1,4 @@
-"""The CI drill (configs/drills/ci.yaml): 3 simulated nodes (the session's cluster_utils cluster, pool gpu-a), the
+"""The CI drill (configs/drills/ci.yaml): 3 simulated nodes (the test run's shared cluster_utils cluster, pool gpu-a), the
 tiny workload clean, then with a node lost mid-SFT and an engine killed mid-rollout. Both recover, nothing is
 lost or left behind, and the report's numbers are the manifests'.
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
 PLAN = "configs/drills/ci.yaml"
 ON_TEST_POOL = [f"pool={POOL}"]
-_cluster: list[SimulatedCluster] = []  # the adopted session cluster, for the flow below
+_cluster: list[SimulatedCluster] = []  # the adopted shared test cluster, for the flow below
 
 
 @flow(name="ci-drill")
