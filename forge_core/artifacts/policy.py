@@ -17,7 +17,8 @@ The policy cache (`policy_cache_root`) keeps one folder per manifest hash, visib
 once complete, bounded by `$FORGE_POLICY_CACHE_MAX_POLICIES` folders (default 8) and `$FORGE_POLICY_CACHE_MAX_GB`
 GB (default 50): after each download the least recently used folders are pruned until both bounds hold. A
 process using a cached folder holds a shared lock on `<cache>/<hash>.lock` and pruning needs an exclusive one,
-so a folder is never removed from under a reader. A download that finds the disk full prunes every unused
+so a folder is never removed from under a reader. Processes fetching the same policy at once (engines of one
+machine) take turns on `<cache>/<hash>.fetch`: the first downloads, the others find the folder complete. A download that finds the disk full prunes every unused
 folder, tries once more, then fails fatally (a full disk is not worth a retry).
 """
 
@@ -55,6 +56,7 @@ DEFAULT_MAX_POLICIES = 8
 DEFAULT_MAX_GB = 50.0
 _COMPLETE_MARKER = ".forge-complete"  # written last into a cached folder; its mtime is the folder's last use
 _LOCK_SUFFIX = ".lock"
+_FETCH_SUFFIX = ".fetch"
 
 
 WEIGHTS_SUFFIX = ".safetensors"
@@ -177,6 +179,17 @@ def _lock_path(local_dir: Path) -> Path:
     return local_dir.with_name(local_dir.name + _LOCK_SUFFIX)
 
 
+@contextlib.contextmanager
+def _fetch_turn(local_dir: Path):
+    """While the block runs, no other process fetches `local_dir`: a second download would replace the first's
+    complete folder under its reader."""
+    fd = _lock(local_dir.with_name(local_dir.name + _FETCH_SUFFIX), fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def _lock(path: Path, mode: int) -> int | None:
     """A descriptor of `path` holding flock `mode` (None when LOCK_NB and someone holds a conflicting lock);
     re-opens when a pruner unlinked the path while we waited for the lock."""
@@ -241,6 +254,7 @@ def _remove_if_unused(folder: Path) -> bool:
         trash = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.trash")
         os.replace(folder, trash)  # gone from its name at once: nobody fetches a half-removed folder
         lock.unlink(missing_ok=True)
+        folder.with_name(folder.name + _FETCH_SUFFIX).unlink(missing_ok=True)  # a waiter re-opens it (_lock)
     finally:
         os.close(fd)
     shutil.rmtree(trash, ignore_errors=True)
@@ -373,9 +387,11 @@ def fetch_policy(
     # Leased before looking: a pruner in another process cannot remove it between our check and our use.
     _lease(local_dir)
     if not _is_cached(local_dir):
-        size = sum(entry.size for entry in manifest.files.values())
-        _download_or_make_room(store, policy_uri(store, stage_uri), local_dir, input_name, size)
-        prune_policy_cache(root, keep=local_dir)
+        with _fetch_turn(local_dir):
+            if not _is_cached(local_dir):  # else another process downloaded it while we waited for our turn
+                size = sum(entry.size for entry in manifest.files.values())
+                _download_or_make_room(store, policy_uri(store, stage_uri), local_dir, input_name, size)
+                prune_policy_cache(root, keep=local_dir)
     log.info("policy %s at %s (policy cache %s: $%s moves it)", policy_uri(store, stage_uri), local_dir, root, CACHE_ENV)
     now = time.time_ns()  # explicit: the file system's own clock is too coarse to order quick fetches
     with contextlib.suppress(OSError):

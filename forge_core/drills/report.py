@@ -203,12 +203,18 @@ def plot(drill: dict, folder: Path) -> list[str]:
     return written
 
 
+def step_nodes(step: dict) -> list[str]:
+    """The nodes a step's timeline shows: those seen alive during the step. Ray lists a node removed in an
+    earlier step as dead for good; it is not this step's."""
+    return sorted({s["node"] for run in step["runs"] for s in run.get("samples", []) if s["alive"]})
+
+
 def _timeline(step: dict, path: Path, plt) -> bool:
-    samples = [(run["name"], s) for run in step["runs"] for s in run.get("samples", [])]
+    nodes = step_nodes(step)
+    samples = [(run["name"], s) for run in step["runs"] for s in run.get("samples", []) if s["node"] in nodes]
     if not samples:
         return False
     start = min(s["t"] for _, s in samples)
-    nodes = sorted({s["node"] for _, s in samples})
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(nodes) + 1.8))
     alive = [(s["t"] - start, nodes.index(s["node"]), s.get("cpu") or 0.0) for _, s in samples if s["alive"]]
     dead = [(s["t"] - start, nodes.index(s["node"])) for _, s in samples if not s["alive"]]
@@ -217,12 +223,15 @@ def _timeline(step: dict, path: Path, plt) -> bool:
         fig.colorbar(points, ax=ax, label="CPU % of the node's processes")
     if dead:
         ax.scatter([d[0] for d in dead], [d[1] for d in dead], marker="x", color="red", s=8, label="node dead")
+        ax.legend(loc="lower left", fontsize=7)
     for run in step["runs"]:
         fault = run.get("fault") or {}
         if fault.get("injected_at"):
             x = fault["injected_at"] - start
             ax.axvline(x, color="red", linestyle="--", linewidth=1)
-            ax.text(x, len(nodes) - 0.5, f" {run['name']}", color="red", fontsize=7, rotation=90, va="top")
+            # Above the plot (x in data, y in axes units), so the names never cover a node's row.
+            ax.text(x, 1.01, run["name"], transform=ax.get_xaxis_transform(), color="red", fontsize=7, rotation=90,
+                    va="bottom", ha="center")  # fmt: skip
     ax.set_yticks(range(len(nodes)), [n[:8] for n in nodes], fontsize=6)
     ax.set_xlabel(f"seconds since the step began ({step['nodes']} nodes)")
     fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)

@@ -224,22 +224,27 @@ class EngineActors:
         `push`, when given, first gets the live engines behind `policy` to update without the store; whatever it
         leaves behind is fetched."""
         with self._serving, ThreadPoolExecutor(len(self.slots), thread_name_prefix="forge-engine-ensure") as pool:
-            behind = [
+            live = [
                 engine for engine in self.slots
                 if engine is not None and engine.host.lost() is None and not engine.failed
-                and engine.policy_version != policy.version
             ]  # fmt: skip
+            served_already = {engine.index for engine in live if engine.policy_version == policy.version}
+            behind = [engine for engine in live if engine.index not in served_already]
             if push is not None and behind:
                 push(behind)
-            list(pool.map(lambda index: self._serve_slot(index, policy, stage), range(len(self.slots))))
+            list(pool.map(lambda index: self._serve_slot(index, policy, stage, served_already), range(len(self.slots))))
             return EngineRouter([engine for engine in self.slots if engine is not None])
 
-    def _serve_slot(self, index: int, policy: PolicyRef, stage: str) -> None:
+    def _serve_slot(self, index: int, policy: PolicyRef, stage: str, served_already: set[int]) -> None:
         engine = self.slots[index]
         if engine is not None and engine.host.lost() is None and not engine.failed:
             try:
                 engine.serve(policy.stage_uri, stage)
-                engine.startup_s = 0.0  # it was running already: this stage paid no start-up (the protocol's 0)
+                # It was running already: this stage paid no start-up, and no reload when an earlier stage had
+                # brought it to this policy (the protocol's 0s; the engine itself reports its last reload).
+                engine.startup_s = 0.0
+                if index in served_already:
+                    engine.reload_s = 0.0
                 return
             except EngineLost:
                 pass  # its actor, node or vLLM died since it last answered (e.g. between stages): healed below

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -99,6 +101,9 @@ class TrainerRank:
             raise ValueError(f"{spec_uri}: a {spec.stage} stage, which the trainer group does not run")
         with _forwarded_records(log, self.rank):
             run_spec(spec, process_group=self.dist, started=started, held=self.held)
+        rollout = self.cfg.rollout
+        if rollout.weight_sync.transport == "group" and rollout.engine_lifetime == "flow":  # a push may follow
+            _import_in_background("forge_core.rollout.weight_transfer")
 
     def held_stage(self) -> str | None:
         """The stage artifact whose policy this rank holds (its last order's), None when it holds none."""
@@ -115,6 +120,14 @@ class TrainerRank:
         self.held.drop()
         destroy_distributed()
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
+
+
+def _import_in_background(module: str) -> None:
+    """Import `module` on a thread while the rank waits for its next call. The sender side of a weight push
+    imports vLLM, seconds on a CPU; between orders the rank is idle, so the push that follows an order finds it
+    loaded (an import already under way makes the push's own import wait for it, never run twice)."""
+    if module not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=(module,), name="forge-import", daemon=True).start()
 
 
 @contextlib.contextmanager

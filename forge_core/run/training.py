@@ -72,8 +72,10 @@ class TrainingRun:
             self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir, checkpoint=checkpoint
         )
         held = self.ctx.held
-        kept = held.take(weights_of) if held is not None and weights_of is not None else None
-        if held is not None:
+        kept = None
+        if held is not None and weights_of is not None:
+            kept = held.take(weights_of)  # leaves nothing held
+        elif held is not None:
             held.drop()
         if kept is not None and kept.restarts_as(config):
             return kept.restart(config)

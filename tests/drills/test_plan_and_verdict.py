@@ -7,7 +7,7 @@ import pytest
 from flows.drill import check_workload
 from forge_core.config import ConfigError
 from forge_core.drills.plan import load_plan
-from forge_core.drills.report import judge, markdown, scaling
+from forge_core.drills.report import judge, markdown, scaling, step_nodes
 
 CI_PLAN = "configs/drills/ci.yaml"
 
@@ -93,3 +93,13 @@ def test_recovery_growing_faster_than_linearly_fails_with_the_fitted_exponent():
     assert judge(flat, plan) == [] and flat["scaling"]["node_lost@sft"]["exponent"] < 1.0
     text = markdown({**flat, "passed": True, "problems": []})
     assert "## 12 nodes" in text and "| node_lost@sft | 3 nodes: 33.0 s, 6 nodes: 36.0 s, 12 nodes: 42.0 s |" in text
+
+
+def test_a_step_s_timeline_shows_the_nodes_alive_in_it_not_those_lost_before():
+    sample = lambda t, node, alive: {"t": t, "node": node, "alive": alive, "cpu": 1.0, "rss_mb": 1.0}
+    step = {"nodes": 3, "runs": [
+        {"name": "clean", "samples": [sample(0, "a", True), sample(0, "b", True), sample(0, "gone", False)]},
+        {"name": "node_lost@sft", "samples": [sample(1, "a", True), sample(1, "b", False), sample(1, "new", True),
+                                              sample(1, "gone", False)]},
+    ]}  # fmt: skip
+    assert step_nodes(step) == ["a", "b", "new"]  # b was lost in this step; "gone" was lost before it

@@ -78,7 +78,8 @@ def test_nothing_is_lost_or_left_behind(drill, ray_cluster):
         assert [s["label"] for s in run["stages"]] == [s["label"] for s in clean["stages"]], name
         for key in ("data_rows", "rollout_samples"):
             assert run["workload"][key] == clean["workload"][key] > 0, (name, key)
-        assert abs(run["workload"]["sft_final_loss"] - clean["workload"]["sft_final_loss"]) <= 1e-4, name
+        # The SFT resumed after the lost node replays exactly the uninterrupted steps.
+        assert abs(run["workload"]["sft_final_loss"] - clean["workload"]["sft_final_loss"]) <= 1e-6, name
     assert ray_cluster.stage_processes() == [] and ray_cluster.live_actors() == []
     assert len(ray_cluster.compute.pool_nodes(POOL)) == POOL_NODES
 

@@ -177,33 +177,6 @@ def test_two_nodes_of_one_rank_train_sft_like_one_node_of_two_ranks(pool_run, tm
     assert all(abs(on_pool[step] - here[step]) <= 1e-6 for step in here), (on_pool, here)
 
 
-def test_a_node_lost_mid_sft_is_retried_on_a_spare_and_resumes_to_the_same_result(
-    pool_run, ray_cluster, tmp_path, monkeypatch
-):
-    """Rank 1 (node 1) hangs after step 3; its Ray node is then removed outright. The attempt ends on every
-    node (no rank left anywhere), the task's retry places SFT on the nodes that are left and resumes from the
-    step-2 checkpoint, and the committed SFT equals the uninterrupted run's."""
-    marker = tmp_path / "fault-once"
-    monkeypatch.setenv(FAULT_ENV, "hang_rank:1:3@sft")
-    monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
-    remover, removed = remove_node_1_once_hung(ray_cluster, marker, "sft")
-    overrides = sft_overrides(tmp_path, "launch.sft.retries=1")
-    sft_uri = prepare_and_sft(CONFIG, overrides)
-    remover.join(BOUND_S)
-    ray_cluster.add_pool_node()  # the pool's size for the tests after this one
-    assert removed, "the node was never removed"
-
-    manifest = store_of(overrides).read_manifest(sft_uri)
-    assert manifest.metrics["resumed_from_step"] == 2, manifest.metrics
-    assert removed[0] not in {n["node_id"] for n in manifest.placement["nodes"]}
-    summary, pool_overrides = pool_run
-    uninterrupted = store_of(pool_overrides)
-    (clean,) = [uninterrupted.read_manifest(r["artifact"]) for r in summary["stages"]
-                if uninterrupted.read_manifest(r["artifact"]).kind == "sft"]
-    assert abs(manifest.metrics["final_loss"] - clean.metrics["final_loss"]) <= 1e-6
-    assert wait_for("no stage process left", lambda: not ray_cluster.stage_processes())
-
-
 def test_cancelling_the_flow_ends_every_rank_actor_and_group(ray_cluster, prefect_api, tmp_path, monkeypatch):
     """What the flow's cancel or crash hook and a SIGTERM do first (forge_core.launch.terminate_all_live) while
     SFT runs on two nodes: the gang is stopped, its ranks end, its actors and placement group are gone, and the

@@ -237,6 +237,17 @@ def test_engines_take_each_trained_policy_from_the_trainer_group(flow_lifetime_r
     sampled = run.store.read_manifest(run.grpo_uri(1)).inputs["rollouts"].uri
     versions = set(run.store.reader(sampled).read_table("rollouts.parquet").column("policy_version").to_pylist())
     assert versions == {committed_policy_version(run.store, run.grpo_uri(0))}
+    # The first stage to sample with iteration 0's policy (its evaluation) paid the sync; the rollout after it
+    # found the engine serving that policy already and records no reload of its own.
+    samplers = sorted(
+        (m for kind in ("eval", "rollouts") for m in map(run.store.read_manifest, run.store.list_committed(kind))
+         if m.inputs.get("policy") and m.inputs["policy"].uri == run.grpo_uri(0)),
+        key=lambda m: m.committed_at,
+    )  # fmt: skip
+    assert [m.kind for m in samplers] == ["eval", "rollouts"], [(m.kind, m.committed_at) for m in samplers]
+    assert samplers[0].metrics["phase/sync_s"] > 0 and samplers[1].metrics["phase/sync_s"] == 0.0, [
+        m.metrics["phase/sync_s"] for m in samplers
+    ]
 
 
 def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, ray_cluster, tmp_path):

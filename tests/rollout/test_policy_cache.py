@@ -3,16 +3,22 @@ another process (a stage or an engine service holding its lease) never does. Rea
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 from forge_core.artifacts.policy import (
     MAX_POLICIES_ENV,
     CacheBounds,
+    _download,
     fetch_policy,
+    policy_uri,
     prune_policy_cache,
     release_policy,
 )
@@ -79,6 +85,32 @@ def test_the_cache_keeps_its_bound_and_never_removes_a_policy_in_use(tmp_path, m
     # Its user gone, policy 0 is the least recently used folder: fetching policy 1 again removes it.
     release_policy(fetch_policy(store, uris[1], cache_root=cache))
     assert cached(cache) == {names[3], names[1]}
+
+
+def test_a_fetch_of_a_policy_another_process_is_downloading_waits_and_reads_that_copy(tmp_path):
+    """Two engines of one machine fetch the same policy: the second waits for the first's download and uses its
+    folder, never replacing it under the first's reader."""
+    store = ObjectStore(f"file://{tmp_path}/store")
+    [uri] = commit_policies(store, 1)
+    cache = tmp_path / "cache"
+    first = fetch_policy(store, uri, cache_root=cache)
+    local_dir = first.local_dir  # where the policy's copy goes
+    release_policy(first)
+    shutil.rmtree(local_dir)  # as before anyone fetched it
+    turn = os.open(local_dir.with_name(local_dir.name + ".fetch"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(turn, fcntl.LOCK_EX)  # another process is downloading it
+    fetched = {}
+    second = threading.Thread(target=lambda: fetched.update(policy=fetch_policy(store, uri, cache_root=cache)))
+    second.start()
+    second.join(1.0)
+    assert second.is_alive(), "the second fetch did not wait for the download under way"
+    _download(store, policy_uri(store, uri), local_dir, "policy")  # that process's copy, complete
+    first_copy = local_dir.stat().st_ino
+    os.close(turn)
+    second.join(60)
+    assert fetched["policy"].local_dir == local_dir and (local_dir / "config.json").is_file()
+    assert local_dir.stat().st_ino == first_copy, "the second fetch replaced the first's copy"
+    release_policy(fetched["policy"])
 
 
 def test_the_byte_bound_and_a_bad_setting(tmp_path, monkeypatch):
