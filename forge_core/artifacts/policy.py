@@ -18,8 +18,9 @@ once complete, bounded by `$FORGE_POLICY_CACHE_MAX_POLICIES` folders (default 8)
 GB (default 50): after each download the least recently used folders are pruned until both bounds hold. A
 process using a cached folder holds a shared lock on `<cache>/<hash>.lock` and pruning needs an exclusive one,
 so a folder is never removed from under a reader. Processes fetching the same policy at once (engines of one
-machine) take turns on `<cache>/<hash>.fetch`: the first downloads, the others find the folder complete. A download that finds the disk full prunes every unused
-folder, tries once more, then fails fatally (a full disk is not worth a retry).
+machine) take turns on `<cache>/<hash>.fetch`: the first downloads, the others find the folder complete. A
+download that finds the disk full prunes every unused folder, tries once more, then fails fatally (a full disk
+is not worth a retry).
 """
 
 from __future__ import annotations
@@ -175,15 +176,15 @@ def _is_cached(local_dir: Path) -> bool:
     return (local_dir / _COMPLETE_MARKER).is_file()
 
 
-def _lock_path(local_dir: Path) -> Path:
-    return local_dir.with_name(local_dir.name + _LOCK_SUFFIX)
+def _lock_path(local_dir: Path, suffix: str = _LOCK_SUFFIX) -> Path:
+    return local_dir.with_name(local_dir.name + suffix)
 
 
 @contextlib.contextmanager
 def _fetch_turn(local_dir: Path):
     """While the block runs, no other process fetches `local_dir`: a second download would replace the first's
     complete folder under its reader."""
-    fd = _lock(local_dir.with_name(local_dir.name + _FETCH_SUFFIX), fcntl.LOCK_EX)
+    fd = _lock(_lock_path(local_dir, _FETCH_SUFFIX), fcntl.LOCK_EX)
     try:
         yield
     finally:
@@ -254,7 +255,7 @@ def _remove_if_unused(folder: Path) -> bool:
         trash = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.trash")
         os.replace(folder, trash)  # gone from its name at once: nobody fetches a half-removed folder
         lock.unlink(missing_ok=True)
-        folder.with_name(folder.name + _FETCH_SUFFIX).unlink(missing_ok=True)  # a waiter re-opens it (_lock)
+        _lock_path(folder, _FETCH_SUFFIX).unlink(missing_ok=True)  # a waiter re-opens it (_lock)
     finally:
         os.close(fd)
     shutil.rmtree(trash, ignore_errors=True)
