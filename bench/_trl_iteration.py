@@ -74,14 +74,16 @@ def time_trl_iterations(
     iterations: int,
     seed: int,
     workdir: Path,
+    overlong_window: int = 0,
 ) -> TRLRun:
     """Run `iterations` GRPO iterations of TRL's `GRPOTrainer.train()` on the HF folder `hf_dir` (weights and
     tokenizer) and time each one.
 
-    Iteration k uses prompts[k * prompts_per_iteration : (k + 1) * prompts_per_iteration] (plain text, in the
-    given order: no shuffling) with their ground truths, samples `group_size` completions of up to
-    `max_new_tokens` tokens each (temperature as given, top_p 1, no top-k, stop at the tokenizer's EOS), scores
-    them with forgeflow's `exact_answer` reward and takes one optimizer step over all of them in micro-batches of
+    Iteration k uses prompts[k * prompts_per_iteration : (k + 1) * prompts_per_iteration] (plain text, in the given
+    order: no shuffling) with their ground truths, samples `group_size` completions of up to `max_new_tokens` tokens
+    each (temperature as given, top_p 1, no top-k, stop at the tokenizer's EOS), scores them with forgeflow's
+    `exact_answer` reward plus its `overlong` penalty (window `overlong_window` tokens before the cap; 0 = none) on
+    the completion's token count, and takes one optimizer step over all of them in micro-batches of
     `micro_batch_size` sequences, with the loss of bench/grpo_step.py (DAPO token mean, clip 0.2 / 0.28, no KL,
     fused AdamW with betas 0.9 / 0.95, gradient clipping at 1.0, constant `lr`).
     """
@@ -98,7 +100,7 @@ def time_trl_iterations(
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from forge_core.rewards.builtin import exact_answer
+    from forge_core.rewards.builtin import exact_answer, overlong
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -113,6 +115,11 @@ def time_trl_iterations(
     def exact_answer_reward(completions, ground_truth, completion_ids, **_):
         reward_calls.append(time.perf_counter())
         rewards = [exact_answer(c, t) for c, t in zip(completions, ground_truth, strict=True)]
+        if overlong_window:
+            rewards = [
+                reward + overlong(c, t, response_len=len(ids), max_new_tokens=max_new_tokens, window=overlong_window)
+                for reward, c, t, ids in zip(rewards, completions, ground_truth, completion_ids, strict=True)
+            ]
         reward_means.append(statistics.mean(rewards))
         lengths.append(statistics.mean(map(len, completion_ids)))
         return rewards

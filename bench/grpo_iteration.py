@@ -9,13 +9,14 @@ vLLM rollout tasks, torchrun GRPO tasks, evaluations, commits. Prepare and SFT r
 store that each variant copies, so they are cache hits there and the variants start from the same policy.
 An iteration's wall time is read from the Prefect API: from the end of the previous evaluation (the flow moves on)
 to the end of this iteration's GRPO task, so it holds the rollout task, the GRPO task and the flow's own time
-between them, not the evaluation. Its compute is what the manifests record: `generation_s` (the vLLM generate
-calls), `train/score_logprobs_s` (the trainer's forward over the whole rollout batch that scores each sample under
-the policy that sampled it, the correction's ratio denominator: it grows with the batch like the steps do; 0 where
-no correction asks for it, as in (a) and (b)) and `train/fit_s` (the trainer's fit: the optimizer steps with their
-per-step batch slicing and metric logging, which grow with the steps; `train/time_s`, the steps alone, is in
-details as `step_s`); the rest (process, engine and model start-up, weight load and reload, export, commit,
-orchestration) is the fixed overhead.
+between them, not the evaluation; but the weight sync that evaluation paid to serve the iteration's policy is added
+(`eval_sync_s`), since without the evaluation the rollout would pay it. Its compute is what the manifests record:
+`generation_s` (the vLLM generate calls), `train/score_logprobs_s` (the trainer's forward over the whole rollout
+batch that scores each sample under the policy that sampled it, the correction's ratio denominator: it grows with
+the batch like the steps do; 0 where no correction asks for it, as in (a) and (b)) and `train/fit_s` (the trainer's
+fit: the optimizer steps with their per-step batch slicing and metric logging, which grow with the steps;
+`train/time_s`, the steps alone, is in details as `step_s`); the rest (process, engine and model start-up, weight
+load and reload, export, commit, orchestration) is the fixed overhead.
 
 Three results, one file each:
 - `grpo_iteration.overhead` (a): demo model and batch (llama3 tiny, 512 prompts x 8 samples, 32 optimizer
@@ -24,7 +25,8 @@ Three results, one file each:
   torchrun start per iteration). Iterations after the first (which starts the long-lived processes) count;
   the first is in details. Target: value <= 10%, written as ratio <= 0.10 / baseline.
 - `grpo_iteration.vs_trl` (b): llama3 `medium` (~27M parameters), 16 prompts x 8 samples x up to 32 tokens,
-  one optimizer step per iteration, sync mode, both lifetimes = flow; baseline = TRL's `GRPOTrainer.train()`
+  one optimizer step per iteration, sync mode, both lifetimes = flow, reward exact_answer + overlong (so the
+  policy changes and is synced every iteration); baseline = TRL's `GRPOTrainer.train()`
   in this process on the same weights (our SFT export) and prompts (bench/_trl_iteration.py). Median of the
   iterations after the first on both sides; target ratio <= 1.5.
 - `grpo_iteration.async` (c): the demo model and batch (512 prompts x 8 samples), generation and training on separate
@@ -78,6 +80,10 @@ MEDIUM_WORKLOAD = [
     # ...and those all-zero groups carry no learning signal, which would stop the run after two iterations
     # (grpo.max_no_signal_iterations): this workload measures cost, not learning.
     "grpo.max_no_signal_iterations=0",
+    # DAPO's length penalty over the last 4 tokens before the cap: answers that run to the cap
+    # score below shorter ones, so groups differ, the policy changes every iteration and its weight sync to the
+    # engines is paid and measured (with exact_answer alone the weights never change). TRL gets the same sum.
+    "rollout.rewards=[{name: exact_answer, weight: 1.0}, {name: overlong, weight: 1.0, kwargs: {window: 4}}]",
     *SMALL_EVAL,
 ]
 # (c) the demo model and batch on one trainer rank; with OMP_NUM_THREADS=1 (set around those runs) the
@@ -89,7 +95,10 @@ SPLIT_WORKLOAD = [*DEMO_WORKLOAD, "grpo.micro_batch_size=64", "launch.grpo.nproc
 @dataclass(frozen=True)
 class Iteration:
     number: int  # 1-based
-    window_s: float  # previous evaluation's end -> this GRPO task's end
+    # previous evaluation's end -> this GRPO task's end, plus the weight sync that evaluation paid for this
+    # iteration's policy (`eval_sync_s`): the rollout's engines would have paid it had no evaluation come first
+    window_s: float
+    eval_sync_s: float
     rollout_task_s: float
     grpo_task_s: float
     generation_s: float  # vLLM generate calls (rollout manifest)
@@ -186,9 +195,18 @@ def run_variant(label: str, base: Path, path: Path, overrides: list[str], iterat
 def _manifests_by_iteration(store: Path, kind: str) -> dict[int, dict]:
     metrics = {}
     for manifest in store.glob(f"{kind}/*/_MANIFEST.json"):
-        values = json.loads(manifest.read_text())["metrics"]
-        metrics[int(values["iteration"])] = values
+        record = json.loads(manifest.read_text())
+        metrics[int(record["metrics"]["iteration"])] = {**record["metrics"], "_inputs": record["inputs"]}
     return metrics
+
+
+def _eval_sync_by_policy(store: Path) -> dict[str, float]:
+    """{policy stage URI: the weight sync its evaluation recorded}."""
+    syncs = {}
+    for manifest in store.glob("eval/*/_MANIFEST.json"):
+        record = json.loads(manifest.read_text())
+        syncs[record["inputs"]["policy"]["uri"].rstrip("/")] = float(record["metrics"].get("phase/sync_s", 0.0))
+    return syncs
 
 
 def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, iterations: int) -> FlowRun:
@@ -207,15 +225,18 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
         )
     rollout_metrics = _manifests_by_iteration(store, "rollouts")
     grpo_metrics = _manifests_by_iteration(store, "grpo")
+    eval_syncs = _eval_sync_by_policy(store)
     rows = []
     for index in range(iterations):
         gen, train = rollout_metrics[index], grpo_metrics[index]
+        eval_sync_s = eval_syncs.get(gen["_inputs"]["policy"]["uri"].rstrip("/"), 0.0)
         if not {"train/time_s", "train/fit_s", "train/score_logprobs_s"} <= set(train):
             raise RuntimeError(f"{label}: GRPO iteration {index + 1} took no optimizer step ({train})")
         rows.append(
             Iteration(
                 number=index + 1,
-                window_s=(grpos[index].end_time - evals[index].end_time).total_seconds(),
+                window_s=(grpos[index].end_time - evals[index].end_time).total_seconds() + eval_sync_s,
+                eval_sync_s=eval_sync_s,
                 rollout_task_s=(rollouts[index].end_time - rollouts[index].start_time).total_seconds(),
                 grpo_task_s=(grpos[index].end_time - grpos[index].start_time).total_seconds(),
                 generation_s=float(gen["generation_s"]),
@@ -328,6 +349,7 @@ def measure_vs_trl(workdir: Path, iterations: int, base_summary: dict) -> dict:
         iterations=iterations,
         seed=cfg.seed,
         workdir=workdir / "trl",
+        overlong_window=next(r.kwargs["window"] for r in cfg.rollout.rewards if r.name == "overlong"),
     )
     ours_s = [i.window_s for i in ours.warm()]
     trl_s = trl.iteration_s[1:]

@@ -35,6 +35,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,12 +291,18 @@ def _policy_manifest(store: ObjectStore, stage_uri: str, input_name: str) -> tup
         raise ValueError(f"inputs.{input_name}={stage_uri}: its {POLICY_DIR}/ is not committed ({exc})") from exc
 
 
-def download_policy(store: ObjectStore, stage_uri: str, local_dir: str | Path, input_name: str = "policy") -> Path:
-    """Verified, uncached copy of `<stage_uri>/policy/` into `local_dir`; ValueError naming `inputs.<input_name>`
-    when it cannot be read."""
+def download_policy(
+    store: ObjectStore,
+    stage_uri: str,
+    local_dir: str | Path,
+    input_name: str = "policy",
+    select: Callable[[str], bool] | None = None,
+) -> Path:
+    """Verified, uncached copy of `<stage_uri>/policy/` into `local_dir` (with `select`, of the files it accepts,
+    e.g. `is_weights_file`); ValueError naming `inputs.<input_name>` when it cannot be read."""
     uri = policy_uri(store, stage_uri)
     try:
-        return store.reader(uri).download_dir("", local_dir)
+        return store.reader(uri).download_dir("", local_dir, select)
     except (ArtifactError, FileNotFoundError) as exc:
         raise ValueError(f"inputs.{input_name}={stage_uri}: cannot read its policy at {uri}: {exc}") from exc
 

@@ -63,6 +63,11 @@ def resolve_param_dtype(mixed_precision: str, device_type: str) -> torch.dtype:
     return _PARAM_DTYPES[mixed_precision]
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a model tensor (its storage: writing it writes the model)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def _gpu_peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None  # no meaningful peak for CPUs: MFU is reported on GPU only
@@ -160,7 +165,7 @@ class Engine(Configurable):
         assert self.restarts_as(config), "restart needs an engine built from the same model config"
         with torch.no_grad():
             for value in self.model.state_dict().values():
-                local = value.to_local() if isinstance(value, DTensor) else value
+                local = _local(value)
                 if local.is_floating_point() and local.dtype != self.export_dtype:
                     local.copy_(local.to(self.export_dtype))
         self.model.zero_grad(set_to_none=True)
@@ -308,6 +313,16 @@ class Engine(Configurable):
                 torch.distributed.broadcast(source, src=0)
             loaded[key] = source
         model.load_state_dict(loaded)
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """A host-memory copy of this rank's part of every model weight, for `load_local_weights`."""
+        return {key: _local(value).detach().to("cpu", copy=True) for key, value in self.model.state_dict().items()}
+
+    def load_local_weights(self, saved: dict[str, torch.Tensor]) -> None:
+        """Put back, in place, what `local_weights` copied on this rank (no collective)."""
+        with torch.no_grad():
+            for key, value in self.model.state_dict().items():
+                _local(value).copy_(saved[key])
 
     def describe(self) -> dict:
         return {

@@ -40,12 +40,17 @@ _MODEL_FILES = {"config.json", "generation_config.json"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
+def is_weights_file(name: str) -> bool:
+    """Whether a file of an HF model folder (its path in the folder) holds weights or their index."""
+    return name.endswith(_WEIGHT_SUFFIXES)
+
+
 def _is_tokenizer_file(path: Path) -> bool:
     return (
         path.is_file()
         and not path.name.startswith(".")
         and path.name not in _MODEL_FILES
-        and not path.name.endswith(_WEIGHT_SUFFIXES)
+        and not is_weights_file(path.name)
     )
 
 

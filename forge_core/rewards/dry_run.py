@@ -51,7 +51,8 @@ def reward_problems(cfg: RunConfig, rows: int = DRY_RUN_ROWS) -> list[str]:
         if not scored:
             continue
         try:
-            contexts = [example_context() for _ in refs]  # the sample-fact rewards are not judged, only run
+            # The sample-fact rewards are not judged, only run, under the run's own length cap.
+            contexts = [example_context(cfg.rollout.sampling.max_new_tokens) for _ in refs]
             result = rewards.score(examples.completions, examples.ground_truths, refs, contexts)
         except RewardFunctionError as exc:  # its message names the sample and the fix
             names = ", ".join(f"{c.config_key}.name={c.spec.name!r}" for c in rewards.components)

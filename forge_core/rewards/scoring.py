@@ -42,9 +42,10 @@ SAMPLE_FIELDS = ("response_len", "finish_reason", "max_new_tokens", "env_reward"
 _EXAMPLE_CONTEXT = {"response_len": 1, "finish_reason": "stop", "max_new_tokens": 1, "env_reward": 0.0}
 
 
-def example_context() -> dict[str, Any]:
-    """Placeholder sample facts, for scoring text without a generated sample (a dry run on reference answers)."""
-    return dict(_EXAMPLE_CONTEXT)
+def example_context(max_new_tokens: int) -> dict[str, Any]:
+    """Placeholder sample facts of a short answer under the run's `max_new_tokens`, for scoring text without a
+    generated sample (a dry run on reference answers)."""
+    return {**_EXAMPLE_CONTEXT, "max_new_tokens": int(max_new_tokens)}
 
 
 def sample_context(sample: Any, max_new_tokens: int) -> dict[str, Any]:

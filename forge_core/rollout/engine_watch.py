@@ -5,7 +5,9 @@ nothing wakes that waiter, so `LLM.generate` would block until the stage deadlin
 vLLM's `EngineDeadError` into that queue when a watched engine process dies: `generate` raises it, and the
 launcher retries the stage. Interpreter teardown then hangs too (the dead client's ZMQ context), so after an
 engine death the process leaves with `os._exit` from an exit handler registered by the first watch; handlers
-registered after it still run first, so the error is recorded by then.
+registered after it still run first, so the error is recorded by then. A killed engine core cannot remove the
+shared-memory queues its executor made for its workers (160 MiB each in /dev/shm): the watch removes the ones it
+saw the dead processes map and this process does not.
 
     watch = EngineDeathWatch(llm, engine_pids).start()
     ...
@@ -15,6 +17,7 @@ registered after it still run first, so the error is recorded by then.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -53,6 +56,7 @@ class EngineDeathWatch:
     def __init__(self, llm, engine_pids: list[int]) -> None:
         self._client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         self._processes = [p for p in (_process(pid) for pid in engine_pids) if p is not None]
+        self._segments = {p.pid: _shared_memory_of([p, *_children(p)]) for p in self._processes}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="forge-vllm-engine-watch", daemon=True)
 
@@ -70,7 +74,15 @@ class EngineDeathWatch:
             dead = [p for p in self._processes if not _alive(p)]
             if dead:
                 self._fail_outputs(dead)
+                self._remove_segments(dead)
                 return
+
+    def _remove_segments(self, dead: list[psutil.Process]) -> None:
+        ours = _shared_memory_of([psutil.Process()])
+        for path in sorted({path for p in dead for path in self._segments.get(p.pid, ())} - ours):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                log.info("removed %s, a shared-memory queue of the dead vLLM engine", path)
 
     def _fail_outputs(self, dead: list[psutil.Process]) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -102,6 +114,27 @@ def _exit_without_finalizing_after_engine_death() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_EXIT_RETRYABLE)
+
+
+SHARED_MEMORY_PREFIX = "/dev/shm/psm_"  # Python's multiprocessing.shared_memory, as vLLM's queues use it
+
+
+def _shared_memory_of(processes: list[psutil.Process]) -> set[str]:
+    """The shared-memory segments `processes` map (none where the platform cannot tell)."""
+    found = set()
+    for proc in processes:
+        try:
+            found.update(m.path for m in proc.memory_maps() if m.path.startswith(SHARED_MEMORY_PREFIX))
+        except (psutil.Error, OSError, NotImplementedError, AttributeError):
+            continue
+    return found
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _process(pid: int) -> psutil.Process | None:

@@ -236,11 +236,12 @@ def _pace(group: torch.distributed.ProcessGroup) -> None:
 class SharedMemoryBuckets:
     """Buckets through shared-memory files of one host; the group carries no bytes, it only paces the round.
 
-    Bucket k goes into file k % 2, then every member passes barrier k. An engine reaches barrier k + 1 only
-    after loading bucket k, so the sender never overwrites a bucket an engine still reads; a final barrier lets
-    the sender remove the files. vLLM's layerwise reload keeps the tensors it is given until their layer is
-    complete, so buckets hold whole decoder layers and the engine copies out whatever vLLM still keeps after
-    each bucket (or every bucket, without `_layerwise_buffers`)."""
+    Bucket k goes into file k % 2, then every member passes barrier k. An engine reaches barrier k + 1 only after
+    loading bucket k, so the sender never overwrites a bucket an engine still reads. Every member has mapped the
+    files by barrier 0, so the sender removes them there: a member that dies later leaves nothing in /dev/shm.
+    vLLM's layerwise reload keeps the tensors it is given until their layer is complete, so buckets hold whole
+    decoder layers and the engine copies out whatever vLLM still keeps after each bucket (or every bucket, without
+    `_layerwise_buffers`)."""
 
     COUNT = 2
 
@@ -264,8 +265,10 @@ class SharedMemoryBuckets:
         return self.buffers
 
     def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
-        for _ in filled:
+        for index, _ in enumerate(filled):
             _pace(group)
+            if index == 0:
+                self._unlink()  # every member has mapped them: the mappings outlive the names
         _pace(group)
 
     def receive(self, group: torch.distributed.ProcessGroup, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
@@ -289,8 +292,11 @@ class SharedMemoryBuckets:
                         bound.arguments[key] = value.clone()
 
     def close(self) -> None:
-        """Unmap the files; the sender also removes them."""
+        """Unmap the files; the sender also removes them (if it has not yet)."""
         self.buffers = []
+        self._unlink()
+
+    def _unlink(self) -> None:
         if self.owner:
             for path in self.paths:
                 with contextlib.suppress(FileNotFoundError):

@@ -16,7 +16,8 @@ manifest with lineage and metrics, including the phases `phase/*_s` (load, score
 
 Every stage starts a fresh AdamW and LR schedule, so it is a function of (policy weights, rollouts, config)
 alone; a trainer-group rank that trained the input policy keeps its model (`model_init: kept`), bitwise equal to
-loading the export. A retried stage resumes exactly from its newest in-stage checkpoint.
+loading the export, and reads only the policy's config and tokenizer from the store (`load/policy_bytes_read`).
+A retried stage resumes exactly from its newest in-stage checkpoint.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from forge_core.artifacts.policy import download_policy
 from forge_core.batch import RLBatch
 from forge_core.config import RunConfig
 from forge_core.engine import Engine
-from forge_core.engine.distributed import broadcast_object, run_on_rank0
+from forge_core.engine.distributed import DistContext, broadcast_object, run_on_rank0
 from forge_core.losses.correction import mismatch_summary
 from forge_core.losses.grpo import ClippedPolicyLoss, build_policy_loss
 from forge_core.metrics.phases import PhaseClock
 from forge_core.models import load_hf_folder, read_hf_info
+from forge_core.models.hf import is_weights_file
 from forge_core.run.scaffold import StageContext
 from forge_core.run.training import TrainingRun, training_process_group
 from forge_core.storage import ArtifactError, ObjectStore
@@ -137,6 +139,31 @@ def plan_seed(seed: int, iteration: int) -> int:
     return int(np.random.SeedSequence([seed, iteration]).generate_state(1)[0])
 
 
+class InputPolicyFolder:
+    """Rank 0's verified copy of the input policy (`path`; None on the other ranks). A rank that holds the engine
+    which trained that policy goes on with it and never reads the weights: the copy starts without them when
+    `with_weights` is False, and `weights()` fetches them when a new engine must be built after all."""
+
+    def __init__(self, store: ObjectStore, stage_uri: str, folder: Path, dist: DistContext, with_weights: bool):
+        def fetch(select):
+            return run_on_rank0(lambda: download_policy(store, stage_uri, folder, select=select), dist)
+
+        self._fetch = fetch
+        self.path: Path | None = fetch(None if with_weights else lambda name: not is_weights_file(name))
+        self._has_weights = with_weights
+
+    def weights(self) -> Path | None:
+        """Collective: `path`, its weights downloaded now if they were not."""
+        if not self._has_weights:
+            self._fetch(is_weights_file)
+            self._has_weights = True
+        return self.path
+
+    def bytes_read(self) -> int:
+        """What rank 0 has read of the policy from the store so far (0 on the other ranks)."""
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file()) if self.path else 0
+
+
 def _load_policy_weights(engine: Engine, folder: Path | None) -> None:
     """Collective: replace the engine's weights with an HF folder read on rank 0."""
     engine.load_full_state_dict(load_hf_folder(folder)[0] if engine.dist.is_rank0 else None)
@@ -148,25 +175,25 @@ def score_under_policies(
     stage_uris: Sequence[str],
     store: ObjectStore,
     inputs: GRPOInputs,
-    policy_dir: Path | None,
     workdir: Path,
 ) -> dict[str, torch.Tensor]:
     """Collective: {stage URI: the batch's logprobs under that policy's weights}. Other policies' weights are
-    swapped in and the input policy's restored at the end; every rank walks the same order."""
+    swapped in and the input policy's put back at the end from a host-memory copy (never read again from the
+    store); every rank walks the same order."""
     engine = trainer.engine
-    policy = inputs.policy_uri.rstrip("/")
+    own = inputs.policy_uri.rstrip("/")
     scores: dict[str, torch.Tensor] = {}
-    swapped = False
-    for index, uri in enumerate(sorted(set(stage_uris), key=lambda u: (u != policy, u))):
-        if uri != policy:
+    saved = None
+    for index, uri in enumerate(sorted(set(stage_uris), key=lambda u: (u != own, u))):
+        if uri != own:
+            saved = engine.local_weights() if saved is None else saved
             name = "reference" if uri == (inputs.reference_uri or "").rstrip("/") else "sampler"
             download = functools.partial(download_policy, store, uri, workdir / f"weights-{index}", name)
             folder = run_on_rank0(download, engine.dist)
             _load_policy_weights(engine, folder)
-            swapped = True
         scores[uri] = trainer.score_logprobs(batch)
-    if swapped:
-        _load_policy_weights(engine, policy_dir)
+    if saved is not None:
+        engine.load_local_weights(saved)
     return scores
 
 
@@ -180,7 +207,6 @@ def attach_policy_logprobs(
     rollouts: RolloutBatch,
     store: ObjectStore,
     inputs: GRPOInputs,
-    policy_dir: Path | None,
     workdir: Path,
     samplers: bool,
     kl_on: bool,
@@ -193,7 +219,7 @@ def attach_policy_logprobs(
     wanted = [*(sampled_by if samplers else ()), *([reference] if reference else [])]
     if not wanted:
         return batch
-    scores = score_under_policies(trainer, batch, wanted, store, inputs, policy_dir, workdir)
+    scores = score_under_policies(trainer, batch, wanted, store, inputs, workdir)
     old_BL = None
     if samplers:
         old_BL = torch.empty_like(batch.generator_logprobs_BL)
@@ -213,22 +239,26 @@ def train(ctx: StageContext) -> None:
     inputs = resolve_inputs(ctx, kl_on=loss.kl is not None)
     with training_process_group(ctx) as dist:
         phases = PhaseClock()
-        policy_dir = run_on_rank0(lambda: download_policy(store, inputs.policy_uri, workdir / "policy"), dist)
+        # A trainer group's rank that trained the input policy goes on with that engine (TrainingRun.engine):
+        # its weights are not read from the store.
+        holds_input = ctx.held is not None and ctx.held.stage_uri == inputs.policy_uri.rstrip("/")
+        policy = InputPolicyFolder(store, inputs.policy_uri, workdir / "policy", dist, with_weights=not holds_input)
+        policy_dir = policy.path
         # Every rank builds the model its policy's config.json describes (rank 0 alone holds the folder).
         checkpoint = broadcast_object(read_hf_info(policy_dir) if dist.is_rank0 else None)
         vocab_size = checkpoint.vocab_size
         rollouts = read_rollouts(store, cfg, inputs)
         steps = steps_per_batch(cfg.grpo, rollouts.batch.batch_size)
         run = TrainingRun(ctx, dist, lineage=inputs.lineage(), run_name=f"{cfg.name}-{ctx.stage.name}-{iteration}")
-        # A trainer group's rank that trained the input policy goes on with that engine (TrainingRun.engine).
         engine = run.engine(
-            vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint, weights_of=inputs.policy_uri
+            vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint, weights_of=inputs.policy_uri,
+            fetch_weights=policy.weights,
         )
         trainer = GRPOTrainer(engine, cfg.grpo, loss, **run.trainer_parts(engine))
         phases.lap("load")
         try:
             batch = attach_policy_logprobs(
-                trainer, rollouts, store, inputs, policy_dir, workdir,
+                trainer, rollouts, store, inputs, workdir,
                 samplers=scores_samplers(cfg, loss), kl_on=loss.kl is not None,
             )
             # Over the whole rollout batch (quantiles included), before any update; the steps log theirs.
@@ -253,6 +283,7 @@ def train(ctx: StageContext) -> None:
                 "resumed_from_step": resume.step if resume is not None else 0,
                 "optimizer_init": "fresh",
                 "model_init": "kept" if engine.restarted else "export",  # kept: the group's engine went on
+                "load/policy_bytes_read": policy.bytes_read(),  # kept: the config and tokenizer files alone
                 **phases.metrics(),
             }
             run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history)

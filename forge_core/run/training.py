@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from forge_core.config.schema import OptimizerConfig
@@ -63,11 +63,13 @@ class TrainingRun:
         init_weights_dir: str | None,
         checkpoint: HFModelInfo | None = None,
         weights_of: str | None = None,
+        fetch_weights: Callable[[], object] | None = None,
     ) -> Engine:
         """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder (with
         `checkpoint`'s architecture) or from the seed. `weights_of`: the stage that committed that folder; when
         this rank holds the engine that trained it with this model config, that engine is restarted instead of
-        a new one built. Whatever else the rank held is dropped first."""
+        a new one built. Whatever else the rank held is dropped first. `fetch_weights` (collective) is called
+        before a new engine is built, for a folder that may not hold its weights yet."""
         config = Engine.Config.from_run_config(
             self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir, checkpoint=checkpoint
         )
@@ -80,6 +82,8 @@ class TrainingRun:
         if kept is not None and kept.restarts_as(config):
             return kept.restart(config)
         del kept  # never two models on a rank
+        if fetch_weights is not None:
+            fetch_weights()
         return config.build()
 
     def trainer_parts(self, engine: Engine) -> dict:

@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -152,16 +152,21 @@ class ArtifactReader:
             temp.unlink(missing_ok=True)
         return dest
 
-    def download_dir(self, rel_prefix: str, local_dir: str | os.PathLike) -> Path:
+    def download_dir(
+        self, rel_prefix: str, local_dir: str | os.PathLike, select: Callable[[str], bool] | None = None
+    ) -> Path:
         """Copy every file under `rel_prefix` (e.g. "policy") into `local_dir`, keeping relative paths;
-        returns `local_dir`. FileNotFoundError when the artifact has no file under the prefix."""
+        returns `local_dir`. `select`: copy only the files whose path below the prefix it accepts.
+        FileNotFoundError when the artifact has no file under the prefix."""
         prefix = _dir_prefix(rel_prefix)
         names = self.files(rel_prefix)
         if not names:
             raise FileNotFoundError(f"artifact {self.uri} has no files under {rel_prefix!r}")
         root = Path(local_dir)
+        root.mkdir(parents=True, exist_ok=True)
         for rel in names:
-            self.download_file(rel, root / rel[len(prefix) :])
+            if select is None or select(rel[len(prefix) :]):
+                self.download_file(rel, root / rel[len(prefix) :])
         return root
 
 

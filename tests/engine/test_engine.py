@@ -74,6 +74,23 @@ def test_engine_starts_from_the_unsharded_init_of_the_seed(tmp_path):
     assert engine.describe()["world_size"] == 1 and engine.dp_group is None
 
 
+def test_local_weights_put_back_the_model_after_other_weights_were_loaded():
+    """What GRPO's scoring does around a swap: copy the shards, load other weights, put the copy back."""
+    cfg = load_config(None, ["training.device=cpu", "seed=3"])
+    engine = Engine.Config.from_run_config(cfg, 48, cfg.sft.optimizer, total_steps=1).build()
+    before = engine.full_state_dict()
+    saved = engine.local_weights()
+    other = torch.Generator().manual_seed(99)  # not the seeded global stream the init drew from
+    engine.load_full_state_dict({key: torch.randn(value.shape, generator=other) for key, value in before.items()})
+    swapped = engine.full_state_dict()
+    assert all(not torch.equal(swapped[key], before[key]) for key in before)
+    parameters = dict(engine.model.named_parameters())
+    engine.load_local_weights(saved)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[key], before[key]) for key in before)
+    assert all(param is parameters[name] for name, param in engine.model.named_parameters())  # in place
+
+
 def test_activation_checkpointing_gives_the_same_training_steps():
     import numpy as np
 

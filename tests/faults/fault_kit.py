@@ -227,6 +227,19 @@ class ProcessWatch:
         return [p for p in self.seen.values() if p.alive()]
 
 
+def mapped_segments() -> set[str]:
+    """The /dev/shm/psm_* segments some live process maps."""
+    import psutil
+
+    mapped = set()
+    for proc in psutil.process_iter():
+        try:
+            mapped.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_"))
+        except (psutil.Error, OSError):
+            continue
+    return mapped
+
+
 def wait_until_gone(processes: list[SeenProcess], timeout_s: float) -> list[SeenProcess]:
     """The processes still alive after up to `timeout_s` (ending is asynchronous: give it a moment)."""
     deadline = time.monotonic() + timeout_s

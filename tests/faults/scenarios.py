@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ from fault_kit import (
     all_logs,
     flip_bytes,
     flow_run,
+    mapped_segments,
     task_runs,
     worker_processes_under,
 )
@@ -287,6 +289,8 @@ class FaultedRun:
     processes: list[SeenProcess]
     wall_s: float
     corrupted: list[str] = field(default_factory=list)  # "<checkpoint uri>/<file>" overwritten by the test
+    # Shared-memory segments made during the run that outlived it with no process mapping them.
+    orphan_segments: list[str] = field(default_factory=list)
 
     @property
     def store(self) -> ObjectStore:
@@ -327,6 +331,7 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
         for name, value in fault_env(root, SFT_FAULTS).items():
             mp.setenv(name, value)
         corrupter.start()
+        segments_before = set(glob.glob("/dev/shm/psm_*"))
         started = time.monotonic()
         # Scenario 2's flow process may run meanwhile: watch only this scenario's launches (on the test run's Ray
         # cluster, below this process: their spec URIs hold this scenario's store root).
@@ -347,6 +352,7 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
         processes=list(watch.seen.values()),
         wall_s=wall_s,
         corrupted=corrupted,
+        orphan_segments=sorted(set(glob.glob("/dev/shm/psm_*")) - segments_before - mapped_segments()),
     )
 
 

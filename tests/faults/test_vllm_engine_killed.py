@@ -13,7 +13,8 @@ pytestmark = pytest.mark.integration
     fault="vLLM engine core SIGKILLed once the requests are queued (`kill_vllm:0@rollout`)",
     where="generate_rollouts task (the task's process + an engine actor whose vLLM engine core is a process of its own)",
     checked="the stage fails with EngineDeadError instead of hanging; the task is retried; the rollouts "
-    "(tokens, logprobs, rewards) equal an uninterrupted run's with the same seed",
+    "(tokens, logprobs, rewards) equal an uninterrupted run's with the same seed; the dead engine's "
+    "shared-memory queues are removed",
 )
 def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(
     faulted_run, killed_flow, fault_row
@@ -22,6 +23,8 @@ def test_vllm_engine_killed_mid_rollout_is_retried_and_gives_the_same_rollouts(
     assert faulted_run.task_runs["generate_rollouts"].run_count == 2
     assert fired(faulted_run.root, 2)  # kill_vllm, the third fault (its line is in the engine actor's log)
     assert any("EngineDeadError" in line for line in faulted_run.logs)
+    # The killed engine core's shared-memory queues were removed by the engine's death watch, not left in RAM.
+    assert faulted_run.orphan_segments == []
     (reference_uri,) = killed_flow.store.list_committed("rollouts")
     mine = rollout_rows(faulted_run.store, faulted_run.uris["rollouts"])
     reference = rollout_rows(killed_flow.store, reference_uri)

@@ -58,7 +58,8 @@ CONFIG = "configs/tiny_test.yaml"
 FLOW_TIMEOUT_S = 1500.0
 # Partial credit, so rewards vary inside a group and GRPO really updates the tiny SFT policy.
 REWARDS = 'rollout.rewards=[{"name": "per_digit", "weight": 1.0}, {"name": "answer_format", "weight": 0.5}]'
-COMMON = [REWARDS, "grpo.iterations=2", "rollout.engine_lifetime=flow", "eval.num_prompts=4"]
+# A KL term: iteration 1 scores its batch under the SFT reference, a swap of weights its kept engine undoes.
+COMMON = [REWARDS, "grpo.iterations=2", "rollout.engine_lifetime=flow", "eval.num_prompts=4", "grpo.loss.kl_coef=0.05"]
 STAGE_DONE = re.compile(r"stage (grpo-\d+): done in ([0-9.]+)s")
 
 
@@ -265,7 +266,11 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
             assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
             # Iteration 1 of a group goes on with the engine that trained iteration 0; a stage loads the export.
             kept = lifetime == "flow" and iteration == 1
-            assert store.read_manifest(uri).metrics["model_init"] == ("kept" if kept else "export")
+            metrics = store.read_manifest(uri).metrics
+            assert metrics["model_init"] == ("kept" if kept else "export")
+            # A kept engine's stage reads the input policy's config and tokenizer from the store, not its weights.
+            weights = sum(map(len, _policy_bytes(store, store.read_manifest(uri).inputs["policy"].uri).values()))
+            assert (metrics["load/policy_bytes_read"] < weights) == kept, (metrics["load/policy_bytes_read"], weights)
     assert ray_cluster.live_actors() == []  # the chains' FlowResources ended their trainer groups
     updates = [
         m for i in (0, 1) for m in _step_metrics(flow_run.store, flow_run.grpo_uri(i)) if not m.get("skipped")

@@ -96,6 +96,19 @@ def test_a_failed_dry_run_shows_what_the_reward_saw_and_the_settings_that_change
     assert reward_problems(load_config("configs/tiny_test.yaml", [*overrides, "data.ground_truth_field=answer"])) == []
 
 
+def test_a_length_reward_passes_the_dry_run_under_the_runs_length_cap(tmp_path):
+    """overlong's window (default 4 tokens) must fit under max_new_tokens: the dry run gives it the run's cap."""
+    overrides = [
+        f"storage.root=file://{tmp_path}/store", "rollout.sampling.max_new_tokens=32",
+        "rollout.rewards=[{name: exact_answer}, {name: overlong, kwargs: {window: 4}}]",
+    ]
+    assert reward_problems(load_config("configs/tiny_test.yaml", overrides)) == []
+    (problem,) = reward_problems(
+        load_config("configs/tiny_test.yaml", [*overrides, "rollout.sampling.max_new_tokens=3"])
+    )
+    assert "kwargs.window=4 must be in [1, max_new_tokens=3]" in problem, problem
+
+
 def test_validate_reports_a_reward_that_ends_its_process_and_exits_normally(tmp_path):
     done = _forgeflow(
         "validate", "configs/tiny_test.yaml", f"storage.root=file://{tmp_path}/store", "rollout.reward_timeout_s=2",

@@ -59,6 +59,20 @@ def _vllm_state(generator) -> dict[str, torch.Tensor]:
     return generator._llm.collective_rpc(read)[0]
 
 
+class _FileWatchingSource(HeldPolicySource):
+    """The trainer's weights; records, as each parameter is packed, whether files match `pattern`."""
+
+    def __init__(self, engine, pattern: str) -> None:
+        super().__init__(engine)
+        self.pattern = pattern
+        self.files_seen: list[bool] = []
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.files_seen.append(bool(glob.glob(self.pattern)))
+            yield item
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -87,16 +101,17 @@ def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_p
         "127.0.0.1", _free_port(), world_size=2, bucket_bytes=64 * 1024, timeout_s=60, shared_memory=shared_memory,
         rank=0,
     )  # fmt: skip
-    sender = GlooTrainerEngine.trainer_init(
-        init, client=GeneratorClient(generator, version), source=HeldPolicySource(trainer)
-    )
+    source = _FileWatchingSource(trainer, f"/dev/shm/forgeflow-weights-{os.getpid()}-*")
+    sender = GlooTrainerEngine.trainer_init(init, client=GeneratorClient(generator, version), source=source)
     assert len(plan_buckets(HeldPolicySource(trainer).metadata(), init.bucket_bytes)) > 3
     sender.send_weights()
     sender.shutdown()
     transferred = _vllm_state(generator)
     assert generator.policy_version == version
-    # The sender removes its shared-memory files once the engine has copied the last bucket out.
-    assert not glob.glob(f"/dev/shm/forgeflow-weights-{os.getpid()}-*")
+    # The shared-memory files exist while the first bucket is packed and are gone (every member has mapped them)
+    # before the last one is: a process killed mid-transfer leaves nothing behind.
+    assert source.files_seen[0] == shared_memory and not source.files_seen[-1], source.files_seen
+    assert not glob.glob(source.pattern)
 
     exported = write_hf_folder(
         trainer.full_state_dict(dtype=trainer.export_dtype), cfg.model, world.vocab_size, tmp_path / "export",
