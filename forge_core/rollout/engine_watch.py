@@ -56,7 +56,7 @@ class EngineDeathWatch:
     def __init__(self, llm, engine_pids: list[int]) -> None:
         self._client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         self._processes = [p for p in (_process(pid) for pid in engine_pids) if p is not None]
-        self._segments = {p.pid: _shared_memory_of([p, *_children(p)]) for p in self._processes}
+        self._segments = {p.pid: shared_memory_of([p, *_children(p)]) for p in self._processes}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="forge-vllm-engine-watch", daemon=True)
 
@@ -78,7 +78,7 @@ class EngineDeathWatch:
                 return
 
     def _remove_segments(self, dead: list[psutil.Process]) -> None:
-        ours = _shared_memory_of([psutil.Process()])
+        ours = shared_memory_of([psutil.Process()])
         for path in sorted({path for p in dead for path in self._segments.get(p.pid, ())} - ours):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -119,13 +119,13 @@ def _exit_without_finalizing_after_engine_death() -> None:
 SHARED_MEMORY_PREFIX = "/dev/shm/psm_"  # Python's multiprocessing.shared_memory, as vLLM's queues use it
 
 
-def _shared_memory_of(processes: list[psutil.Process]) -> set[str]:
-    """The shared-memory segments `processes` map (none where the platform cannot tell)."""
+def shared_memory_of(processes: list[psutil.Process]) -> set[str]:
+    """The shared-memory segments `processes` map (a process gone or unreadable maps none)."""
     found = set()
     for proc in processes:
         try:
             found.update(m.path for m in proc.memory_maps() if m.path.startswith(SHARED_MEMORY_PREFIX))
-        except (psutil.Error, OSError, NotImplementedError, AttributeError):
+        except (psutil.Error, OSError, AttributeError):  # AttributeError: psutil has no memory_maps on macOS
             continue
     return found
 

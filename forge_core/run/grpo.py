@@ -186,7 +186,8 @@ def score_under_policies(
     saved = None
     for index, uri in enumerate(sorted(set(stage_uris), key=lambda u: (u != own, u))):
         if uri != own:
-            saved = engine.local_weights() if saved is None else saved
+            if saved is None:
+                saved = engine.local_weights()
             name = "reference" if uri == (inputs.reference_uri or "").rstrip("/") else "sampler"
             download = functools.partial(download_policy, store, uri, workdir / f"weights-{index}", name)
             folder = run_on_rank0(download, engine.dist)

@@ -231,13 +231,9 @@ def mapped_segments() -> set[str]:
     """The /dev/shm/psm_* segments some live process maps."""
     import psutil
 
-    mapped = set()
-    for proc in psutil.process_iter():
-        try:
-            mapped.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_"))
-        except (psutil.Error, OSError):
-            continue
-    return mapped
+    from forge_core.rollout.engine_watch import shared_memory_of
+
+    return shared_memory_of(list(psutil.process_iter()))
 
 
 def wait_until_gone(processes: list[SeenProcess], timeout_s: float) -> list[SeenProcess]:
