@@ -112,7 +112,7 @@ class Sides:
         self.generator.reload(policy.local_dir, policy.version)
 
     def weight_bytes(self) -> int:
-        from forge_core.rollout.weight_transfer import nbytes
+        from forge_core.rollout.weight_buckets import nbytes
         from forge_core.run.weight_sync import HeldPolicySource
 
         return sum(nbytes(meta) for meta in HeldPolicySource(self.trainer).metadata())

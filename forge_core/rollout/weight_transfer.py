@@ -9,34 +9,21 @@ with vLLM's factories when imported:
     sender = GlooTrainerEngine.trainer_init(GlooTrainerInit(..., rank=0), client=client, source=source)
     sender.send_weights()                                # every engine behind `client` now holds the weights
 
-A group is one sender (a trainer rank, rank 0) and the engines it serves (ranks 1..K). The sender streams the
-weights in buckets of at most `bucket_bytes` (a larger parameter is a bucket of its own), each one gloo
-broadcast (`GroupBuckets`) that the engines cut along the same plan and load with `load_weights`. With every
-engine on the sender's host (`GlooTrainerInit.shared_memory`), buckets go through shared-memory files instead
-(`SharedMemoryBuckets`). Nothing is written to disk. Importing `REGISTRATION` registers the backend in vLLM's
-worker processes too.
+The bytes travel as forge_core.rollout.weight_buckets streams them: buckets of at most `bucket_bytes`, each one
+gloo broadcast that the engines cut along the same plan and load with `load_weights`, or shared-memory files when
+every engine is on the sender's host. A trainer rank uses that module's `BucketSender` without vLLM;
+`GlooTrainerEngine` is the same sender behind vLLM's trainer-side API. Importing `REGISTRATION` registers the
+backend in vLLM's worker processes too.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import dataclasses
-import datetime
-import logging
-import os
-import re
-import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -49,34 +36,34 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from forge_core.faults import maybe_kill_in_transfer
 from forge_core.rollout.engine import TRANSFER_BACKEND, TRANSFER_REGISTRATION
+from forge_core.rollout.weight_buckets import (
+    BucketSender,
+    BucketUpdate,
+    EngineRendezvous,
+    GroupBuckets,
+    SharedMemoryBuckets,
+    bucket_sizes,
+    open_group,
+    unpacked,
+)
 from forge_core.timings import WEIGHT_TRANSFER_TIMEOUT_S
-
-log = logging.getLogger(__name__)
 
 BACKEND = TRANSFER_BACKEND
 REGISTRATION = TRANSFER_REGISTRATION
-# Buckets travelling at once: the next is filled (sender) or loaded (engine) while one travels.
-IN_FLIGHT = 2
 
 
 class Registered:
     """vLLM's worker extension whose only effect is this module's import (the backend's registration)."""
 
 
-# ---- what both sides agree on ------------------------------------------------------------------------------------
+@dataclass
+class GlooInit(EngineRendezvous, WeightTransferInitInfo):
+    """An engine's part in a group as vLLM parses it (EngineRendezvous's fields)."""
 
 
 @dataclass
-class GlooInit(WeightTransferInitInfo):
-    """An engine's part in a group: the sender's rendezvous, this engine's rank, and the bucket size."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    bucket_bytes: int
-    listen_address: str = "127.0.0.1"
-    timeout_s: float = WEIGHT_TRANSFER_TIMEOUT_S
+class GlooUpdate(BucketUpdate, WeightTransferUpdateInfo):
+    """One round's parameters as vLLM parses them (BucketUpdate's fields)."""
 
 
 @dataclass
@@ -92,224 +79,11 @@ class GlooTrainerInit(TrainerInitInfo):
     # Every engine of the group runs on this host: the buckets go through shared memory (SharedMemoryBuckets).
     shared_memory: bool = False
 
-
-@dataclass
-class GlooUpdate(WeightTransferUpdateInfo):
-    """One round's parameters in streaming order, and the shared-memory files (none: through the group)."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    segments: list[str] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def of(cls, meta: Sequence[ParamMeta], segments: Sequence[str] = ()) -> GlooUpdate:
-        return cls(
-            [m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta],
-            list(segments),
-        )  # fmt: skip
-
-    def params(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(name, getattr(torch, dtype), tuple(shape))
-            for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes, strict=True)
-        ]
-
-
-def nbytes(meta: ParamMeta) -> int:
-    return torch.Size(meta.shape).numel() * torch.empty((), dtype=meta.dtype).element_size()
-
-
-def plan_buckets(
-    params: Sequence[ParamMeta], bucket_bytes: int, together: Callable[[str], str] | None = None
-) -> list[range]:
-    """Consecutive runs of parameter indices, each at most `bucket_bytes` unless one unit alone is larger. A unit
-    (never split) is one parameter, or with `together` a run of consecutive parameters of one `together(name)`."""
-    units: list[range] = []
-    for index, meta in enumerate(params):
-        if units and together is not None and together(meta.name) == together(params[units[-1].start].name):
-            units[-1] = range(units[-1].start, index + 1)
-        else:
-            units.append(range(index, index + 1))
-    buckets: list[range] = []
-    size = 0
-    for unit in units:
-        unit_bytes = sum(nbytes(params[k]) for k in unit)
-        if buckets and size + unit_bytes <= bucket_bytes:
-            buckets[-1] = range(buckets[-1].start, unit.stop)
-            size += unit_bytes
-        else:
-            buckets.append(unit)
-            size = unit_bytes
-    return buckets
-
-
-_DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
-
-
-def decoder_layer(name: str) -> str:
-    """The decoder layer an HF parameter name belongs to ("model.layers.3"); the name itself outside one."""
-    match = _DECODER_LAYER.match(name)
-    return match.group(1) if match else name
-
-
-def open_group(
-    master_address: str, master_port: int, rank: int, world_size: int, listen_address: str, timeout_s: float
-) -> torch.distributed.ProcessGroup:
-    """A gloo group apart from torch's default group: rank 0 hosts the store at `master_address:master_port`;
-    this member listens on `listen_address` only."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
-    options = torch.distributed.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=listen_address)]
-    prefixed = torch.distributed.PrefixStore("forgeflow-weights", store)
-    return torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
-
-
-def start_broadcast(group: torch.distributed.ProcessGroup, buffer: torch.Tensor):
-    """Start broadcasting rank 0's `buffer` to every member; returns the work object. Broadcasts complete in
-    the order they were started."""
-    options = torch.distributed.BroadcastOptions()
-    options.rootRank = 0
-    return group.broadcast([buffer], options)
-
-
-def pipelined(buckets: Iterator[tuple[Any, torch.Tensor]], group: torch.distributed.ProcessGroup):
-    """Broadcast each (item, buffer) of `buckets`, up to IN_FLIGHT at once; yields each item once its buffer
-    has arrived (or been sent)."""
-    travelling: collections.deque = collections.deque()
-    for item, buffer in buckets:
-        travelling.append((item, start_broadcast(group, buffer)))
-        if len(travelling) >= IN_FLIGHT:
-            done, work = travelling.popleft()
-            work.wait()
-            yield done
-    while travelling:
-        done, work = travelling.popleft()
-        work.wait()
-        yield done
-
-
-def bucket_sizes(params: Sequence[ParamMeta], buckets: Sequence[range]) -> list[int]:
-    """The byte size of each bucket of a plan."""
-    return [sum(nbytes(params[k]) for k in bucket) for bucket in buckets]
-
-
-class GroupBuckets:
-    """Buckets as gloo broadcasts over the group, IN_FLIGHT of them travelling at once (any hosts)."""
-
-    paths: tuple[str, ...] = ()  # no files
-
-    @staticmethod
-    def plan(params: Sequence[ParamMeta], bucket_bytes: int) -> list[range]:
-        return plan_buckets(params, bucket_bytes)
-
-    def sender_ring(self, largest: int) -> list[torch.Tensor]:
-        # Reused safely: `pipelined` has waited for bucket k - IN_FLIGHT before bucket k is filled.
-        return [torch.empty(largest, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
-
-    def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
-        for _ in pipelined(((None, buffer) for buffer in filled), group):
-            pass
-
-    def receive(self, group: torch.distributed.ProcessGroup, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
-        # A fresh buffer per bucket: vLLM's layerwise reload keeps views of a layer's weights until the layer is
-        # complete, so a buffer is never reused.
-        fresh = (torch.empty(size, dtype=torch.uint8) for size in sizes)
-        yield from pipelined(((buffer, buffer) for buffer in fresh), group)
-
-    def loaded(self) -> None:
-        """A received bucket is the engine's own: nothing to copy out."""
-
-    def close(self) -> None:
-        """Nothing outlives a round."""
-
-
-def _pace(group: torch.distributed.ProcessGroup) -> None:
-    """A barrier of the group (gloo's broadcast does not wait for its receivers; an all-reduce does)."""
-    group.allreduce([torch.zeros(1, dtype=torch.uint8)]).wait()
-
-
-class SharedMemoryBuckets:
-    """Buckets through shared-memory files of one host; the group carries no bytes, it only paces the round.
-
-    Bucket k goes into file k % 2, then every member passes barrier k. An engine reaches barrier k + 1 only after
-    loading bucket k, so the sender never overwrites a bucket an engine still reads. Every member has mapped the
-    files by barrier 0, so the sender removes them there: a member that dies later leaves nothing in /dev/shm.
-    vLLM's layerwise reload keeps the tensors it is given until their layer is complete, so buckets hold whole
-    decoder layers and the engine copies out whatever vLLM still keeps after each bucket (or every bucket, without
-    `_layerwise_buffers`)."""
-
-    COUNT = 2
-
-    def __init__(self, paths: Sequence[str], size: int, owner: bool) -> None:
-        self.paths = list(paths)
-        self.owner = owner
-        self.buffers = [torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8) for path in paths]
-
-    @staticmethod
-    def plan(params: Sequence[ParamMeta], bucket_bytes: int) -> list[range]:
-        return plan_buckets(params, bucket_bytes, together=decoder_layer)
-
-    @classmethod
-    def create(cls, size: int) -> SharedMemoryBuckets:
-        """The sender's files of `size` bytes each (in /dev/shm where the host has it)."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        stem = f"forgeflow-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        return cls([os.path.join(folder, f"{stem}-{k}") for k in range(cls.COUNT)], size, owner=True)
-
-    def sender_ring(self, largest: int) -> list[torch.Tensor]:
-        return self.buffers
-
-    def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
-        for index, _ in enumerate(filled):
-            _pace(group)
-            if index == 0:
-                self._unlink()  # every member has mapped them: the mappings outlive the names
-        _pace(group)
-
-    def receive(self, group: torch.distributed.ProcessGroup, sizes: Sequence[int]) -> Iterator[torch.Tensor]:
-        buffered = _layerwise_buffers()
-        for k, size in enumerate(sizes):
-            _pace(group)
-            view = self.buffers[k % len(self.buffers)][:size]
-            yield view if buffered is not None else view.clone()
-        _pace(group)
-
-    def loaded(self) -> None:
-        """After a bucket's load: copy out of the files what vLLM still keeps of them."""
-        buffered = _layerwise_buffers()
-        if buffered is None:
-            return  # every bucket was copied out whole
-        files = {buffer.untyped_storage().data_ptr() for buffer in self.buffers}
-        for info in list(buffered.values()):
-            for _, bound in info.loaded_weights:
-                for key, value in bound.arguments.items():
-                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in files:
-                        bound.arguments[key] = value.clone()
-
-    def close(self) -> None:
-        """Unmap the files; the sender also removes them (if it has not yet)."""
-        self.buffers = []
-        self._unlink()
-
-    def _unlink(self) -> None:
-        if self.owner:
-            for path in self.paths:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-
-
-def _layerwise_buffers() -> Any:
-    """vLLM's record of the tensors its layerwise reload keeps until their layer is complete, or None."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    except ImportError:
-        return None
-    return LAYERWISE_INFO
+    def engines_rendezvous(self) -> EngineRendezvous:
+        """What the sender's engines are told."""
+        return EngineRendezvous.of_sender(
+            self.master_address, self.master_port, self.world_size, self.bucket_bytes, self.timeout_s
+        )
 
 
 # ---- the engine side (in vLLM's worker) -------------------------------------------------------------------------
@@ -358,7 +132,7 @@ class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
             path = SharedMemoryBuckets(update_info.segments, max(sizes, default=0), owner=False)
         try:
             for loaded, buffer in enumerate(path.receive(self.group, sizes), start=1):
-                self.model.load_weights(list(_unpacked(buffer, [params[k] for k in buckets[loaded - 1]])))
+                self.model.load_weights(list(unpacked(buffer, [params[k] for k in buckets[loaded - 1]])))
                 path.loaded()
                 maybe_kill_in_transfer(loaded)
         finally:
@@ -372,36 +146,20 @@ class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
         self.group = None
 
 
-def _unpacked(buffer: torch.Tensor, metas: Sequence[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
-    offset = 0
-    for meta in metas:
-        size = nbytes(meta)
-        yield meta.name, buffer[offset : offset + size].view(meta.dtype).view(meta.shape)
-        offset += size
-
-
-# ---- the trainer side ------------------------------------------------------------------------------------------
+# ---- the trainer side, behind vLLM's API ------------------------------------------------------------------------
 
 
 class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
-    """A trainer rank's end of a group. Every trainer rank iterates `source` (gathering a sharded parameter is
-    a collective); the sender also broadcasts each bucket and drives its engines through `client`."""
+    """vLLM's trainer-side engine of the `gloo` backend: a BucketSender (the sender's, or a rank's that only
+    gathers)."""
 
     init_info_cls = GlooTrainerInit
 
     def __init__(
-        self,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None,
-        is_sender: bool,
-        bucket_bytes: int,
-        shared_memory: bool = False,
+        self, *, client: VLLMWeightSyncClient, source: WeightSource | None, is_sender: bool, sender: BucketSender
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.bucket_bytes = bucket_bytes
-        self.shared_memory = shared_memory
-        self.group: torch.distributed.ProcessGroup | None = None
+        self.sender = sender
 
     @classmethod
     def trainer_init(
@@ -409,77 +167,17 @@ class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInit]):
     ) -> GlooTrainerEngine:
         if source is None:
             raise ValueError("the gloo weight transfer streams a WeightSource; pass source=")
-        engine = cls(
-            client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes,
-            shared_memory=init_info.shared_memory,
-        )  # fmt: skip
-        if not engine.is_sender:
-            return engine
-        worker_init = GlooInit(
-            master_address=init_info.master_address,
-            master_port=init_info.master_port,
-            rank_offset=1,
-            world_size=init_info.world_size,
-            bucket_bytes=init_info.bucket_bytes,
-            timeout_s=init_info.timeout_s,
-        )
-        # The engines wait in their rendezvous until the sender has joined: both at once.
-        with ThreadPoolExecutor(1, thread_name_prefix="forge-weights-init") as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(worker_init))
-            engine.group = open_group(
-                init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.master_address,
-                init_info.timeout_s,
-            )  # fmt: skip
-            joined.result()
-        return engine
+        if init_info.is_sender:
+            sender = BucketSender.join(source, client, init_info.engines_rendezvous(), init_info.shared_memory)
+        else:
+            sender = BucketSender(source)
+        return cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender)
 
     def send_weights(self) -> None:
-        assert self.source is not None
-        params = self.source.metadata()
-        if not self.is_sender:
-            for _ in self.source:  # the trainer-side gathers only
-                pass
-            return
-        assert self.group is not None, "trainer_init opens the sender's group"
-        buckets = (SharedMemoryBuckets if self.shared_memory else GroupBuckets).plan(params, self.bucket_bytes)
-        sizes = bucket_sizes(params, buckets)
-        path = SharedMemoryBuckets.create(max(sizes, default=0)) if self.shared_memory else GroupBuckets()
-        self.client.start_weight_update()
-        pool = ThreadPoolExecutor(1, thread_name_prefix="forge-weights-update")
-        try:
-            update = GlooUpdate.of(params, path.paths)
-            received = pool.submit(self.client.update_weights, dataclasses.asdict(update))
-            path.send(self.group, self._filled(params, buckets, path.sender_ring(max(sizes, default=0))))
-            received.result()
-        finally:
-            # A failed broadcast leaves the engines waiting in theirs: never join their call here.
-            pool.shutdown(wait=False)
-            path.close()
-        self.client.finish_weight_update()
-
-    def _filled(
-        self, params: list[ParamMeta], buckets: list[range], ring: list[torch.Tensor]
-    ) -> Iterator[torch.Tensor]:
-        """Each bucket packed into the next buffer of `ring` (the path's: it says when one may be refilled)."""
-        pairs = iter(self.source)  # type: ignore[arg-type]
-        for index, bucket in enumerate(buckets):
-            metas = [params[k] for k in bucket]
-            buffer = ring[index % len(ring)][: sum(nbytes(m) for m in metas)]
-            for (_, slot), k in zip(_unpacked(buffer, metas), bucket, strict=True):
-                name, tensor = next(pairs)
-                expected = params[k]
-                if name != expected.name or tuple(tensor.shape) != expected.shape:
-                    raise ValueError(
-                        f"weight source: parameter {k} is {name} {tuple(tensor.shape)}, its metadata said "
-                        f"{expected.name} {expected.shape}"
-                    )
-                slot.copy_(tensor.detach())  # cast to the wire dtype and packed in one copy
-            yield buffer
-        if next(pairs, None) is not None:
-            raise ValueError(f"weight source: more parameters than its metadata's {len(params)}")
+        self.sender.send_weights()
 
     def shutdown(self) -> None:
-        self.group = None
+        self.sender.shutdown()
 
 
 class GeneratorClient:

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -71,7 +69,6 @@ class TrainerRank:
         os.environ[HEARTBEAT_DIR_ENV] = self.heartbeat_dir
         self.dist: Any = None
         self.held = HeldPolicy()
-        self.importing: threading.Thread | None = None
 
     def free_port(self, address: str) -> int:
         """A free port on this node's `address`, for the group's rendezvous (rank 0 only)."""
@@ -97,15 +94,11 @@ class TrainerRank:
     def run(self, spec_uri: str, log: LogSink) -> None:
         """Run one order: the GRPO stage `spec_uri` names, on this rank."""
         started = time.perf_counter()
-        self._imported()
         spec = read_spec(spec_uri, self.cfg.storage)
         if stage_named(spec.stage).flow_runner != TrainerGroupRunner.serves:
             raise ValueError(f"{spec_uri}: a {spec.stage} stage, which the trainer group does not run")
         with _forwarded_records(log, self.rank):
             run_spec(spec, process_group=self.dist, started=started, held=self.held)
-        rollout = self.cfg.rollout
-        if rollout.weight_sync.transport == "group" and rollout.engine_lifetime == "flow":  # a push may follow
-            self.importing = _import_in_background("forge_core.rollout.weight_transfer")
 
     def held_stage(self) -> str | None:
         """The stage artifact whose policy this rank holds (its last order's), None when it holds none."""
@@ -113,15 +106,7 @@ class TrainerRank:
 
     def push_weights(self, push: WeightPush) -> float:
         """Stream the held policy to the engines of `push` (collective); the seconds it took."""
-        self._imported()
         return push_held_weights(self.held, push)
-
-    def _imported(self) -> None:
-        """Wait for a background import: the rank's own code must never run beside it (a package half
-        imported on one thread, such as transformers' lazy module, misses attributes on the other)."""
-        if self.importing is not None:
-            self.importing.join()
-            self.importing = None
 
     def heartbeat(self) -> Heartbeat | None:
         return read_heartbeats(self.heartbeat_dir).get(self.rank)
@@ -130,17 +115,6 @@ class TrainerRank:
         self.held.drop()
         destroy_distributed()
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
-
-
-def _import_in_background(module: str) -> threading.Thread | None:
-    """Import `module` on a thread while the rank waits for its next call; the thread, None when it was imported.
-    The sender side of a weight push imports vLLM, seconds on a CPU; between orders the rank is idle, so the
-    push that follows an order waits only for what is left of it."""
-    if module in sys.modules:
-        return None
-    thread = threading.Thread(target=importlib.import_module, args=(module,), name="forge-import", daemon=True)
-    thread.start()
-    return thread
 
 
 @contextlib.contextmanager

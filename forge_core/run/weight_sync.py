@@ -4,9 +4,11 @@
     router = engines.serve(policy, stage, push=trainer_pusher(resources, policy))   # forge_core.run.engines
 
 When the engines must serve a policy the trainer group holds (HeldPolicy), each engine behind gets it from a
-trainer rank on its node (else rank 0) over vLLM's weight-transfer API (gloo, or shared memory when all of a
-sender's engines share its node). Every rank takes part, since gathering a sharded parameter is a collective;
-the tensors sent are the export's (dtype and names), so the engines serve the same version as the store.
+trainer rank on its node (else rank 0): the rank streams buckets without importing vLLM
+(forge_core.rollout.weight_buckets), the engines load them through vLLM's weight-transfer API (gloo, or shared
+memory when all of a sender's engines share its node). Every rank takes part, since gathering a sharded
+parameter is a collective; the tensors sent are the export's (dtype and names), so the engines serve the same
+version as the store.
 
 A push needs the trainer group idle, else the engines take the store's copy. A failed push ends the trainer
 group (a rank may wait in a gather that never completes) and marks the engines that took part failed (part of
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from forge_core.artifacts.policy import PolicyRef
 from forge_core.compute.actors import call_all
 from forge_core.models.hf import titan_to_hf_state_dict
+from forge_core.rollout.weight_buckets import BucketSender, EngineRendezvous, Param
 from forge_core.run.resources import FlowResources
 from forge_core.run.scaffold import HeldPolicy
 
@@ -64,9 +67,9 @@ class WeightPush:
 
 
 class HeldPolicySource:
-    """vLLM's WeightSource over a trainer's model, named as in the exported HF folder: `metadata` declares the
-    export dtype; iteration yields each parameter gathered (collective) but not cast, since the gloo sender casts
-    as it packs."""
+    """The weights of a trainer's model (a weight_buckets Source), named as in the exported HF folder: `metadata`
+    declares the export dtype; iteration yields each parameter gathered (collective) but not cast, since the
+    sender casts as it packs."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -75,13 +78,11 @@ class HeldPolicySource:
     def _hf(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return titan_to_hf_state_dict({key: tensor}, self.engine.model_config)
 
-    def metadata(self) -> list:
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
+    def metadata(self) -> list[Param]:
         params = []
         for key, value in self.engine.model.state_dict().items():
             shell = torch.empty(value.shape, dtype=self.dtype, device="meta")
-            params += [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._hf(key, shell).items()]
+            params += [Param(name, t.dtype, tuple(t.shape)) for name, t in self._hf(key, shell).items()]
         return params
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,7 +93,7 @@ class HeldPolicySource:
 
 
 class EngineGroupClient:
-    """vLLM's VLLMWeightSyncClient over a sender's engines: each step on every engine at once, through Ray."""
+    """A sender's engines (a weight_buckets EngineClient): each step on every engine at once, through Ray."""
 
     def __init__(self, engines: tuple[EngineTarget, ...], version: str, timeout_s: float) -> None:
         self.engines = engines
@@ -122,23 +123,20 @@ class EngineGroupClient:
 
 
 def push_held_weights(held: HeldPolicy, push: WeightPush) -> float:
-    """This rank's part in `push`: the seconds it took; RuntimeError when it holds another policy."""
-    from forge_core.rollout.weight_transfer import GlooTrainerEngine, GlooTrainerInit
-
+    """This rank's part in `push`: the seconds it took; RuntimeError when it holds another policy. Imports
+    nothing of vLLM."""
     if held.engine is None or held.stage_uri != push.stage_uri.rstrip("/"):
         raise RuntimeError(f"weight push of {push.stage_uri}: this rank holds {held.stage_uri or 'no policy'}")
     started = time.perf_counter()
     source = HeldPolicySource(held.engine)
-    client = EngineGroupClient(push.engines, push.version, push.timeout_s)
+    sender = BucketSender(source)  # a rank without engines only gathers
     if push.engines:
         world = 1 + sum(target.workers for target in push.engines)
-        init = GlooTrainerInit(
-            push.master_address, push.master_port, world, push.bucket_bytes, push.timeout_s,
-            shared_memory=push.shared_memory, rank=0,
-        )  # fmt: skip
-        sender = GlooTrainerEngine.trainer_init(init, client=client, source=source)
-    else:
-        sender = GlooTrainerEngine(client=client, source=source, is_sender=False, bucket_bytes=push.bucket_bytes)
+        rendezvous = EngineRendezvous.of_sender(
+            push.master_address, push.master_port, world, push.bucket_bytes, push.timeout_s
+        )
+        client = EngineGroupClient(push.engines, push.version, push.timeout_s)
+        sender = BucketSender.join(source, client, rendezvous, push.shared_memory)
     try:
         sender.send_weights()
     finally:

@@ -144,11 +144,18 @@ class HashingWriter(io.IOBase):
         view = memoryview(data).cast("B")
         self._sha256.update(view)
         self._size += len(view)
-        self._buffer += view
-        while len(self._buffer) >= self._part_bytes:
-            part = bytes(self._buffer[: self._part_bytes])
-            del self._buffer[: self._part_bytes]
-            self._sink.upload_part(part)
+        start = 0
+        if self._buffer:  # top up the part begun by earlier writes
+            start = min(self._part_bytes - len(self._buffer), len(view))
+            self._buffer += view[:start]
+            if len(self._buffer) == self._part_bytes:
+                self._sink.upload_part(bytes(self._buffer))
+                self._buffer = bytearray()
+        # Whole parts go straight from the caller's bytes: one copy each, none through the staging buffer.
+        while len(view) - start >= self._part_bytes:
+            self._sink.upload_part(view[start : start + self._part_bytes].tobytes())
+            start += self._part_bytes
+        self._buffer += view[start:]
         return len(view)
 
     def tell(self) -> int:

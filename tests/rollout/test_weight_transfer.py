@@ -13,27 +13,24 @@ import glob
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from vllm.distributed.weight_transfer.base import ParamMeta
 
 from forge_core.config import load_config
-from forge_core.rollout.weight_transfer import (
-    GeneratorClient,
-    GlooTrainerEngine,
-    GlooTrainerInit,
-    decoder_layer,
-    plan_buckets,
-)
+from forge_core.rollout.weight_buckets import Param, decoder_layer, plan_buckets
+from forge_core.rollout.weight_transfer import GeneratorClient, GlooTrainerEngine, GlooTrainerInit
 from forge_core.run.weight_sync import HeldPolicySource
 from tests.rollout.conftest import ENGINE_POLICY_VERSION, MODEL_CFG
 
 
 def test_buckets_cover_every_parameter_in_order_within_the_bound():
     sizes = [(4,), (8, 8), (2,), (100,), (3,)]  # 16, 256, 8, 400, 12 bytes in float32
-    params = [ParamMeta(f"p{k}", torch.float32, shape) for k, shape in enumerate(sizes)]
+    params = [Param(f"p{k}", torch.float32, shape) for k, shape in enumerate(sizes)]
     assert [list(b) for b in plan_buckets(params, bucket_bytes=300)] == [[0, 1, 2], [3], [4]]
     assert [list(b) for b in plan_buckets(params, bucket_bytes=1000)] == [[0, 1, 2, 3, 4]]
     assert [list(b) for b in plan_buckets(params, bucket_bytes=1)] == [[0], [1], [2], [3], [4]]  # one each
@@ -43,13 +40,58 @@ def test_buckets_cover_every_parameter_in_order_within_the_bound():
 def test_shared_memory_buckets_never_split_a_decoder_layer():
     names = ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.0.k.weight",
              "model.layers.1.q.weight", "model.layers.1.k.weight", "model.layers.10.q.weight", "model.norm.weight"]  # fmt: skip
-    params = [ParamMeta(name, torch.float32, (4,)) for name in names]  # 16 bytes each
+    params = [Param(name, torch.float32, (4,)) for name in names]  # 16 bytes each
     assert [decoder_layer(n) for n in names[:4]] == ["model.embed_tokens.weight", "model.layers.0", "model.layers.0",
                                                      "model.layers.1"]  # fmt: skip
     # 40 bytes: a layer's 32 bytes never share a bucket with a neighbour's, and are never cut.
     assert [list(b) for b in plan_buckets(params, 40, together=decoder_layer)] == [[0], [1, 2], [3, 4], [5, 6]]
     # 8 bytes, less than one parameter: each layer is still one bucket.
     assert [list(b) for b in plan_buckets(params, 8, together=decoder_layer)] == [[0], [1, 2], [3, 4], [5], [6]]
+
+
+_SEND_WITHOUT_ENGINES = textwrap.dedent("""
+    import glob, os, socket, sys
+    import torch
+    import forge_core.run.trainer_group  # the trainer rank's actor, its push path included
+    from forge_core.rollout.weight_buckets import BucketSender, EngineRendezvous, Param
+
+    class Weights:
+        def __init__(self):
+            self.tensors = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(5)}
+        def metadata(self):
+            return [Param(n, torch.bfloat16, tuple(t.shape)) for n, t in self.tensors.items()]
+        def __iter__(self):
+            return iter(self.tensors.items())
+
+    class NoEngines:  # a group of the sender alone: every broadcast and barrier completes
+        def __init__(self):
+            self.steps = []
+        def __getattr__(self, step):
+            return lambda *args: self.steps.append(step)
+
+    for shared_memory in (False, True):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        client = NoEngines()
+        sender = BucketSender.join(Weights(), client, EngineRendezvous("127.0.0.1", port, 1, 1, 16), shared_memory)
+        sender.send_weights()
+        sender.shutdown()
+        assert client.steps == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                "finish_weight_update"], client.steps
+    assert not glob.glob(f"/dev/shm/forgeflow-weights-{os.getpid()}-*")  # the shared-memory files are gone
+    print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
+""")
+
+
+def test_a_trainer_rank_sends_weights_without_importing_vllm():
+    """Importing vLLM takes seconds on a CPU, and a trainer rank that needed it for a push would make the
+    engines wait: the rank's module and a whole send, over the group and through shared memory, import none."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SEND_WITHOUT_ENGINES], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
 def _vllm_state(generator) -> dict[str, torch.Tensor]:
