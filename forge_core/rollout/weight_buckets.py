@@ -182,11 +182,6 @@ def pipelined(buckets: Iterator[tuple[Any, torch.Tensor]], group: torch.distribu
         yield done
 
 
-def bucket_sizes(params: Sequence[Param], buckets: Sequence[range]) -> list[int]:
-    """The byte size of each bucket of a plan."""
-    return [sum(nbytes(params[k]) for k in bucket) for bucket in buckets]
-
-
 class GroupBuckets:
     """Buckets as gloo broadcasts over the group, IN_FLIGHT of them travelling at once (any hosts)."""
 
@@ -292,6 +287,13 @@ class SharedMemoryBuckets:
                     os.unlink(path)
 
 
+def round_plan(params: Sequence[Param], bucket_bytes: int, shared_memory: bool) -> tuple[list[range], list[int]]:
+    """A round's buckets and their byte sizes, cut the same way by the sender and its engines (whole decoder
+    layers through shared memory)."""
+    buckets = (SharedMemoryBuckets if shared_memory else GroupBuckets).plan(params, bucket_bytes)
+    return buckets, [sum(nbytes(params[k]) for k in bucket) for bucket in buckets]
+
+
 def _layerwise_buffers() -> Any:
     """vLLM's record of the tensors its layerwise reload keeps until their layer is complete, or None. Only the
     engine's end calls it (in vLLM's worker, where vLLM is imported already)."""
@@ -355,8 +357,7 @@ class BucketSender:
                 pass
             return
         assert self.client is not None, "join gives a sender its client"
-        buckets = (SharedMemoryBuckets if self.shared_memory else GroupBuckets).plan(params, self.bucket_bytes)
-        sizes = bucket_sizes(params, buckets)
+        buckets, sizes = round_plan(params, self.bucket_bytes, self.shared_memory)
         path = SharedMemoryBuckets.create(max(sizes, default=0)) if self.shared_memory else GroupBuckets()
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(1, thread_name_prefix="forge-weights-update")

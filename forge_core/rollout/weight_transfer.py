@@ -42,8 +42,8 @@ from forge_core.rollout.weight_buckets import (
     EngineRendezvous,
     GroupBuckets,
     SharedMemoryBuckets,
-    bucket_sizes,
     open_group,
+    round_plan,
     unpacked,
 )
 from forge_core.timings import WEIGHT_TRANSFER_TIMEOUT_S
@@ -125,8 +125,7 @@ class GlooEngine(WeightTransferEngine[GlooInit, GlooUpdate]):
             raise RuntimeError("the gloo weight transfer was not initialized: call init_weight_transfer_engine first")
         params = update_info.params()
         shared = bool(update_info.segments)
-        buckets = (SharedMemoryBuckets if shared else GroupBuckets).plan(params, self.bucket_bytes)
-        sizes = bucket_sizes(params, buckets)
+        buckets, sizes = round_plan(params, self.bucket_bytes, shared)
         path: GroupBuckets | SharedMemoryBuckets = GroupBuckets()
         if shared:
             path = SharedMemoryBuckets(update_info.segments, max(sizes, default=0), owner=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,12 +145,15 @@ class InputPolicyFolder:
     `with_weights` is False, and `weights()` fetches them when a new engine must be built after all."""
 
     def __init__(self, store: ObjectStore, stage_uri: str, folder: Path, dist: DistContext, with_weights: bool):
-        def fetch(select):
-            return run_on_rank0(lambda: download_policy(store, stage_uri, folder, select=select), dist)
-
-        self._fetch = fetch
-        self.path: Path | None = fetch(None if with_weights else lambda name: not is_weights_file(name))
+        self.store, self.stage_uri, self.folder, self.dist = store, stage_uri, folder, dist
+        self.path: Path | None = self._fetch(None if with_weights else lambda name: not is_weights_file(name))
         self._has_weights = with_weights
+
+    def _fetch(self, select: Callable[[str], bool] | None) -> Path | None:
+        """Collective: download the files `select` accepts (all without it) on rank 0."""
+        return run_on_rank0(
+            lambda: download_policy(self.store, self.stage_uri, self.folder, select=select), self.dist
+        )
 
     def weights(self) -> Path | None:
         """Collective: `path`, its weights downloaded now if they were not."""

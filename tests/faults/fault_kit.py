@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -227,10 +228,15 @@ class ProcessWatch:
         return [p for p in self.seen.values() if p.alive()]
 
 
-def mapped_segments() -> set[str]:
-    """The /dev/shm/psm_* segments some live process maps."""
-    import psutil
+def host_segments() -> set[str]:
+    """The shared-memory segments of the kind vLLM's queues use that exist on this host now."""
+    from forge_core.rollout.engine_watch import SHARED_MEMORY_PREFIX
 
+    return set(glob.glob(f"{SHARED_MEMORY_PREFIX}*"))
+
+
+def mapped_segments() -> set[str]:
+    """The segments of that kind some live process maps."""
     from forge_core.rollout.engine_watch import shared_memory_of
 
     return shared_memory_of(list(psutil.process_iter()))

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ from fault_kit import (
     all_logs,
     flip_bytes,
     flow_run,
+    host_segments,
     mapped_segments,
     task_runs,
     worker_processes_under,
@@ -331,7 +331,7 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
         for name, value in fault_env(root, SFT_FAULTS).items():
             mp.setenv(name, value)
         corrupter.start()
-        segments_before = set(glob.glob("/dev/shm/psm_*"))
+        segments_before = host_segments()
         started = time.monotonic()
         # Scenario 2's flow process may run meanwhile: watch only this scenario's launches (on the test run's Ray
         # cluster, below this process: their spec URIs hold this scenario's store root).
@@ -352,7 +352,7 @@ def faulted_sft_and_rollout(root: Path, deadline_s: float) -> FaultedRun:
         processes=list(watch.seen.values()),
         wall_s=wall_s,
         corrupted=corrupted,
-        orphan_segments=sorted(set(glob.glob("/dev/shm/psm_*")) - segments_before - mapped_segments()),
+        orphan_segments=sorted(host_segments() - segments_before - mapped_segments()),
     )
 
 
