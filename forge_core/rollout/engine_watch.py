@@ -56,7 +56,8 @@ class EngineDeathWatch:
     def __init__(self, llm, engine_pids: list[int]) -> None:
         self._client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         self._processes = [p for p in (_process(pid) for pid in engine_pids) if p is not None]
-        self._segments = {p.pid: shared_memory_of([p, *_children(p)]) for p in self._processes}
+        self._segments: dict[int, set[str]] = {p.pid: set() for p in self._processes}
+        self._record_segments()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="forge-vllm-engine-watch", daemon=True)
 
@@ -76,6 +77,12 @@ class EngineDeathWatch:
                 self._fail_outputs(dead)
                 self._remove_segments(dead)
                 return
+            self._record_segments()
+
+    def _record_segments(self) -> None:
+        """Add what the engine processes map now: an engine maps its queues one by one after it starts."""
+        for proc in self._processes:
+            self._segments[proc.pid] |= shared_memory_of([proc, *_children(proc)])
 
     def _remove_segments(self, dead: list[psutil.Process]) -> None:
         ours = shared_memory_of([psutil.Process()])
@@ -123,9 +130,10 @@ def shared_memory_of(processes: list[psutil.Process]) -> set[str]:
     """The shared-memory segments `processes` map (a process gone or unreadable maps none)."""
     found = set()
     for proc in processes:
-        try:
-            found.update(m.path for m in proc.memory_maps() if m.path.startswith(SHARED_MEMORY_PREFIX))
-        except (psutil.Error, OSError, AttributeError):  # AttributeError: psutil has no memory_maps on macOS
+        try:  # /proc/<pid>/maps, not psutil's memory_maps (smaps): cheap enough for every poll
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                found.update(line.split(None, 5)[-1].strip() for line in maps if SHARED_MEMORY_PREFIX in line)
+        except OSError:  # gone, unreadable, or no /proc (macOS)
             continue
     return found
 
