@@ -46,11 +46,21 @@ DEMO_DESTINATIONS = {"sft": ("sft",), "rl": ("rl_prompts",), "eval": ("eval",)}
 
 
 @dataclass
+class Route:
+    """Rows of a chunk (distinct indices into its examples, ascending) and the tables they go to."""
+
+    destinations: tuple[str, ...]
+    rows: list[int]
+
+
+@dataclass
 class Chunk:
-    """Examples bound for the same tables, plus the rejects and the row count read to produce them."""
+    """Examples tokenized together, the routes of their rows to the tables (in the order they are written),
+    plus the rejects and the row count read to produce them. Routes cover every example once; there is at
+    least one, which carries `rejects` (see _write_splits)."""
 
     examples: ExampleBatch
-    destinations: tuple[str, ...]
+    routes: list[Route]
     rejects: list[Reject]
     rows_read: int
 
@@ -61,6 +71,14 @@ class TokenizedExamples:
     completion_ids: list[list[int]]  # each ends with EOS
     # Per row: the loss mask of a multi-turn trace's completion (forge_core.data.traces); None = all ones.
     completion_masks: list[list[int] | None] | None = None
+
+    def take(self, indices: list[int]) -> TokenizedExamples:
+        masks = self.completion_masks
+        return TokenizedExamples(
+            [self.prompt_ids[i] for i in indices],
+            [self.completion_ids[i] for i in indices],
+            None if masks is None else [masks[i] for i in indices],
+        )
 
 
 def prepare_data(cfg: RunConfig, output_uri: str, store: ObjectStore) -> Manifest:
@@ -126,11 +144,23 @@ def _write_splits(writer, chunks: Iterable[Chunk], tokenizer: HFTokenizer, adds_
             split: stack.enter_context(writer.table_writer(rel, schema)) for split, (rel, schema) in TABLES.items()
         }
         for chunk in chunks:
-            kept, tokenized, too_long = tokenize_chunk(chunk.examples, tokenizer, adds_special_tokens, max_seq_len)
-            rejects = chunk.rejects + too_long
             counter.rows_read += chunk.rows_read
-            counter.add(rejects)
-            _write_chunk(tables, rows, kept, tokenized, chunk.destinations, rejects)
+            # One encode call per column for the whole chunk, then routing: the tokenizer's per-call cost is paid
+            # once per chunk, not once per route.
+            tokenized = tokenize_examples(chunk.examples, tokenizer, adds_special_tokens)
+            too_long = set(_too_long_rows(tokenized, max_seq_len))
+            for index, route in enumerate(chunk.routes):
+                # Each route writes its rows' rejects before its rows, the chunk's own rejects with the first.
+                rejects = chunk.rejects if index == 0 else []
+                kept = route.rows
+                if too_long:
+                    rejects = rejects + [
+                        _too_long_reject(chunk.examples, tokenized, i, max_seq_len) for i in kept if i in too_long
+                    ]
+                    kept = [i for i in kept if i not in too_long]
+                counter.add(rejects)
+                examples, tokens = _select(chunk.examples, tokenized, kept)
+                _write_chunk(tables, rows, examples, tokens, route.destinations, rejects)
     return rows, counter
 
 
@@ -186,10 +216,11 @@ def _source_texts(cfg: RunConfig, options: dict) -> Iterator[str]:
     """Prompts and completions of the non-eval rows, to train a BPE on (rejects are counted in the main pass)."""
     layout = layout_from_config(cfg.data, cfg.data.tokenizer.chat_template, TRAINED_SPECIAL_TOKENS)
     for chunk in _source_chunks(cfg, layout, options):
-        if chunk.destinations != EVAL_DESTINATIONS:
-            for prompt, completion in zip(chunk.examples.prompts, chunk.examples.completions):
-                yield prompt
-                yield completion
+        for route in chunk.routes:
+            if route.destinations != EVAL_DESTINATIONS:
+                for i in route.rows:
+                    yield chunk.examples.prompts[i]
+                    yield chunk.examples.completions[i]
 
 
 # --- chunks of examples ------------------------------------------------------------------------------------
@@ -203,12 +234,16 @@ def _demo_chunks(splits: dict[str, list[demo.AdditionExample]], batch_rows: int)
             for row, example in enumerate(examples[start:start + batch_rows], start=start):
                 metadata = f'{{"a": {example.a}, "b": {example.b}, "num_digits": {example.num_digits}}}'
                 batch.append(row, example.prompt, example.completion, example.ground_truth, metadata)
-            yield Chunk(batch, destinations, [], len(batch))
+            yield _single_route_chunk(batch, destinations)
 
 
 def _generated_chunks(cfg: RunConfig, batch_rows: int) -> Iterator[Chunk]:
     for split, batch in generated.generated_batches(cfg, batch_rows):
-        yield Chunk(batch, DEMO_DESTINATIONS[split], [], len(batch))
+        yield _single_route_chunk(batch, DEMO_DESTINATIONS[split])
+
+
+def _single_route_chunk(examples: ExampleBatch, destinations: tuple[str, ...]) -> Chunk:
+    return Chunk(examples, [Route(destinations, list(range(len(examples))))], [], len(examples))
 
 
 def _source_chunks(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[Chunk]:
@@ -216,15 +251,16 @@ def _source_chunks(cfg: RunConfig, layout: Layout, options: dict) -> Iterator[Ch
     assign = SplitAssigner.from_config(cfg)
     for raw in read_source(data.source, data.format, layout.fields, data.batch_rows, options, data.max_line_bytes):
         examples, rejects = layout.to_examples(raw)
-        by_split: dict[tuple[str, ...], list[int]] = {}
-        for i, prompt in enumerate(examples.prompts):
-            by_split.setdefault(assign(prompt), []).append(i)
-        for index, (destinations, rows) in enumerate(list(by_split.items()) or [(SFT_DESTINATIONS, [])]):
-            # The batch's rejects and rows read are counted once, with its first chunk.
-            first = index == 0
-            yield Chunk(
-                examples.take(rows), destinations, raw.rejects + rejects if first else [], raw.rows_read if first else 0
-            )
+        yield Chunk(examples, _split_routes(examples.prompts, assign), raw.rejects + rejects, raw.rows_read)
+
+
+def _split_routes(prompts: list[str], assign: SplitAssigner) -> list[Route]:
+    """Rows grouped by their tables, groups in the order of their first row (which fixes the order of rows and
+    row groups in the tables). At least one route, to carry the batch's rejects."""
+    by_split: dict[tuple[str, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_split.setdefault(assign(prompt), []).append(i)
+    return [Route(destinations, rows) for destinations, rows in by_split.items()] or [Route(SFT_DESTINATIONS, [])]
 
 
 def reference_examples(cfg: RunConfig, limit: int = 16) -> ExampleBatch | None:
@@ -323,36 +359,40 @@ def _encode_completions(
     return plain, masks
 
 
-def tokenize_chunk(
-    examples: ExampleBatch, tokenizer: HFTokenizer, add_special_tokens: bool, max_seq_len: int
-) -> tuple[ExampleBatch, TokenizedExamples, list[Reject]]:
-    """Tokenize prompts and completions separately (as generation sees them); reject rows over max_seq_len."""
+def tokenize_examples(examples: ExampleBatch, tokenizer: HFTokenizer, add_special_tokens: bool) -> TokenizedExamples:
+    """Tokenize prompts and completions separately (as generation sees them), each column in one encode call."""
     if not len(examples):
-        return examples, TokenizedExamples([], []), []
+        return TokenizedExamples([], [])
     encode = _encoder(tokenizer.backend)
     prompt_ids = [e.ids for e in encode(examples.prompts, add_special_tokens=add_special_tokens)]
-    eos_id = tokenizer.eos_id
-    completion_ids, completion_masks = _encode_completions(examples.completions, encode, eos_id)
-    too_long = [i for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)) if len(p) + len(c) > max_seq_len]
-    if not too_long:
-        return examples, TokenizedExamples(prompt_ids, completion_ids, completion_masks), []
-    rejects = [
-        Reject(
-            examples.source,
-            examples.rows[i],
-            RejectReason.TOO_LONG,
-            f"{len(prompt_ids[i]) + len(completion_ids[i])} tokens (prompt + completion + EOS) > "
-            f"data.max_seq_len={max_seq_len}",
-            json.dumps({"prompt": examples.prompts[i], "completion": examples.completions[i]}, ensure_ascii=False),
-        )
-        for i in too_long
-    ]
-    dropped = set(too_long)
-    keep = [i for i in range(len(examples)) if i not in dropped]
-    tokenized = TokenizedExamples(
-        [prompt_ids[i] for i in keep], [completion_ids[i] for i in keep], [completion_masks[i] for i in keep]
+    completion_ids, completion_masks = _encode_completions(examples.completions, encode, tokenizer.eos_id)
+    return TokenizedExamples(prompt_ids, completion_ids, completion_masks)
+
+
+def _too_long_rows(tokenized: TokenizedExamples, max_seq_len: int) -> list[int]:
+    """Indices of the rows whose prompt and completion together exceed max_seq_len tokens."""
+    pairs = zip(tokenized.prompt_ids, tokenized.completion_ids)
+    return [i for i, (p, c) in enumerate(pairs) if len(p) + len(c) > max_seq_len]
+
+
+def _too_long_reject(examples: ExampleBatch, tokenized: TokenizedExamples, i: int, max_seq_len: int) -> Reject:
+    length = len(tokenized.prompt_ids[i]) + len(tokenized.completion_ids[i])
+    return Reject(
+        examples.source,
+        examples.rows[i],
+        RejectReason.TOO_LONG,
+        f"{length} tokens (prompt + completion + EOS) > data.max_seq_len={max_seq_len}",
+        json.dumps({"prompt": examples.prompts[i], "completion": examples.completions[i]}, ensure_ascii=False),
     )
-    return examples.without(too_long), tokenized, rejects
+
+
+def _select(
+    examples: ExampleBatch, tokenized: TokenizedExamples, indices: list[int]
+) -> tuple[ExampleBatch, TokenizedExamples]:
+    """The rows at `indices` (distinct, ascending) of both; the inputs themselves when that is every row."""
+    if len(indices) == len(examples):
+        return examples, tokenized
+    return examples.take(indices), tokenized.take(indices)
 
 
 def _write_chunk(tables, rows: dict[str, int], examples: ExampleBatch, tokenized: TokenizedExamples,

@@ -225,18 +225,24 @@ class LineTooLarge(bytes):
 def _iter_lines(f, chunk_bytes: int = _READ_CHUNK_BYTES, max_line_bytes: int | None = None) -> Iterator[bytes]:
     """Lines without their newline, read in large chunks (fsspec's readline is slow on object stores), in
     linear time; a line over `max_line_bytes` is never held whole but comes as a `LineTooLarge`."""
-    pending: list[bytes] = []
+    pending: list[bytes] = []  # the start of a line that an earlier chunk did not end
     pending_bytes = 0
     while chunk := f.read(chunk_bytes):
         pieces = chunk.split(b"\n")
-        for index, piece in enumerate(pieces):
-            ended = index < len(pieces) - 1
-            if pending_bytes <= (max_line_bytes or pending_bytes + len(piece)):
-                pending.append(piece)
-            pending_bytes += len(piece)
-            if ended:
-                yield _line(pending, pending_bytes, max_line_bytes)
+        tail = pieces.pop()  # not ended by this chunk
+        for piece in pieces:
+            if pending:
+                if pending_bytes <= (max_line_bytes or pending_bytes + len(piece)):
+                    pending.append(piece)
+                yield _line(pending, pending_bytes + len(piece), max_line_bytes)
                 pending, pending_bytes = [], 0
+            elif max_line_bytes is None or len(piece) <= max_line_bytes:
+                yield piece  # the common case, one per row: no list to join
+            else:
+                yield _line([piece], len(piece), max_line_bytes)
+        if pending_bytes <= (max_line_bytes or pending_bytes + len(tail)):
+            pending.append(tail)
+        pending_bytes += len(tail)
     if pending_bytes:
         yield _line(pending, pending_bytes, max_line_bytes)
 

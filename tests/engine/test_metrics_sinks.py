@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from forge_core.config.schema import LoggingConfig
 from forge_core.metrics import ConsoleSink, NullSink, build_sinks, run_dir
 
@@ -39,3 +41,12 @@ def test_wandb_offline_run_lands_under_the_logging_dir(tmp_path):
     sink.close()
     runs = list((run_dir(cfg, "wb") / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((run_dir(cfg, "wb")).rglob("*"))
+
+
+def test_wandb_starts_off_the_caller_s_path_and_a_failed_start_raises_at_the_first_call(tmp_path):
+    cfg = LoggingConfig(wandb_mode="offline", dir=str(tmp_path))
+    # wandb.init rejects a config it cannot serialize: building the sink must not raise it (the start runs
+    # beside the caller), the first use must.
+    sink = build_sinks(cfg, "wb-bad", rank=0, config={"not_json": object()})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        sink.log({"loss": 1.0}, step=1)

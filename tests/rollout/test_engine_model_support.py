@@ -20,6 +20,7 @@ from forge_core.rollout.actor_engines import EngineActors
 from forge_core.rollout.engine import (
     CPU_ATTENTION_DTYPES,
     CPU_ATTENTION_HEAD_SIZES,
+    CPU_BLOCK_SIZE,
     EngineOptions,
     engine_model_problems,
 )
@@ -58,6 +59,8 @@ def test_the_cpu_engine_limits_are_the_installed_vllms():
 
     assert CPU_ATTENTION_HEAD_SIZES == tuple(CPUAttentionBackend.get_supported_head_sizes())
     assert CPU_ATTENTION_DTYPES == tuple(str(d).removeprefix("torch.") for d in CPUAttentionBackend.supported_dtypes)
+    # The smallest block the CPU kernel takes: the one that leaves prefix caching the most to reuse.
+    assert [getattr(s, "base", s) for s in CPUAttentionBackend.get_supported_kernel_block_sizes()] == [CPU_BLOCK_SIZE]
     # Every rollout.dtype runs on it ("auto" is float32 on CPU): the head size is the one thing to check.
     dtypes = typing.get_args(typing.get_type_hints(RolloutConfig)["dtype"])
     assert {"float32" if d == "auto" else d for d in dtypes} <= set(CPU_ATTENTION_DTYPES), dtypes

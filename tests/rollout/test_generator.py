@@ -198,3 +198,24 @@ def test_a_step_of_long_seeded_prompts_is_prefilled_whole(world, generator):
     assert [s.prompt_id for s in samples] == [p.prompt_id for p in prompts]
     budget = generator._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert budget >= 64 * 128
+
+
+def test_a_grown_context_reuses_its_cached_prefix(world, generator, monkeypatch):
+    """A later turn of an episode is its earlier context plus new tokens: vLLM must not prefill it again (the
+    CPU engine's KV block, CPU_BLOCK_SIZE, is short enough for contexts of a few turns)."""
+    from forge_core.rollout.engine import CPU_BLOCK_SIZE
+
+    cached: list[int] = []
+    llm_generate = generator._llm.generate
+
+    def counting_generate(*args, **kwargs):
+        outputs = llm_generate(*args, **kwargs)
+        cached.extend(int(o.num_cached_tokens or 0) for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(generator._llm, "generate", counting_generate)
+    first = Prompt("grow0", tuple([1] + [4 + (3 * j) % 7 for j in range(2 * CPU_BLOCK_SIZE)]), "", 0)
+    sample = generator.generate([first], SamplingConfig(group_size=1, max_new_tokens=4), seed=0)[0]
+    grown = Prompt("grow1", first.prompt_ids + sample.response_ids + (5, 6, 7), "", 0)
+    generator.generate([grown], SamplingConfig(group_size=1, max_new_tokens=4), seed=0)
+    assert cached[-1] >= 2 * CPU_BLOCK_SIZE
