@@ -105,6 +105,8 @@ class Iteration:
     score_s: float  # the forward scoring the batch's old logprobs (GRPO manifest train/score_logprobs_s)
     train_s: float  # the trainer's fit (GRPO manifest train/fit_s): optimizer steps + per-step slicing/logging
     step_s: float  # the optimizer steps alone (train/time_s)
+    state_s: float  # committing the final AdamW state (GRPO phase/state_s; grpo.optimizer_state carry), overhead
+    export_s: float  # exporting and committing the policy (GRPO phase/export_s), overhead
     engine_startup_s: float
     engine_reload_s: float
     response_len_mean: float
@@ -243,6 +245,8 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
                 score_s=float(train["train/score_logprobs_s"]),
                 train_s=float(train["train/fit_s"]),
                 step_s=float(train["train/time_s"]),
+                state_s=float(train.get("phase/state_s", 0.0)),
+                export_s=float(train["phase/export_s"]),
                 engine_startup_s=float(gen.get("engine_startup_s", 0.0)),
                 engine_reload_s=float(gen.get("engine_reload_s", 0.0)),
                 response_len_mean=float(gen["response_len_mean"]),

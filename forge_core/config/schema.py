@@ -338,11 +338,7 @@ class OptimizerConfig(Section):
 
         The schedule is linear warmup for `warmup_steps`, then `decay` ("cosine", "linear" or "constant") down
         to `min_lr_ratio * lr` at `total_steps`."""
-        from torchtitan.components.optimizer import (
-            LRSchedulersContainer,
-            OptimizersContainer,
-            ParamGroupConfig,
-        )
+        from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps}: the LR schedule needs at least one step")
@@ -354,7 +350,26 @@ class OptimizerConfig(Section):
             # Fused AdamW has CPU and CUDA kernels in torch 2.13 and accepts FSDP's DTensor parameters.
             implementation="fused" if device_type in ("cpu", "cuda") else "foreach",
         ).build(model_parts=[model])
-        schedulers = LRSchedulersContainer.Config(
+        return optimizers, self._schedule(optimizers, total_steps)
+
+    def reschedule(self, optimizers: Any, total_steps: int) -> Any:
+        """Set this section's hyperparameters on built AdamW `optimizers`, whose moments and step
+        counts go on as they are, and return a new LR schedule over `total_steps` from its first step (what
+        `build` gives them, but with the moments kept). Raises ValueError when `total_steps` < 1."""
+        if total_steps < 1:
+            raise ValueError(f"total_steps={total_steps}: the LR schedule needs at least one step")
+        for optimizer in optimizers.optimizers:
+            for group in optimizer.param_groups:
+                group.update(
+                    lr=self.lr, initial_lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
+                    weight_decay=self.weight_decay,
+                )
+        return self._schedule(optimizers, total_steps)
+
+    def _schedule(self, optimizers: Any, total_steps: int) -> Any:
+        from torchtitan.components.optimizer import LRSchedulersContainer
+
+        return LRSchedulersContainer.Config(
             warmup_steps=min(self.warmup_steps, total_steps),
             total_steps=total_steps,
             # decay_ratio=0 keeps the LR flat after warmup; None decays over all post-warmup steps.
@@ -362,7 +377,6 @@ class OptimizerConfig(Section):
             decay_type="linear" if self.decay == "constant" else self.decay,
             min_lr_factor=self.min_lr_ratio,
         ).build(optimizers=optimizers, training_steps=total_steps)
-        return optimizers, schedulers
 
 
 class ParallelismConfig(Section):
@@ -912,8 +926,16 @@ class GRPOConfig(Section):
     # Sequences per forward/backward on one rank; mini_batch_size must be a multiple of
     # micro_batch_size * data-parallel ranks (checked at run time, when the rank count is known).
     micro_batch_size: int = 64
-    # In-stage checkpoint every N optimizer steps (and always after the last one).
+    # In-stage checkpoint every N optimizer steps (and, with optimizer_state carry, after the last one).
     checkpoint_every: int = 16
+    # "carry": an iteration goes on with the AdamW moments and step counts of the iteration that trained its
+    # input policy, as one optimizer over the whole run (the first iteration, on the SFT policy, starts a new
+    # one). Each iteration commits its final optimizer state as a checkpoint of its own stage; a trainer group
+    # that trained the input policy keeps it in memory, any other stage (a resumed run, stage lifetime) reads it
+    # from the store, with bitwise the same result. "fresh": every iteration starts a new AdamW, so an
+    # iteration is a function of (policy weights, rollouts, config) and commits no optimizer state. Either way
+    # the LR schedule spans one rollout batch and the weights are the exported policy's.
+    optimizer_state: Literal["carry", "fresh"] = "carry"
     # "flow" (the fast path): the first GRPO task of a flow run places a trainer group, a Ray actor per rank
     # on launch.grpo.nnodes nodes (forge_core.run.trainer_group), that trains every iteration in order, saving
     # torchrun + interpreter + import + process-group start-up per iteration; each iteration is still a task

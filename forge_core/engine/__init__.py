@@ -22,6 +22,7 @@ _SUBMODULE_OF = {
             "checkpoint_uri",
             "committed_checkpoints",
             "latest_committed_checkpoint",
+            "load_components",
             "prune_checkpoints",
             "verify_checkpoint",
         ),

@@ -170,6 +170,35 @@ class _RankRngState(Stateful):
         self.loaded = state_dict[self.key]
 
 
+def _shard_reader(store: ObjectStore, ref: CheckpointRef) -> SafeFsspecReader:
+    """DCP's reader of a committed checkpoint's shards. Storage is not trusted with code: no plain unpickling of
+    what it returns (safe_dcp.py)."""
+    files_uri = store.reader(ref.uri).files_uri  # the committed attempt's shards
+    return SafeFsspecReader(store.fsspec_path(files_uri), **store.storage_options)
+
+
+def load_components(store: ObjectStore, ref: CheckpointRef, components: dict[str, Stateful], dist: DistContext) -> None:
+    """Collective: restore `components` alone (e.g. another stage's `optimizer`) from the committed checkpoint
+    `ref`, verified on rank 0 first; its step, data cursor and RNG streams are not touched. DCP reshards to this
+    run's ranks. Raises CheckpointCorrupted when `ref` is not committed or does not verify."""
+    problem = broadcast_object(_verify_problem(store, ref) if dist.is_rank0 else None)
+    if problem:
+        raise CheckpointCorrupted(problem)
+    dcp.load(dict(components), storage_reader=_shard_reader(store, ref), planner=SafeLoadPlanner())
+    log.info("loaded %s from %s", sorted(components), ref.uri)
+
+
+def _verify_problem(store: ObjectStore, ref: CheckpointRef) -> str | None:
+    """Rank 0: why `ref` cannot be loaded, or None."""
+    if not store.is_committed(ref.uri):
+        return f"checkpoint {ref.uri} is not committed"
+    try:
+        verify_checkpoint(store, ref)
+    except ArtifactCorrupted as exc:
+        return f"checkpoint {ref.uri} is corrupt: {exc}"
+    return None
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints under `<output_uri>/_checkpoints/` (see the module docstring)."""
 
@@ -294,9 +323,7 @@ class Checkpointer:
         ValueError when `ref` was written by fewer ranks."""
         train_state = _TrainState()
         state = self._state(components, train_state)
-        # Storage is not trusted with code: no plain unpickling of what it returns (safe_dcp.py).
-        files_uri = self.store.reader(ref.uri).files_uri  # the committed attempt's shards
-        reader = SafeFsspecReader(self.store.fsspec_path(files_uri), **self.store.storage_options)
+        reader = _shard_reader(self.store, ref)
         rng_prefix = f"rng.{state['rng'].key}."
         if not any(key.startswith(rng_prefix) for key in reader.read_metadata().state_dict_metadata):
             raise ValueError(
@@ -312,22 +339,12 @@ class Checkpointer:
         """Collective: restore the committed checkpoint of `step`, verified first, into `components`.
         Raises CheckpointCorrupted when it is not committed or does not verify."""
         ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
-        problem = broadcast_object(self._verify_problem(ref) if self.dist.is_rank0 else None)
+        problem = broadcast_object(_verify_problem(self.store, ref) if self.dist.is_rank0 else None)
         if problem:
             raise CheckpointCorrupted(
                 f"{problem}; delete the stage's output prefix {self.output_uri} to run the stage afresh"
             )
         return self.load(ref, components)
-
-    def _verify_problem(self, ref: CheckpointRef) -> str | None:
-        """Rank 0: why `ref` cannot be loaded, or None."""
-        if not self.store.is_committed(ref.uri):
-            return f"checkpoint {ref.uri} is not committed"
-        try:
-            verify_checkpoint(self.store, ref)
-        except ArtifactCorrupted as exc:
-            return f"checkpoint {ref.uri} is corrupt: {exc}"
-        return None
 
     def _choose_checkpoint(self) -> CheckpointRef | str | None:
         """Rank 0: newest verifying checkpoint, None when there is none, or an error message when all fail."""

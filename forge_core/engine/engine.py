@@ -162,6 +162,26 @@ class Engine(Configurable):
         """Collective: this engine as `config.build()` would build it from an export of its current weights:
         weights rounded through the export dtype, a fresh optimizer and LR schedule, gradients cleared, RNG
         reseeded. Needs `restarts_as(config)`. Returns this engine."""
+        self._begin_from_export(config)
+        self.optimizers, self.lr_schedulers = config.optimizer.build(
+            self.model, self.dist.device_type, config.total_steps
+        )
+        return self
+
+    def go_on(self, config: Config) -> Engine:
+        """Collective: as `restart`, but AdamW keeps its moments and step counts (its hyperparameters and a new LR
+        schedule from `config`): what `config.build()` then `carry_optimizer` of this engine's saved optimizer
+        state gives. Needs `restarts_as(config)`. Returns this engine."""
+        self._begin_from_export(config)
+        self.carry_optimizer()
+        return self
+
+    def carry_optimizer(self) -> None:
+        """After its optimizer state was loaded (a checkpoint's `optimizer` component): AdamW's hyperparameters
+        and a new LR schedule from the config, the loaded moments and step counts kept."""
+        self.lr_schedulers = self.config.optimizer.reschedule(self.optimizers, self.config.total_steps)
+
+    def _begin_from_export(self, config: Config) -> None:
         assert self.restarts_as(config), "restart needs an engine built from the same model config"
         with torch.no_grad():
             for value in self.model.state_dict().values():
@@ -172,10 +192,14 @@ class Engine(Configurable):
         self.config = config
         self.restarted = True
         seed_everything(config.seed, self.dist.rank)
-        self.optimizers, self.lr_schedulers = config.optimizer.build(
-            self.model, self.dist.device_type, config.total_steps
-        )
-        return self
+
+    def optimizer_steps(self) -> int:
+        """How many steps AdamW's moments have taken (0 before the first)."""
+        for optimizer in self.optimizers.optimizers:
+            for state in optimizer.state.values():
+                if "step" in state:
+                    return int(state["step"])
+        return 0
 
     # ---- build steps --------------------------------------------------------------------------------------
 

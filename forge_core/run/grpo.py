@@ -12,12 +12,17 @@ With a mismatch correction or `grpo.correction.measure_mismatch`, every row is f
 that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 
 Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
-manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, export).
+manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export).
 
-Every stage starts a fresh AdamW and LR schedule, so it is a function of (policy weights, rollouts, config)
-alone; a trainer-group rank that trained the input policy keeps its model (`model_init: kept`), bitwise equal to
-loading the export, and reads only the policy's config and tokenizer from the store (`load/policy_bytes_read`).
-A retried stage resumes exactly from its newest in-stage checkpoint.
+Every stage starts from the exported weights and a new LR schedule over its rollout batch. With
+`grpo.optimizer_state: carry` (the default) AdamW goes on with the moments and step counts of the stage that
+trained a `grpo` input policy: that stage committed them as its final in-stage checkpoint (manifest metric
+`optimizer/state_step`), which a stage reads from the store (`optimizer_init: checkpoint`), while a
+trainer-group rank that trained the input policy has them in memory (`optimizer_init: kept`); an `sft` input, or
+`fresh`, starts a new AdamW (`optimizer_init: fresh`). A trainer-group rank that trained the input policy keeps
+its model (`model_init: kept`), bitwise equal to loading the export, and reads only the policy's config and
+tokenizer from the store (`load/policy_bytes_read`). A retried stage resumes exactly from its newest in-stage
+checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 from forge_core.artifacts.policy import download_policy
 from forge_core.batch import RLBatch
 from forge_core.config import RunConfig
-from forge_core.engine import Engine
+from forge_core.engine import CheckpointRef, Engine, checkpoint_uri
 from forge_core.engine.distributed import DistContext, broadcast_object, run_on_rank0
 from forge_core.losses.correction import mismatch_summary
 from forge_core.losses.grpo import ClippedPolicyLoss, build_policy_loss
@@ -59,6 +64,8 @@ from forge_core.trainers.staleness import check_staleness
 log = logging.getLogger(__name__)
 
 ROLLOUTS_TABLE = "rollouts.parquet"
+# Manifest metric of a stage that carries its optimizer on: the step of its final in-stage checkpoint.
+OPTIMIZER_STATE_STEP = "optimizer/state_step"
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,28 @@ def resolve_inputs(ctx: StageContext, kl_on: bool) -> GRPOInputs:
             f"lineage; pass inputs.reference=<sft artifact URI> or set grpo.loss.kl_coef=0"
         )
     return GRPOInputs(policy_uri, ctx.input("rollouts"), reference_uri)
+
+
+def carried_optimizer_state(ctx: StageContext, policy_uri: str) -> CheckpointRef | None:
+    """The checkpoint whose AdamW state the stage goes on with: the input policy's final optimizer state when
+    `grpo.optimizer_state` is carry and that policy is a `grpo` stage's; None starts a new AdamW. Raises
+    ValueError when that stage committed no optimizer state."""
+    if ctx.cfg.grpo.optimizer_state != "carry" or ctx.input_kinds["policy"] != "grpo":
+        return None
+    step = ctx.store.read_manifest(policy_uri).metrics.get(OPTIMIZER_STATE_STEP)
+    if step is None:
+        raise ValueError(
+            f"grpo.optimizer_state=carry: inputs.policy={policy_uri} committed no optimizer state to go on with (it "
+            "was trained with grpo.optimizer_state=fresh); set grpo.optimizer_state=fresh to start a new AdamW on it"
+        )
+    return CheckpointRef(step=int(step), uri=checkpoint_uri(ctx.store, policy_uri, int(step)))
+
+
+def optimizer_init(engine: Engine, carried: CheckpointRef | None) -> str:
+    """How the stage's AdamW began: fresh, kept (the group's engine went on) or read from a checkpoint."""
+    if carried is None:
+        return "fresh"
+    return "kept" if engine.restarted else "checkpoint"
 
 
 def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> RolloutBatch:
@@ -241,6 +270,7 @@ def train(ctx: StageContext) -> None:
     iteration = int(ctx.params.get("iteration", 0))
     loss = build_policy_loss(cfg.grpo.loss, cfg.rollout.sampling.max_new_tokens, cfg.grpo.correction)
     inputs = resolve_inputs(ctx, kl_on=loss.kl is not None)
+    optimizer_state = carried_optimizer_state(ctx, inputs.policy_uri)
     with training_process_group(ctx) as dist:
         phases = PhaseClock()
         # A trainer group's rank that trained the input policy goes on with that engine (TrainingRun.engine):
@@ -256,7 +286,7 @@ def train(ctx: StageContext) -> None:
         run = TrainingRun(ctx, dist, lineage=inputs.lineage(), run_name=f"{cfg.name}-{ctx.stage.name}-{iteration}")
         engine = run.engine(
             vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint, weights_of=inputs.policy_uri,
-            fetch_weights=policy.weights,
+            fetch_weights=policy.weights, optimizer_state=optimizer_state,
         )
         trainer = GRPOTrainer(engine, cfg.grpo, loss, **run.trainer_parts(engine))
         phases.lap("load")
@@ -275,6 +305,10 @@ def train(ctx: StageContext) -> None:
                 batch, plan_seed(cfg.seed, iteration), history, log_extra={**rollouts.stats, **mismatch}
             )
             fit_s = phases.lap("steps")
+            carried = {}
+            if cfg.grpo.optimizer_state == "carry":  # the next iteration goes on from here, whatever runs it
+                carried[OPTIMIZER_STATE_STEP] = trainer.save_checkpoint(trainer.step, {"history": history}).step
+                phases.lap("state")
             metrics = {
                 **rollouts.stats,
                 **summarize_steps(history),
@@ -285,7 +319,9 @@ def train(ctx: StageContext) -> None:
                 "train/fit_s": fit_s,
                 "iteration": iteration,
                 "resumed_from_step": resume.step if resume is not None else 0,
-                "optimizer_init": "fresh",
+                "optimizer_init": optimizer_init(engine, optimizer_state),
+                "optimizer/adam_steps": engine.optimizer_steps(),  # over every iteration it carried on from
+                **carried,
                 "model_init": "kept" if engine.restarted else "export",  # kept: the group's engine went on
                 "load/policy_bytes_read": policy.bytes_read(),  # kept: the config and tokenizer files alone
                 **phases.metrics(),

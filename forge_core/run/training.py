@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from forge_core.config.schema import OptimizerConfig
-from forge_core.engine import Checkpointer, Engine, destroy_distributed, init_distributed
+from forge_core.engine import (
+    Checkpointer,
+    CheckpointRef,
+    Engine,
+    destroy_distributed,
+    init_distributed,
+    load_components,
+)
 from forge_core.engine.distributed import DistContext, run_on_rank0
 from forge_core.metrics import build_sinks
 from forge_core.metrics.phases import PhaseClock
@@ -64,12 +71,15 @@ class TrainingRun:
         checkpoint: HFModelInfo | None = None,
         weights_of: str | None = None,
         fetch_weights: Callable[[], object] | None = None,
+        optimizer_state: CheckpointRef | None = None,
     ) -> Engine:
         """The engine (model, optimizer, LR schedule) from the run's config, started from an HF folder (with
         `checkpoint`'s architecture) or from the seed. `weights_of`: the stage that committed that folder; when
         this rank holds the engine that trained it with this model config, that engine is restarted instead of
         a new one built. Whatever else the rank held is dropped first. `fetch_weights` (collective) is called
-        before a new engine is built, for a folder that may not hold its weights yet."""
+        before a new engine is built, for a folder that may not hold its weights yet. `optimizer_state`: the
+        checkpoint of `weights_of`'s final AdamW state to go on with (a restarted engine holds it already);
+        None starts a new AdamW."""
         config = Engine.Config.from_run_config(
             self.ctx.cfg, vocab_size, optimizer, total_steps, init_weights_dir=init_weights_dir, checkpoint=checkpoint
         )
@@ -80,11 +90,15 @@ class TrainingRun:
         elif held is not None:
             held.drop()
         if kept is not None and kept.restarts_as(config):
-            return kept.restart(config)
+            return kept.restart(config) if optimizer_state is None else kept.go_on(config)
         del kept  # never two models on a rank
         if fetch_weights is not None:
             fetch_weights()
-        return config.build()
+        engine = config.build()
+        if optimizer_state is not None:
+            load_components(self.ctx.store, optimizer_state, {"optimizer": engine.optimizers}, self.dist)
+            engine.carry_optimizer()
+        return engine
 
     def trainer_parts(self, engine: Engine) -> dict:
         """The trainer's keyword arguments: metric sink, in-stage checkpointer, artifact context."""

@@ -268,8 +268,8 @@ class GRPOTrainer(TitanTrainer):
 
         A mini-batch in which no completion carries loss is skipped rather than stepped (AdamW's momentum
         would still move the weights) and counts as a plan step with metrics {"skipped": 1}. With a
-        checkpointer, checkpoints every `checkpoint_every` plan steps except after the last, where the stage
-        commits its policy instead; a checkpointed stage trains exactly one rollout batch. Without one, `fit`
+        checkpointer, checkpoints every `checkpoint_every` plan steps except after the last (the stage decides
+        what follows it); a checkpointed stage trains exactly one rollout batch. Without one, `fit`
         may run batch after batch and `self.step` keeps counting across them."""
         plan = self.plan(batch.batch_size, seed)
         carries_loss = self._minibatches_with_loss(batch, seed)

@@ -19,6 +19,7 @@ from forge_core.engine import (
     checkpoint_uri,
     committed_checkpoints,
     latest_committed_checkpoint,
+    load_components,
 )
 from forge_core.engine.checkpoint import ModelState
 from forge_core.engine.distributed import DistContext
@@ -184,3 +185,38 @@ def test_a_checkpoint_committed_by_another_attempt_meanwhile_is_kept_and_ours_is
     loaded = torch.nn.Linear(4, 3)
     resume = ours.load_latest({"model": ModelState(loaded)})
     assert resume.data_cursor == {"who": "zombie"} and torch.equal(loaded.weight, zombie_model.weight)
+
+
+def test_an_engine_that_goes_on_trains_as_a_new_one_that_loads_its_optimizer_state(tmp_path):
+    """A trainer group's kept engine (`Engine.go_on`) and any other stage's new engine (build, the policy's
+    weights, `load_components` of the committed optimizer, `carry_optimizer`) carry AdamW on identically: step
+    counts and moments kept, hyperparameters and a new LR schedule from the next stage's config."""
+    store = ObjectStore(f"file://{tmp_path}/store")
+    batches = _batches(4)
+    first = _trainer(store, store.artifact_uri("grpo", "parent"))
+    for batch in batches[:3]:
+        first.train_step(batch.split(2), TokenCrossEntropy())
+    ref = first.save_checkpoint(3, {})
+    weights = first.engine.full_state_dict()
+    cfg = _cfg()
+    next_config = Engine.Config.from_run_config(
+        cfg, VOCAB, cfg.sft.optimizer.model_copy(update={"lr": 5e-3}), total_steps=4
+    )
+
+    loaded = next_config.build()
+    loaded.load_full_state_dict(weights)
+    load_components(store, ref, {"optimizer": loaded.optimizers}, loaded.dist)
+    loaded.carry_optimizer()
+    kept = first.engine.go_on(next_config)
+    fresh = next_config.build()  # the same config, a new AdamW
+    fresh.load_full_state_dict(weights)
+
+    assert kept.optimizer_steps() == loaded.optimizer_steps() == 3 and fresh.optimizer_steps() == 0
+    for engine in (kept, loaded):
+        group = engine.optimizers.optimizers[0].param_groups[0]
+        assert group["initial_lr"] == 5e-3 and engine.lr == fresh.lr < 5e-3  # the new schedule's first warmup step
+    for engine in (kept, loaded, fresh):
+        TitanTrainer(engine).train_step(batches[3].split(2), TokenCrossEntropy())
+    after_kept, after_loaded, after_fresh = (e.full_state_dict() for e in (kept, loaded, fresh))
+    assert all(torch.equal(after_kept[k], after_loaded[k]) for k in after_kept)
+    assert any(not torch.equal(after_kept[k], after_fresh[k]) for k in after_kept)  # the carried moments counted

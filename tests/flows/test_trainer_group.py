@@ -9,10 +9,10 @@ On the tiny config with a reward that varies within groups (so GRPO really updat
   survives the flow;
 - its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), in this process on the
   test run's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
-  policies, bitwise, and the same step metrics (a group's second iteration trains on with the engine of its
-  first, a stage loads the export);
-- a run that ends after iteration 0 and a new run of iteration 1: the new group loads the committed policy from
-  the store and commits the same policy, bitwise;
+  policies, bitwise, and the same step metrics (a group's second iteration trains on with the engine and AdamW
+  of its first, a stage loads the export and the committed optimizer state);
+- a run that ends after iteration 0 and a new run of iteration 1: the new group loads the committed policy and
+  its final AdamW state from the store and commits the same policy, bitwise;
 - flow lifetime with a rank SIGKILLed mid-iteration: the task's retry places a new group, which resumes from
   the in-stage checkpoint, and the policies are again the same, bitwise;
 - a user error inside the group fails the stage FATAL with the worker's message and leaves no group;
@@ -268,6 +268,9 @@ def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, 
             kept = lifetime == "flow" and iteration == 1
             metrics = store.read_manifest(uri).metrics
             assert metrics["model_init"] == ("kept" if kept else "export")
+            # grpo.optimizer_state=carry: iteration 1's AdamW goes on from iteration 0's, held by the group's ranks
+            # or read from iteration 0's committed final checkpoint; the same policy either way (above).
+            assert metrics["optimizer_init"] == ("fresh" if iteration == 0 else "kept" if kept else "checkpoint")
             # A kept engine's stage reads the input policy's config and tokenizer from the store, not its weights.
             weights = sum(map(len, _policy_bytes(store, store.read_manifest(uri).inputs["policy"].uri).values()))
             assert (metrics["load/policy_bytes_read"] < weights) == kept, (metrics["load/policy_bytes_read"], weights)
@@ -298,6 +301,10 @@ def test_a_new_run_goes_on_from_the_policy_the_store_committed(flow_lifetime_run
     assert ray_cluster.live_actors() == []  # the first run's group ended with it
     [(second, _)] = grpo_chain(config_to_json(cfg), first, rollouts[1:], 0, first_iteration=1)
     assert store.read_manifest(second).metrics["model_init"] == "export"
+    assert store.read_manifest(second).metrics["optimizer_init"] == "checkpoint"  # the store's, as the group's was
+    assert store.read_manifest(second).metrics["optimizer/adam_steps"] > store.read_manifest(first).metrics[
+        "optimizer/adam_steps"
+    ]
     assert store.read_manifest(second).inputs["policy"].uri == first
     reference = flow_run.grpo_uri(1)
     assert flow_run.store.read_manifest(reference).metrics["model_init"] == "kept"

@@ -36,6 +36,7 @@ def stage(tmp_path_factory):
     cfg = grpo_test_config(
         tmp, "grpo.mode=async", "grpo.max_staleness=1", "grpo.correction.type=tis", "grpo.correction.tis_cap=2.0",
         "grpo.loss.kl_coef=0.05", "grpo.epochs=1",
+        "grpo.optimizer_state=fresh",  # the parent below is written by hand: it has no AdamW state to go on with
     )
     store = ObjectStore.from_config(cfg.storage)
     tokenizer = demo_tokenizer(tmp)

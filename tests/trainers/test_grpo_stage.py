@@ -128,8 +128,10 @@ def test_stage_commits_policy_with_lineage_and_metrics(setup):
     assert first["mismatch/logprob_diff_max"] < 1e-5 and manifest.metrics["correction"] == "none"
     # Later steps are off-policy against the stored generator logprobs: the ratio moves away from 1.
     assert manifest.metrics["policy/ratio_max"] > 1.0
-    # Step 2 only: after the last step (4) the stage exports its policy instead of checkpointing.
-    assert [ref.step for ref in committed_checkpoints(setup.store, uri)] == [2]
+    # Step 2 (checkpoint_every) and the last step's (grpo.optimizer_state=carry: the next iteration's AdamW).
+    assert [ref.step for ref in committed_checkpoints(setup.store, uri)] == [4, 2]
+    assert manifest.metrics["optimizer/state_step"] == STEPS and manifest.metrics["optimizer_init"] == "fresh"
+    assert manifest.metrics["optimizer/adam_steps"] == STEPS  # an SFT input policy: a new AdamW
     assert setup.store.is_committed(setup.store.join(uri, "policy"))
     trained = setup.weights("two-ranks")
     start = read_policy_weights(setup.store, setup.policy_uri, setup.tmp / "w-parent")
@@ -155,7 +157,7 @@ def test_one_rank_and_two_ranks_give_the_same_update(setup):
 def test_without_a_correction_the_sampler_scoring_is_skipped_and_the_update_is_the_same(setup):
     """With correction none the loss never reads the old logprobs: unless asked to measure the mismatch, the
     stage skips that forward, and trains exactly as the measuring run did."""
-    cfg = grpo_test_config(setup.tmp, "grpo.loss.kl_coef=0.05", "grpo.checkpoint_every=2")
+    cfg = grpo_test_config(setup.tmp, "grpo.loss.kl_coef=0.05", "grpo.checkpoint_every=2", "grpo.optimizer_state=fresh")
     setup.run_in_process("unmeasured", cfg)
     measured = setup.store.read_manifest(setup.store.artifact_uri("grpo", "one-rank")).metrics
     unmeasured = setup.store.read_manifest(setup.store.artifact_uri("grpo", "unmeasured")).metrics
@@ -172,6 +174,17 @@ def test_without_a_correction_the_sampler_scoring_is_skipped_and_the_update_is_t
     ]
     w_measured, w_unmeasured = setup.weights("one-rank"), setup.weights("unmeasured")
     assert all(torch.equal(w_measured[k], w_unmeasured[k]) for k in w_measured)
+    # optimizer_state=fresh (on an SFT input both start a new AdamW): no optimizer state is committed, so a
+    # stage that would carry it on from this policy is refused before it builds anything.
+    unmeasured_uri = setup.store.artifact_uri("grpo", "unmeasured")
+    assert [ref.step for ref in committed_checkpoints(setup.store, unmeasured_uri)] == [2]
+    assert "optimizer/state_step" not in unmeasured
+    spec_uri = grpo_spec(
+        setup.cfg, setup.store, setup.store.artifact_uri("grpo", "on-fresh"), {**setup.inputs, "policy": unmeasured_uri}
+    )
+    with pytest.raises(ValueError, match=r"grpo.optimizer_state=carry: inputs.policy=.*unmeasured committed no "
+                                         r"optimizer state.*set grpo.optimizer_state=fresh"):
+        run_spec(read_spec(spec_uri))
 
 
 def test_interrupted_stage_resumes_mid_stage_exactly(setup, monkeypatch):
@@ -210,6 +223,10 @@ def test_stage_on_a_grpo_parent_scores_the_kl_against_the_sft_root(setup):
         destroy_distributed()
     manifest = setup.store.read_manifest(output)
     assert manifest.inputs["reference"].uri == setup.policy_uri
+    # AdamW went on from the parent's committed final state: its step counts continue from the parent's.
+    parent_metrics = setup.store.read_manifest(parent).metrics
+    assert manifest.metrics["optimizer_init"] == "checkpoint"
+    assert manifest.metrics["optimizer/adam_steps"] == parent_metrics["optimizer/adam_steps"] + manifest.metrics["train/steps"]
     assert manifest.metrics["rollout/sampled_by_input_policy"] == 0.0
 
     table = setup.store.reader(setup.rollouts_uri).read_table("rollouts.parquet")
