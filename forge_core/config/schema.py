@@ -340,8 +340,6 @@ class OptimizerConfig(Section):
         to `min_lr_ratio * lr` at `total_steps`."""
         from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
-        if total_steps < 1:
-            raise ValueError(f"total_steps={total_steps}: the LR schedule needs at least one step")
         adamw = {
             "lr": self.lr, "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay
         }
@@ -353,11 +351,9 @@ class OptimizerConfig(Section):
         return optimizers, self._schedule(optimizers, total_steps)
 
     def reschedule(self, optimizers: Any, total_steps: int) -> Any:
-        """Set this section's hyperparameters on built AdamW `optimizers`, whose moments and step
-        counts go on as they are, and return a new LR schedule over `total_steps` from its first step (what
-        `build` gives them, but with the moments kept). Raises ValueError when `total_steps` < 1."""
-        if total_steps < 1:
-            raise ValueError(f"total_steps={total_steps}: the LR schedule needs at least one step")
+        """Set this section's hyperparameters on built AdamW `optimizers`, whose moments and step counts go on as
+        they are, and return a new LR schedule over `total_steps` from its first step (what `build` gives them,
+        but with the moments kept). Raises ValueError when `total_steps` < 1."""
         for optimizer in optimizers.optimizers:
             for group in optimizer.param_groups:
                 group.update(
@@ -369,6 +365,8 @@ class OptimizerConfig(Section):
     def _schedule(self, optimizers: Any, total_steps: int) -> Any:
         from torchtitan.components.optimizer import LRSchedulersContainer
 
+        if total_steps < 1:
+            raise ValueError(f"total_steps={total_steps}: the LR schedule needs at least one step")
         return LRSchedulersContainer.Config(
             warmup_steps=min(self.warmup_steps, total_steps),
             total_steps=total_steps,

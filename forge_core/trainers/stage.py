@@ -3,7 +3,8 @@
 Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 
     policy/                 a nested committed `policy` artifact (HF folder, see forge_core.artifacts.policy)
-    _checkpoints/step-N/    nested committed DCP checkpoints (resume; the newest storage.keep_checkpoints)
+    _checkpoints/step-N/    nested committed DCP checkpoints (resume; the newest storage.keep_checkpoints); a
+                            GRPO stage's last one holds the AdamW state the next iteration carries on
     _attempts/<attempt>/    train_summary.json: stage metrics (+ per-step metrics for GRPO)
     _MANIFEST.json          kind sft|grpo, lineage (inputs), config, metrics, the attempt it lists
 
