@@ -5,6 +5,6 @@ the split of one rollout batch into optimizer steps. Pure torch, below losses an
 """
 
 from forge_core.batch.rl import MiniBatchStep, RLBatch, plan_minibatches
-from forge_core.batch.tokens import TokenBatch, pad_token_rows
+from forge_core.batch.tokens import TokenBatch, next_token_batch, pad_token_rows
 
-__all__ = ["MiniBatchStep", "RLBatch", "TokenBatch", "pad_token_rows", "plan_minibatches"]
+__all__ = ["MiniBatchStep", "RLBatch", "TokenBatch", "next_token_batch", "pad_token_rows", "plan_minibatches"]

@@ -92,22 +92,28 @@ def pad_token_rows(
     """
     if not rows:
         raise ValueError("pad_token_rows: no rows")
-    lengths = [len(ids) - 1 for ids, _ in rows]
-    if min(lengths) < 1:
+    lengths = np.array([len(ids) - 1 for ids, _ in rows], dtype=np.int64)
+    if lengths.min() < 1:
         raise ValueError("pad_token_rows: every row needs at least 2 tokens (one input, one target)")
-    width = max(lengths)
-    width = -(-width // pad_to_multiple) * pad_to_multiple
-    input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    target_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    loss_mask = np.zeros((len(rows), width), dtype=bool)
+    width = -(-int(lengths.max()) // pad_to_multiple) * pad_to_multiple
+    ids_BS = np.full((len(rows), width + 1), pad_id, dtype=np.int64)
+    learn_BS = np.zeros((len(rows), width + 1), dtype=bool)
     for i, (ids, mask) in enumerate(rows):
-        n = len(ids) - 1
-        input_ids[i, :n] = ids[:-1]
-        target_ids[i, :n] = ids[1:]
-        loss_mask[i, :n] = np.asarray(mask[1:], dtype=bool)
+        ids_BS[i, : len(ids)] = ids
+        learn_BS[i, : len(ids)] = np.asarray(mask, dtype=bool)
+    return next_token_batch(ids_BS, learn_BS, lengths, pad_id)
+
+
+def next_token_batch(ids_BS: np.ndarray, learn_BS: np.ndarray, lengths_B: np.ndarray, pad_id: int) -> TokenBatch:
+    """Whole rows, right-padded with `pad_id`, as a TokenBatch: row i is `ids_BS[i, : lengths_B[i] + 1]` and
+    `learn_BS` marks the tokens to learn (False on padding). Input position t is scored on token t + 1; each
+    input position from `lengths_B[i]` on is padding (`pad_id`, no loss)."""
+    input_BL = ids_BS[:, :-1].copy()
+    short = np.flatnonzero(lengths_B < input_BL.shape[1])
+    input_BL[short, lengths_B[short]] = pad_id  # the row's last token is a target only
     return TokenBatch(
-        input_ids_BL=torch.from_numpy(input_ids),
-        target_ids_BL=torch.from_numpy(target_ids),
-        loss_mask_BL=torch.from_numpy(loss_mask),
-        lengths_B=torch.tensor(lengths, dtype=torch.int64),
+        input_ids_BL=torch.from_numpy(input_BL),
+        target_ids_BL=torch.from_numpy(np.ascontiguousarray(ids_BS[:, 1:])),
+        loss_mask_BL=torch.from_numpy(np.ascontiguousarray(learn_BS[:, 1:])),
+        lengths_B=torch.from_numpy(np.asarray(lengths_B, dtype=np.int64).copy()),
     )

@@ -20,6 +20,7 @@ import datetime
 import os
 import re
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -222,7 +223,9 @@ class SharedMemoryBuckets:
 
     Bucket k goes into file k % 2, then every member passes barrier k. An engine reaches barrier k + 1 only after
     loading bucket k, so the sender never overwrites a bucket an engine still reads. Every member has mapped the
-    files by barrier 0, so the sender removes them there: a member that dies later leaves nothing in /dev/shm.
+    files by barrier 0, so the sender removes them there: a member that dies later leaves nothing in /dev/shm. A
+    sender ended before barrier 0 is first asked to remove them (`release_shared_memory`); one killed outright
+    leaves them to the next sender of its host (`remove_orphaned_buckets`).
     vLLM's layerwise reload keeps the tensors it is given until their layer is complete, so buckets hold whole
     decoder layers and the engine copies out whatever vLLM still keeps after each bucket (or every bucket, without
     `_layerwise_buffers`)."""
@@ -240,10 +243,15 @@ class SharedMemoryBuckets:
 
     @classmethod
     def create(cls, size: int) -> SharedMemoryBuckets:
-        """The sender's files of `size` bytes each (in /dev/shm where the host has it)."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        stem = f"forgeflow-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        return cls([os.path.join(folder, f"{stem}-{k}") for k in range(cls.COUNT)], size, owner=True)
+        """The sender's files of `size` bytes each (in /dev/shm where the host has it), after removing the files
+        of senders of this host that died before removing theirs."""
+        folder = bucket_folder()
+        remove_orphaned_buckets(folder)
+        stem = f"{BUCKET_FILE_PREFIX}{os.getpid()}-{_pid_namespace()}-{uuid.uuid4().hex[:12]}"
+        paths = [os.path.join(folder, f"{stem}-{k}") for k in range(cls.COUNT)]
+        with _owned_lock:
+            _owned.update(paths)
+        return cls(paths, size, owner=True)
 
     def sender_ring(self, largest: int) -> list[torch.Tensor]:
         return self.buffers
@@ -282,9 +290,71 @@ class SharedMemoryBuckets:
 
     def _unlink(self) -> None:
         if self.owner:
-            for path in self.paths:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            _remove(self.paths)
+
+
+BUCKET_FILE_PREFIX = "forgeflow-weights-"
+# This process's bucket files that are still named: what release_shared_memory removes (from any thread).
+_owned: set[str] = set()
+_owned_lock = threading.Lock()
+_OWNER = re.compile(rf"^{BUCKET_FILE_PREFIX}(\d+)-(\d+)-")
+
+
+def bucket_folder() -> str:
+    """Where senders of this host put their bucket files."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (0 where unknown): a pid names a process only within its namespace, and hosts
+    whose containers share /dev/shm may run several."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _remove(paths: Sequence[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with _owned_lock:
+            _owned.discard(path)
+
+
+def release_shared_memory() -> list[str]:
+    """Remove every bucket file this process created and has not yet removed; the paths removed. For a process
+    about to be ended in the middle of a round (a killed sender cannot remove its files itself)."""
+    with _owned_lock:
+        paths = sorted(_owned)
+    _remove(paths)
+    return paths
+
+
+def remove_orphaned_buckets(folder: str) -> list[str]:
+    """Remove the bucket files in `folder` whose sender, a process of this pid namespace, is gone; the paths
+    removed. A sender killed before its engines had mapped its files leaves them behind."""
+    namespace = _pid_namespace()
+    removed = []
+    for name in os.listdir(folder):
+        owner = _OWNER.match(name)
+        if owner is None or int(owner.group(2)) != namespace or _alive(int(owner.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def round_plan(params: Sequence[Param], bucket_bytes: int, shared_memory: bool) -> tuple[list[range], list[int]]:

@@ -12,7 +12,8 @@ With a mismatch correction or `grpo.correction.measure_mismatch`, every row is f
 that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 
 Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
-manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export).
+manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export; the
+state is written while rank 0 writes the export, so the export's phase holds it).
 
 Every stage starts from the exported weights and a new LR schedule over its rollout batch. With
 `grpo.optimizer_state: carry` (the default) AdamW goes on with the moments and step counts of the stage that
@@ -305,10 +306,14 @@ def train(ctx: StageContext) -> None:
                 batch, plan_seed(cfg.seed, iteration), history, log_extra={**rollouts.stats, **mismatch}
             )
             fit_s = phases.lap("steps")
-            carried = {}
-            if cfg.grpo.optimizer_state == "carry":  # the next iteration goes on from here, whatever runs it
-                carried[OPTIMIZER_STATE_STEP] = trainer.save_checkpoint(trainer.step, {"history": history}).step
-                phases.lap("state")
+
+            def save_optimizer_state() -> dict:
+                """The next iteration goes on from here, whatever runs it."""
+                clock = PhaseClock()
+                step = trainer.save_checkpoint(trainer.step, {"history": history}).step
+                clock.lap("state")
+                return {OPTIMIZER_STATE_STEP: step, **clock.metrics()}
+
             metrics = {
                 **rollouts.stats,
                 **summarize_steps(history),
@@ -321,12 +326,13 @@ def train(ctx: StageContext) -> None:
                 "resumed_from_step": resume.step if resume is not None else 0,
                 "optimizer_init": optimizer_init(engine, optimizer_state),
                 "optimizer/adam_steps": engine.optimizer_steps(),  # over every iteration it carried on from
-                **carried,
                 "model_init": "kept" if engine.restarted else "export",  # kept: the group's engine went on
                 "load/policy_bytes_read": policy.bytes_read(),  # kept: the config and tokenizer files alone
                 **phases.metrics(),
             }
-            run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history)
+            # The state is written while rank 0 writes the export.
+            carry = save_optimizer_state if cfg.grpo.optimizer_state == "carry" else None
+            run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history, alongside=carry)
             if ctx.held is not None:
                 ctx.held.keep(engine, ctx.output_uri)  # the exported weights, for the engines (weight_sync)
         finally:

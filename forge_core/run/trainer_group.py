@@ -39,6 +39,7 @@ from forge_core.launch import LaunchResult, Outcome
 from forge_core.launch.classify import exception_result
 from forge_core.launch.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, read_heartbeats, stall_note
 from forge_core.launch.spec import DEADLINE_ENV
+from forge_core.rollout.weight_buckets import release_shared_memory
 from forge_core.run.plan import StagePlan
 from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
@@ -110,6 +111,11 @@ class TrainerRank:
 
     def heartbeat(self) -> Heartbeat | None:
         return read_heartbeats(self.heartbeat_dir).get(self.rank)
+
+    def release(self) -> None:
+        """Give back what outlives this process if it is killed now: the shared-memory files of a weight push
+        it may be waiting in (a thread of its own; the push may never return)."""
+        release_shared_memory()
 
     def close(self) -> None:
         self.held.drop()
@@ -252,6 +258,9 @@ def _end(ranks: list[Hosted], group: HostGroup, failing: bool) -> None:
 
     def end(rank: Hosted) -> None:
         if failing:
+            if rank.lost() is None:
+                with contextlib.suppress(Exception):  # bounded; ended below either way
+                    rank.call("release", timeout=TRAINER_RANK_CALL_S)
             rank.mark_lost("ended with its group")  # no close call: ended at once
         rank.close(TRAINER_CLOSE_S)
 

@@ -112,17 +112,29 @@ class TrainingRun:
         }
 
     def finish(
-        self, trainer: TitanTrainer, metrics: dict, tokenizer_dir: str | None, steps: list | None = None
+        self,
+        trainer: TitanTrainer,
+        metrics: dict,
+        tokenizer_dir: str | None,
+        steps: list | None = None,
+        alongside: Callable[[], dict] | None = None,
     ) -> dict:
         """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics` plus
         the policy URI, `phase/export_s`, the engine's layout and `wall_s`; `train_summary.json` holds them (and,
-        given `steps`, every step's). Returns the stage's metrics."""
+        given `steps`, every step's). Returns the stage's metrics.
+
+        Args:
+            alongside: collective work run while rank 0 writes the export (the two overlap); the metrics it
+                returns join the stage's (not the policy artifact's).
+        """
         ctx = self.ctx
         export = PhaseClock()
-        policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics)
+        extra: dict = {}
+        also = None if alongside is None else lambda: extra.update(alongside())
+        policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics, alongside=also)
         export.lap("export")
         layout = {k: v for k, v in trainer.engine.describe().items() if not isinstance(v, dict)}
-        final = {**metrics, **export.metrics(), "policy_uri": policy_uri, **layout, "wall_s": ctx.wall_s()}
+        final = {**metrics, **extra, **export.metrics(), "policy_uri": policy_uri, **layout, "wall_s": ctx.wall_s()}
         trainer.sink.summary({k: v for k, v in final.items() if isinstance(v, (int, float))})
         summary = final if steps is None else {"metrics": final, "steps": steps}
         run_on_rank0(

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -214,9 +216,23 @@ class TitanTrainer:
             self.step = resume.step
         return resume
 
-    def export_weights(self, uri: str, tokenizer_dir: str | None, metrics: dict | None = None) -> str:
+    def export_weights(
+        self,
+        uri: str,
+        tokenizer_dir: str | None,
+        metrics: dict | None = None,
+        alongside: Callable[[], object] | None = None,
+    ) -> str:
         """Collective: write the full weights as an HF folder in `engine.export_dtype` and commit it as a
-        `policy` artifact at `uri` (on rank 0). Returns `uri`."""
+        `policy` artifact at `uri` (on rank 0). Returns `uri`.
+
+        Args:
+            alongside: collective work every rank runs while rank 0 writes and commits the folder on a thread of
+                its own (the writing takes no collective); both have ended when this returns.
+
+        Raises:
+            The error of `alongside` (every rank), else rank 0's writing error (as run_on_rank0 raises it).
+        """
         if self.artifacts is None:
             raise ValueError("this trainer was built without artifacts=ArtifactContext(...); cannot export")
         full = self.engine.full_state_dict(dtype=self.engine.export_dtype)
@@ -235,7 +251,18 @@ class TitanTrainer:
                 )
             return uri
 
-        run_on_rank0(write_and_commit, self.engine.dist)
+        writing = None
+        if self.engine.dist.is_rank0:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="forge-export")
+            writing = pool.submit(write_and_commit)
+            pool.shutdown(wait=False)
+        try:
+            if alongside is not None:
+                alongside()
+        finally:
+            if writing is not None:
+                futures.wait([writing])  # never a writer left running past the export
+        run_on_rank0(writing.result if writing is not None else lambda: uri, self.engine.dist)
         return uri
 
     def record_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:

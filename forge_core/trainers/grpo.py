@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
-from forge_core.batch import MiniBatchStep, RLBatch, pad_token_rows, plan_minibatches
+from forge_core.batch import MiniBatchStep, RLBatch, next_token_batch, plan_minibatches
 from forge_core.config.schema import AdvantageConfig, GRPOConfig
 from forge_core.engine import Engine
 from forge_core.losses.grpo import ClippedPolicyLoss
@@ -83,19 +84,19 @@ def training_rows(table: pa.Table) -> pa.Table:
     return table.filter(table.column(KEPT_COLUMN))
 
 
-def response_masks(table: pa.Table, source: str) -> list[np.ndarray] | None:
-    """Per row, which response tokens the model generated (the `response_mask` column of multi-turn
-    episodes); None for single-turn rows, where every response token is the model's."""
-    if RESPONSE_MASK_COLUMN not in table.column_names:
-        return None
-    masks = [np.asarray(m, dtype=bool) for m in table.column(RESPONSE_MASK_COLUMN).to_pylist()]
-    for i, (mask, response) in enumerate(zip(masks, table.column("response_ids").to_pylist())):
-        if len(mask) != len(response):
-            raise ValueError(
-                f"{source}: row {i} has {len(response)} response tokens but a {RESPONSE_MASK_COLUMN} of {len(mask)}; "
-                "an episode's mask marks each of its tokens"
-            )
-    return masks
+def _list_lengths(table: pa.Table, column: str) -> np.ndarray:
+    """Each row's list length in `column` (0 for a null)."""
+    return pc.list_value_length(table.column(column)).fill_null(0).to_numpy().astype(np.int64)
+
+
+def _list_values(table: pa.Table, column: str) -> np.ndarray:
+    """Every row's list items in `column`, one row after another."""
+    return table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+
+
+def _first_bad_row(bad_B: np.ndarray) -> int | None:
+    rows = np.flatnonzero(bad_B)
+    return int(rows[0]) if rows.size else None
 
 
 def rollouts_to_rl_batch(
@@ -105,7 +106,7 @@ def rollouts_to_rl_batch(
 
     Row i is `prompt_ids + response_ids`; response token j is the target at position `len(prompt) - 1 + j`,
     where its generator logprob and response mask are placed. A multi-turn episode carries loss only on the
-    tokens the model generated (`response_masks`). Advantages come from `reward` within `group_id`;
+    tokens the model generated (its `response_mask`). Advantages come from `reward` within `group_id`;
     completions with `finish_reason == "length"` are truncated (masked when `advantage_cfg.mask_truncated`).
     Raises ValueError for missing columns, no kept rows, or malformed rows.
     """
@@ -114,27 +115,39 @@ def rollouts_to_rl_batch(
     table = training_rows(table)
     if table.num_rows == 0:
         raise ValueError(f"{source}: no row is flagged {KEPT_COLUMN}; dynamic sampling keeps at least one group")
-    prompts = table.column("prompt_ids").to_pylist()
-    responses = table.column("response_ids").to_pylist()
-    logprobs = table.column("response_logprobs").to_pylist()
-    model_masks = response_masks(table, source)
-    token_rows = []
-    for i, (prompt, response, response_logprobs) in enumerate(zip(prompts, responses, logprobs)):
-        if not prompt or not response:
-            raise ValueError(f"{source}: row {i} has an empty prompt or response; every rollout needs both")
-        if len(response_logprobs) != len(response):
-            raise ValueError(
-                f"{source}: row {i} has {len(response)} response tokens but {len(response_logprobs)} logprobs; "
-                "the generator must return one logprob per sampled token"
-            )
-        mask = np.zeros(len(prompt) + len(response), dtype=bool)
-        mask[len(prompt) :] = True if model_masks is None else model_masks[i]
-        token_rows.append((np.asarray(prompt + response, dtype=np.int64), mask))
-    tokens = pad_token_rows(token_rows, pad_id=pad_id)
-    generator_BL = torch.zeros(tokens.input_ids_BL.shape, dtype=torch.float32)
-    for i, (prompt, response_logprobs) in enumerate(zip(prompts, logprobs)):
-        start = len(prompt) - 1
-        generator_BL[i, start : start + len(response_logprobs)] = torch.tensor(response_logprobs)
+    prompt_B, response_B = _list_lengths(table, "prompt_ids"), _list_lengths(table, "response_ids")
+    logprobs_B = _list_lengths(table, "response_logprobs")
+    if (i := _first_bad_row((prompt_B == 0) | (response_B == 0))) is not None:
+        raise ValueError(f"{source}: row {i} has an empty prompt or response; every rollout needs both")
+    if (i := _first_bad_row(logprobs_B != response_B)) is not None:
+        raise ValueError(
+            f"{source}: row {i} has {response_B[i]} response tokens but {logprobs_B[i]} logprobs; "
+            "the generator must return one logprob per sampled token"
+        )
+    multi_turn = RESPONSE_MASK_COLUMN in table.column_names
+    mask_B = _list_lengths(table, RESPONSE_MASK_COLUMN) if multi_turn else response_B
+    if (i := _first_bad_row(mask_B != response_B)) is not None:
+        raise ValueError(
+            f"{source}: row {i} has {response_B[i]} response tokens but a {RESPONSE_MASK_COLUMN} of {mask_B[i]}; "
+            "an episode's mask marks each of its tokens"
+        )
+    # Row i is prompt_ids + response_ids, right-padded: the items of a column land, in order, where its mask is.
+    total_B = prompt_B + response_B
+    position_S = np.arange(int(total_B.max()))
+    in_prompt_BS = position_S < prompt_B[:, None]
+    in_response_BS = ~in_prompt_BS & (position_S < total_B[:, None])
+    ids_BS = np.full(in_prompt_BS.shape, pad_id, dtype=np.int64)
+    ids_BS[in_prompt_BS] = _list_values(table, "prompt_ids")
+    ids_BS[in_response_BS] = _list_values(table, "response_ids")
+    # Loss only on the tokens the model generated: every response token, or an episode's mask of them.
+    learn_BS = in_response_BS.copy()
+    if multi_turn:
+        learn_BS[in_response_BS] = _list_values(table, RESPONSE_MASK_COLUMN).astype(bool)
+    tokens = next_token_batch(ids_BS, learn_BS, total_B - 1, pad_id)
+    # Response token j is the target at input position len(prompt) - 1 + j.
+    generator_BS = np.zeros(in_prompt_BS.shape, dtype=np.float32)
+    generator_BS[in_response_BS] = _list_values(table, "response_logprobs")
+    generator_BL = torch.from_numpy(np.ascontiguousarray(generator_BS[:, 1:]))
 
     rewards_B = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float64)
     truncated_B = torch.tensor(
@@ -146,9 +159,9 @@ def rollouts_to_rl_batch(
     batch = RLBatch.from_token_batch(tokens, advantages_B, generator_BL).keep_rows(keep_B)
     stats = {
         **stats,
-        "rollout/samples": float(len(prompts)),
+        "rollout/samples": float(table.num_rows),
         "rollout/generated_samples": float(generated),
-        "rollout/response_tokens": float(sum(len(r) for r in responses)),
+        "rollout/response_tokens": float(response_B.sum()),
     }
     return RolloutBatch(batch=batch, stats=stats)
 

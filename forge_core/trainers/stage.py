@@ -18,6 +18,7 @@ first manifest wins, and the other attempt uses the winner's artifact (same cont
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from forge_core.artifacts.policy import policy_uri
 from forge_core.engine.distributed import broadcast_object
@@ -29,17 +30,26 @@ log = logging.getLogger(__name__)
 SUMMARY_FILE = "train_summary.json"
 
 
-def export_policy(trainer: TitanTrainer, output_uri: str, tokenizer_dir: str | None, metrics: dict) -> str:
+def export_policy(
+    trainer: TitanTrainer,
+    output_uri: str,
+    tokenizer_dir: str | None,
+    metrics: dict,
+    alongside: Callable[[], object] | None = None,
+) -> str:
     """Collective: commit the trainer's weights as `<output_uri>/policy` (skipped when a previous attempt of
-    the stage already committed it). Returns its URI."""
+    the stage already committed it), running `alongside` (collective) meanwhile as `export_weights` does.
+    Returns its URI."""
     assert trainer.artifacts is not None, "export_policy needs a trainer built with artifacts=ArtifactContext"
     store = trainer.artifacts.store
     uri = policy_uri(store, output_uri)
     is_rank0 = trainer.engine.dist.is_rank0
     if broadcast_object(store.is_committed(uri) if is_rank0 else None):  # one answer for every rank
+        if alongside is not None:
+            alongside()
         return uri
     try:
-        trainer.export_weights(uri, tokenizer_dir, metrics=metrics)
+        trainer.export_weights(uri, tokenizer_dir, metrics=metrics, alongside=alongside)
     except Exception as exc:
         # Rank 0 raises the writer's own error; the other ranks a RuntimeError about rank 0: rank 0 decides.
         if not broadcast_object(isinstance(exc, ArtifactAlreadyCommitted) if is_rank0 else None):

@@ -6,7 +6,9 @@ Every wait waits for an event under a generous bound; none depends on how fast t
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from flows.post_train import flow_resources, post_train, start_flow
 from forge_core.config import load_config
 from forge_core.faults import FAULT_ENV, FAULT_ONCE_ENV
 from forge_core.launch import terminate_all_live
+from forge_core.rollout.weight_buckets import bucket_folder
 from forge_core.storage import ObjectStore
 from tasks import run_as_task
 from tests.ray_cluster import POOL
@@ -234,3 +237,5 @@ def test_a_trainer_rank_node_lost_mid_grpo_is_retried_by_a_new_group_that_resume
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
     assert ray_cluster.live_actors() == []
     assert wait_for("no stage process left", lambda: not ray_cluster.stage_processes())
+    # A weight push the failure cut short (to an engine on the removed node) left no bucket files behind.
+    assert not glob.glob(os.path.join(bucket_folder(), "forgeflow-weights-*"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +23,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forge_core.config import load_config
-from forge_core.rollout.weight_buckets import Param, decoder_layer, plan_buckets
+from forge_core.rollout.weight_buckets import (
+    Param,
+    SharedMemoryBuckets,
+    bucket_folder,
+    decoder_layer,
+    plan_buckets,
+)
 from forge_core.rollout.weight_transfer import GeneratorClient, GlooTrainerEngine, GlooTrainerInit
 from forge_core.run.weight_sync import HeldPolicySource
 from tests.rollout.conftest import ENGINE_POLICY_VERSION, MODEL_CFG
@@ -92,6 +99,66 @@ def test_a_trainer_rank_sends_weights_without_importing_vllm():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+_SENDER_ENDED_MID_ROUND = textwrap.dedent("""
+    import glob, os, signal, socket, sys, threading, time
+    import torch
+    from forge_core.rollout import weight_buckets
+
+    class Weights:
+        def __init__(self):
+            self.tensors = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(5)}
+        def metadata(self):
+            return [weight_buckets.Param(n, torch.float32, tuple(t.shape)) for n, t in self.tensors.items()]
+        def __iter__(self):
+            return iter(self.tensors.items())
+
+    class StalledEngine:  # joins the group, then never loads a bucket: the sender waits at barrier 0
+        def init_weight_transfer_engine(self, info):
+            self.group = weight_buckets.open_group(
+                info["master_address"], info["master_port"], 1, info["world_size"], "127.0.0.1", info["timeout_s"]
+            )
+        def start_weight_update(self):
+            pass
+        def update_weights(self, info):
+            threading.Event().wait()
+        def finish_weight_update(self, weight_version=None):
+            pass
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rendezvous = weight_buckets.EngineRendezvous("127.0.0.1", port, 1, 2, 16, timeout_s=600)
+    sender = weight_buckets.BucketSender.join(Weights(), StalledEngine(), rendezvous, shared_memory=True)
+    threading.Thread(target=sender.send_weights, daemon=True).start()
+    mine = os.path.join(weight_buckets.bucket_folder(), f"forgeflow-weights-{os.getpid()}-*")
+    while len(glob.glob(mine)) < 2:  # bounded by the test's timeout
+        time.sleep(0.05)
+    if sys.argv[1] == "release":  # what ending a trainer group asks of each rank before it kills it
+        print(len(weight_buckets.release_shared_memory()), len(glob.glob(mine)), flush=True)
+    else:
+        print(0, len(glob.glob(mine)), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("how", ["release", "kill"], ids=["released-then-killed", "killed"])
+def test_a_sender_ended_in_the_middle_of_a_round_leaves_no_shared_memory(how):
+    """A trainer rank is ended with its group while it waits for an engine that never reached the round's first
+    barrier, so no engine has mapped its files and it has not removed them. Asked first (`release`, as ending a
+    group does), it removes them itself; killed outright, the host's next sender removes the dead one's files."""
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER_ENDED_MID_ROUND, how], stdout=subprocess.PIPE, text=True)
+    out, _ = sender.communicate(timeout=300)
+    assert sender.returncode == -signal.SIGKILL, out
+    removed, left = (int(n) for n in out.split())
+    files = os.path.join(bucket_folder(), f"forgeflow-weights-{sender.pid}-*")
+    if how == "kill":
+        assert left == 2 and len(glob.glob(files)) == 2  # a killed sender cannot remove them itself
+        SharedMemoryBuckets.create(16).close()  # the host's next sender
+    else:
+        assert (removed, left) == (2, 0), out
+    assert not glob.glob(files)
 
 
 def _vllm_state(generator) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ policy, scored by the engine before training), 4 optimizer steps (2 epochs x 2 m
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +28,17 @@ from grpo_helpers import (
     write_policy_artifact,
     write_rollouts_artifact,
 )
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from forge_core.batch import plan_minibatches
-from forge_core.engine import committed_checkpoints, destroy_distributed
+from forge_core.engine import (
+    CheckpointRef,
+    Engine,
+    checkpoint_uri,
+    committed_checkpoints,
+    destroy_distributed,
+    load_components,
+)
 from forge_core.faults import FAULT_ENV, InjectedFault
 from forge_core.launch import LaunchSpec, Outcome, launch
 from forge_core.models import model_logprobs
@@ -255,3 +264,35 @@ def test_stage_on_a_grpo_parent_scores_the_kl_against_the_sft_root(setup):
 
 def _plain_from(setup, weights: dict) -> torch.nn.Module:
     return plain_policy(setup.cfg, weights["tok_embeddings.weight"].shape[0], state_dict=weights)
+
+
+def test_one_rank_goes_on_with_the_optimizer_state_two_ranks_committed(setup, tmp_path):
+    """DCP reshards the carried AdamW state to another world size: each of the two FSDP ranks committed its shard
+    of every moment; one rank loads them whole (bitwise the two ranks' moments, unsharded) and a stage on one
+    rank goes on from them."""
+    parent = setup.store.artifact_uri("grpo", "two-ranks")
+    step = int(setup.store.read_manifest(parent).metrics["optimizer/state_step"])
+    ref = CheckpointRef(step=step, uri=checkpoint_uri(setup.store, parent, step))
+    folder = tmp_path / "two-ranks-state.pt"
+    dcp_to_torch_save(Path(setup.store.local_path(setup.store.reader(ref.uri).file_uri(".metadata"))).parent, folder)
+    saved = torch.load(folder, weights_only=False)["optimizer"]
+    vocab = setup.weights("two-ranks")["tok_embeddings.weight"].shape[0]
+    engine = Engine.Config.from_run_config(setup.cfg, vocab, setup.cfg.grpo.optimizer, total_steps=STEPS).build()
+    load_components(setup.store, ref, {"optimizer": engine.optimizers}, engine.dist)
+    loaded = engine.optimizers.state_dict()
+    moments = [k for k in saved if k.endswith((".exp_avg", ".exp_avg_sq"))]
+    assert len(moments) == 2 * len(list(engine.model.parameters())), sorted(saved)[:6]
+    assert all(torch.equal(loaded[k].full_tensor() if hasattr(loaded[k], "full_tensor") else loaded[k], saved[k])
+               for k in moments)  # fmt: skip
+    assert any(saved[k].abs().max() > 0 for k in moments)
+
+    output = setup.store.artifact_uri("grpo", "one-rank-after-two")
+    spec_uri = grpo_spec(setup.cfg, setup.store, output, {"policy": parent, "rollouts": setup.rollouts_uri}, iteration=1)
+    try:
+        with intra_op_threads(1):
+            run_spec(read_spec(spec_uri))
+    finally:
+        destroy_distributed()
+    metrics = setup.store.read_manifest(output).metrics
+    assert metrics["world_size"] == 1 and metrics["optimizer_init"] == "checkpoint"
+    assert metrics["optimizer/adam_steps"] == step + metrics["train/steps"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -18,7 +19,7 @@ from grpo_helpers import (
     rollout_table,
 )
 
-from forge_core.batch import RLBatch
+from forge_core.batch import RLBatch, pad_token_rows
 from forge_core.engine import Engine, destroy_distributed
 from forge_core.losses.grpo import build_policy_loss
 from forge_core.models import model_logprobs
@@ -145,6 +146,41 @@ def test_rollout_rows_align_with_targets(tmp_path):
     assert b.generator_logprobs_BL[1, 1:].tolist() == [-1.0, -2.0, -3.0]
     assert b.advantages_B[0] > 0 and b.advantages_B[1] == 0
     assert rollouts.stats["advantage/truncated_frac"] == 0.5
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_a_rollout_batch_is_its_rows_padded_one_by_one(tmp_path, multi_turn):
+    """The batch built from the table's columns at once equals, bitwise, its rows padded one by one
+    (pad_token_rows, the SFT path): ragged prompts and responses over several Arrow chunks, an episode's mask."""
+    cfg = grpo_test_config(tmp_path, "grpo.advantage.drop_zero_variance_groups=false")
+    rng = np.random.default_rng(5)
+    rows = []
+    for k in range(13):
+        prompt, response = rng.integers(1, 50, rng.integers(1, 9)), rng.integers(1, 50, rng.integers(1, 7))
+        rows.append({
+            "prompt_ids": prompt.tolist(), "response_ids": response.tolist(),
+            "response_logprobs": (-rng.random(len(response))).tolist(), "group_id": f"g{k % 4}",
+            "reward": float(rng.random()), "finish_reason": "stop",
+            **({"response_mask": (rng.random(len(response)) < 0.6).tolist()} if multi_turn else {}),
+        })
+    table = pa.concat_tables([pa.Table.from_pylist(rows[:6]), pa.Table.from_pylist(rows[6:])])
+    assert table.column("prompt_ids").num_chunks == 2
+    batch = rollouts_to_rl_batch(table, cfg.grpo.advantage, pad_id=0).batch
+
+    padded = pad_token_rows([
+        (np.array(r["prompt_ids"] + r["response_ids"]),
+         np.array([False] * len(r["prompt_ids"]) + (r["response_mask"] if multi_turn else [True] * len(r["response_ids"]))))
+        for r in rows
+    ], pad_id=0)  # fmt: skip
+    generator_BL = torch.zeros(padded.input_ids_BL.shape)
+    for i, r in enumerate(rows):
+        start = len(r["prompt_ids"]) - 1
+        generator_BL[i, start : start + len(r["response_ids"])] = torch.tensor(r["response_logprobs"])
+    for name in ("input_ids_BL", "target_ids_BL", "loss_mask_BL", "lengths_B"):
+        assert torch.equal(getattr(batch, name), getattr(padded, name)), name
+    assert torch.equal(batch.generator_logprobs_BL, generator_BL)
+    if multi_turn:  # the episode's mask left some response tokens out of the loss
+        assert 0 < batch.loss_mask_BL.sum() < sum(len(r["response_ids"]) for r in rows)
 
 
 @pytest.mark.parametrize(

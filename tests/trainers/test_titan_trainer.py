@@ -3,6 +3,8 @@ the cross-entropy loss, batches, the sampler, and export to an HF folder that tr
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,24 @@ def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path):
     diff = (ours - theirs).abs().max().item()
     print(f"exported policy vs trainer logits: max abs diff {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_work_alongside_the_export_runs_while_it_writes_and_its_error_waits_for_the_writer(tmp_path):
+    """`alongside` (a stage's final checkpoint) runs on the caller's thread while rank 0 writes the export on
+    another; its error is the caller's, raised only once the writer has ended, which commits the policy all the
+    same (a retried stage finds it committed and writes only its state)."""
+    cfg = sft_test_config(tmp_path)
+    store = ObjectStore.from_config(cfg.storage)
+    trainer = tiny_trainer(cfg, artifacts=ArtifactContext(store, "sft", {"x": 1}, {}))
+    seen = []
+
+    def checkpoint_fails() -> None:
+        seen.append(threading.current_thread() is threading.main_thread())
+        raise ValueError("the state could not be written")
+
+    uri = store.join(store.artifact_uri("sft", "alongside"), "policy")
+    with pytest.raises(ValueError, match="the state could not be written"):
+        trainer.export_weights(uri, tokenizer_dir=None, alongside=checkpoint_fails)
+    assert seen == [True]
+    assert not [t for t in threading.enumerate() if t.name.startswith("forge-export")]  # the writer has ended
+    assert store.is_committed(uri)
