@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import psutil
 import torch
 
 from forge_core.timings import WEIGHT_TRANSFER_TIMEOUT_S
@@ -338,23 +339,13 @@ def remove_orphaned_buckets(folder: str) -> list[str]:
     removed = []
     for name in os.listdir(folder):
         owner = _OWNER.match(name)
-        if owner is None or int(owner.group(2)) != namespace or _alive(int(owner.group(1))):
+        if owner is None or int(owner.group(2)) != namespace or psutil.pid_exists(int(owner.group(1))):
             continue
         path = os.path.join(folder, name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def round_plan(params: Sequence[Param], bucket_bytes: int, shared_memory: bool) -> tuple[list[range], list[int]]:

@@ -262,7 +262,7 @@ class TitanTrainer:
         finally:
             if writing is not None:
                 futures.wait([writing])  # never a writer left running past the export
-        run_on_rank0(writing.result if writing is not None else lambda: uri, self.engine.dist)
+        run_on_rank0(lambda: writing.result(), self.engine.dist)  # rank 0 alone calls it
         return uri
 
     def record_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
