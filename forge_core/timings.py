@@ -66,6 +66,9 @@ PROCESS_GROUP_TIMEOUT_MARGIN_S = 60.0
 LAUNCHER_BACKSTOP_S = 60.0
 # A fresh reward worker imports forge_core.rewards and the user's reward modules before its first answer.
 REWARD_WORKER_STARTUP_S = 120.0
+# A reward worker sends the values of the samples it finished at least this often while samples finish: one
+# message per sample cost more than the demo's rewards themselves.
+REWARD_ANSWER_FLUSH_S = 0.05
 # A reward dry run's bound per sample (rollout.reward_timeout_s when lower): validate must not wait long on a
 # hang.
 REWARD_DRY_RUN_TIMEOUT_S = 5.0

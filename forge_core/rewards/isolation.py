@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -131,25 +133,68 @@ class _Failed(Exception):
         self.kind = kind
 
 
+class SampleProgress:
+    """Which sample of its score request a worker is scoring, and since when: a record in memory the pool and
+    its worker share (a memfd the worker gets as an inherited descriptor). The worker writes it before each
+    sample; the pool reads it when the worker is silent or dead, to charge the hang or crash to that sample
+    although the worker sends its answers in batches. Times are CLOCK_MONOTONIC, one clock for every process
+    of the host."""
+
+    _RECORD = struct.Struct("=qd")  # position in the request (-1: none started), start time
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, self._RECORD.size)
+
+    @classmethod
+    def create(cls) -> SampleProgress:
+        fd = os.memfd_create("forge-reward-progress")
+        os.ftruncate(fd, cls._RECORD.size)
+        return cls(fd)
+
+    def start(self, position: int) -> None:
+        """Record that sample `position` of the request starts now (`-1`: a request is on its way)."""
+        self._RECORD.pack_into(self._map, 0, position, time.monotonic())
+
+    def read(self) -> tuple[int, float]:
+        """(position, monotonic start time) of the sample last started."""
+        position, since = self._RECORD.unpack_from(self._map, 0)
+        return position, since
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
 class _Worker:
-    """One reward worker process (environment: `worker_environment(env_allow)`) and our end of its channel."""
+    """One reward worker process (environment: `worker_environment(env_allow)`), our end of its channel and the
+    record of the sample it scores."""
 
     def __init__(self, env_allow: tuple[str, ...]) -> None:
         self.env_allow = env_allow
         ours, theirs = socket.socketpair()
+        self.progress = SampleProgress.create()
         env = worker_environment(env_allow)
         owner = str(Owner.this_process())
-        command = [sys.executable, "-m", WORKER_MODULE, "--fd", str(theirs.fileno()), "--owner", owner]
+        command = [
+            sys.executable, "-m", WORKER_MODULE, "--fd", str(theirs.fileno()),
+            "--progress", str(self.progress.fd), "--owner", owner,
+        ]  # fmt: skip
         try:
             self.proc = subprocess.Popen(
-                command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env
+                command, pass_fds=[theirs.fileno(), self.progress.fd], stdin=subprocess.DEVNULL, env=env
             )
+        except BaseException:
+            self.progress.close()
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
 
     def request(self, message: dict) -> None:
         """Send a score request and wait until the worker has its rewards built (imports included)."""
+        self.progress.start(-1)
         self.conn.send(("score", message))
         kind, _, payload = self.next_answer(REWARD_WORKER_STARTUP_S, "to build the rewards")
         if kind == "error":
@@ -166,11 +211,33 @@ class _Worker:
             self.proc.wait()
             raise _Failed(CRASHES, f"the reward worker died ({_exit_text(self.proc.returncode)})") from exc
 
+    def next_score_answer(self, timeout_s: float) -> tuple:
+        """The worker's next message about a score request; _Failed when the sample it scores has run for
+        `timeout_s` with no message, or the worker died (`scoring_position` names that sample)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._poll_until(deadline):
+            _, since = self.progress.read()
+            deadline = max(deadline, since + timeout_s)  # each sample has timeout_s from its own start
+            if time.monotonic() >= deadline:
+                raise _Failed(TIMEOUTS, f"no answer within {timeout_s:g} s per sample (rollout.reward_timeout_s)")
+        return self.next_answer(0.0)
+
+    def _poll_until(self, deadline: float) -> bool:
+        try:
+            return self.conn.poll(max(0.0, deadline - time.monotonic()))
+        except (EOFError, OSError):
+            return True  # the next read raises _Failed for the dead worker
+
+    def scoring_position(self) -> int:
+        """The position in the current request of the sample the worker started last (-1: none)."""
+        return self.progress.read()[0]
+
     def end(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
         self.conn.close()
+        self.progress.close()
 
 
 def _exit_text(returncode: int | None) -> str:
@@ -235,21 +302,27 @@ class RewardPool:
             todo = self._collect(batch, slot, worker, todo)
 
     def _collect(self, batch: _Batch, slot: int, worker: _Worker, todo: list[int]) -> list[int]:
-        """Read the answers to one request; returns what is left to score (empty when done)."""
-        for position, index in enumerate(todo):
+        """Read the answers to one request; returns what is left to score (empty when done). A sample that hung
+        or crashed its worker is charged an attempt; the samples the worker scored but had not yet sent are
+        scored again, uncharged."""
+        received = 0
+        while received < len(todo):
             try:
-                kind, answered, payload = worker.next_answer(batch.isolation.timeout_s)
+                kind, first, payload = worker.next_score_answer(batch.isolation.timeout_s)
             except _Failed as failure:
+                failed = max(received, worker.scoring_position())
                 self._replace(slot)
-                retry = batch.attempt_failed(index, failure, worker.proc.pid)
-                return todo[position:] if retry else todo[position + 1 :]
-            assert answered == position, f"reward worker answered sample {answered}, expected {position}"
+                retry = batch.attempt_failed(todo[failed], failure, worker.proc.pid)
+                return todo[received:failed] + (todo[failed:] if retry else todo[failed + 1 :])
+            assert first == received, f"reward worker answered from sample {first}, expected {received}"
             if kind == "error":
                 batch.fail(RewardFunctionError(payload))
                 return []
-            batch.values[index] = payload
+            for values in payload:
+                batch.values[todo[received]] = values
+                received += 1
         try:
-            assert worker.next_answer(batch.isolation.timeout_s)[0] == "done"
+            assert worker.next_score_answer(batch.isolation.timeout_s)[0] == "done"
         except _Failed:  # every sample was answered; only the worker is lost
             self._replace(slot)
         return []

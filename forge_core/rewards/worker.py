@@ -1,9 +1,12 @@
 """A reward worker process: scores samples for its parent's RewardPool (forge_core.rewards.isolation).
 
-    python -m forge_core.rewards.worker --fd N --owner <pid>:<create time>
+    python -m forge_core.rewards.worker --fd N --progress M --owner <pid>:<create time>
 
-Started by the pool, never by hand. A score request on socket `--fd` is answered ("ready"), then ("value", i,
-[component values]) per sample and ("done", n); a reward error is ("error", i, message) and ends the request.
+Started by the pool, never by hand. A score request on socket `--fd` is answered ("ready"), then ("values", i,
+[[component values] of samples i, i+1, ...]) at least every REWARD_ANSWER_FLUSH_S while samples finish, and
+("done", n); a reward error is ("error", i, message) and ends the request. Before each sample the worker writes
+its position to the `--progress` record (forge_core.rewards.isolation.SampleProgress), by which the pool charges
+a hang or a crash to its sample although answers travel in batches.
 A call request (a function by import path, e.g. a tool) is answered call by call, where an exception
 ("raised") or an oversized result ("too_large", never sent) is an answer, not the end. The worker exits when
 its parent closes the socket or is gone; a hang or crash in a function is the parent's to notice.
@@ -21,13 +24,15 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
 from forge_core.launch.owner import Owner, watch_owner
+from forge_core.rewards.isolation import SampleProgress
 from forge_core.rewards.registry import RewardFunctionError
 from forge_core.rewards.scoring import RewardSet
+from forge_core.timings import REWARD_ANSWER_FLUSH_S
 
 _EXIT_OWNER_GONE = 3
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, progress: SampleProgress) -> None:
     """Answer score and call requests until the parent closes the channel."""
     built: dict[str, RewardSet] = {}
     while True:
@@ -47,18 +52,38 @@ def serve(conn: Connection) -> None:
                 conn.send(("error", None, str(exc)))
                 continue
         conn.send(("ready", None, None))
-        _score(conn, built[key], request["items"])
+        _score(conn, built[key], request["items"], progress)
 
 
-def _score(conn: Connection, rewards: RewardSet, items: list[tuple]) -> None:
+def _score(
+    conn: Connection,
+    rewards: RewardSet,
+    items: list[tuple],
+    progress: SampleProgress,
+    flush_s: float = REWARD_ANSWER_FLUSH_S,
+) -> None:
+    """Score `items` in order, sending their values at least every `flush_s` while samples finish."""
+    unsent: list[list[float]] = []
+    sent_at = time.monotonic()
     for position, item in enumerate(items):
+        progress.start(position)
         try:
-            values = rewards.score_sample(*item)
+            unsent.append(rewards.score_sample(*item))
         except RewardFunctionError as exc:
+            _send_values(conn, position, unsent)
             conn.send(("error", position, str(exc)))
             return
-        conn.send(("value", position, values))
+        if time.monotonic() - sent_at >= flush_s:
+            _send_values(conn, position + 1, unsent)
+            unsent, sent_at = [], time.monotonic()
+    _send_values(conn, len(items), unsent)
     conn.send(("done", len(items), None))
+
+
+def _send_values(conn: Connection, end: int, values: list[list[float]]) -> None:
+    """Send the values of the samples `end - len(values)` to `end` (exclusive), if any."""
+    if values:
+        conn.send(("values", end - len(values), values))
 
 
 def _call(conn: Connection, request: dict) -> None:
@@ -108,15 +133,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m forge_core.rewards.worker", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--fd", type=int, required=True, help="our end of the parent's socketpair")
+    parser.add_argument("--progress", type=int, required=True, help="the parent's SampleProgress record (an fd)")
     parser.add_argument("--owner", required=True, help="<pid>:<create time> of the parent (exit with it)")
     args = parser.parse_args(argv)
     owner = Owner.parse(args.owner, "--owner")
     watch_owner(owner, lambda: os._exit(_EXIT_OWNER_GONE), name="forge-reward-owner")
     conn = Connection(args.fd)
+    progress = SampleProgress(args.progress)
     try:
-        serve(conn)
+        serve(conn, progress)
     finally:
         conn.close()
+        progress.close()
     return 0
 
 

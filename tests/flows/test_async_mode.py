@@ -19,7 +19,12 @@ CONFIG = "configs/tiny_test.yaml"
 ITERATIONS = 2
 # The 4-step tiny SFT policy rarely solves a prompt, so its iterations may carry no learning signal; that must
 # not stop these flows (grpo.max_no_signal_iterations, not part of any key).
-RUN_ALL = [f"grpo.iterations={ITERATIONS}", "grpo.max_no_signal_iterations=0"]
+# The default lifetimes (one engine set and one trainer group for the flow, on the test run's Ray cluster): the
+# async schedule is the flow's, whichever lifetime; the stage lifetime's engines and launches run sync elsewhere.
+RUN_ALL = [
+    f"grpo.iterations={ITERATIONS}", "grpo.max_no_signal_iterations=0",
+    "rollout.engine_lifetime=flow", "grpo.trainer_lifetime=flow",
+]  # fmt: skip
 ASYNC_1 = [*RUN_ALL, "grpo.mode=async", "grpo.max_staleness=1", "grpo.correction.type=tis"]
 ASYNC_0 = [*RUN_ALL, "grpo.mode=async", "grpo.max_staleness=0"]
 SYNC = [*RUN_ALL, "grpo.mode=sync"]
@@ -66,7 +71,7 @@ def test_async_staleness_one_samples_from_the_previous_policy_within_the_bound(p
         assert metrics["train/steps"] + metrics["train/skipped_steps"] >= 1
 
 
-# Slow (3 more stages than the test above, ~5 min on a loaded 2-core box): tests/trainers/test_staleness.py
+# Slow (two flows; about 1 min on a loaded 2-core box): tests/trainers/test_staleness.py
 # checks the same equivalence without stages (identical schedule, identical GRPO keys).
 @pytest.mark.slow
 @pytest.mark.timeout(1800)

@@ -50,3 +50,9 @@ def execs_a_program(completion: str, ground_truth: str) -> float:
     """Replaces its process with another program, as `os.execlp` in a reward would."""
     os.execlp("true", "true")
     return 1.0
+
+
+def sleeps(completion: str, ground_truth: str, *, seconds: float) -> float:
+    """1.0 after `seconds` on every sample (a slow but well-behaved reward, e.g. one that runs the answer)."""
+    time.sleep(seconds)
+    return 1.0

@@ -4,11 +4,23 @@ rewards, on a real engine, is in test_rollout_stage.py."""
 
 from __future__ import annotations
 
+import math
+import socket
+from multiprocessing.connection import Connection
+
 import pytest
 
 from forge_core.config.schema import RewardComponentConfig
 from forge_core.rewards import RewardFunctionError, RewardSet
-from forge_core.rewards.isolation import CRASHES, TIMEOUTS, ZEROED, RewardIsolation, failure_limit
+from forge_core.rewards.isolation import (
+    CRASHES,
+    TIMEOUTS,
+    ZEROED,
+    RewardIsolation,
+    SampleProgress,
+    failure_limit,
+)
+from forge_core.rewards.worker import _score
 
 USER = "tests.rollout.rewards_for_tests"
 TEXTS = [f"<answer>{n:04d}</answer> {n}" for n in range(12)]
@@ -64,3 +76,32 @@ def test_a_reward_that_crashes_on_everything_fails_the_stage():
         RewardFunctionError, match=r"4 of 12 samples could not be scored .*rollout.reward_timeout_s"
     ):
         rewards((f"{USER}:exits_always", 1.0, {})).score(TEXTS, TRUTHS, REFS)
+
+
+def test_each_sample_has_the_whole_timeout_however_long_the_request_runs():
+    # 8 samples of 0.3 s under a 2 s bound: the request outlasts the bound, no sample does.
+    slow = rewards((f"{USER}:sleeps", 1.0, {"seconds": 0.3}), timeout_s=2.0)
+    scored = slow.score(TEXTS[:8], TRUTHS[:8], REFS[:8])
+    assert scored.failures == {TIMEOUTS: 0, CRASHES: 0, ZEROED: 0}
+    assert scored.total == [1.0] * 8
+
+
+@pytest.mark.parametrize(("flush_s", "messages"), [(math.inf, 1), (0.0, len(TEXTS))])
+def test_a_worker_sends_the_values_of_the_samples_it_finished_in_one_message_per_flush(flush_s, messages):
+    components = (("exact_answer", 1.0, {}), (f"{USER}:contains_digit", 0.25, {}))
+    reference = in_process(rewards(*components))
+    ours, theirs = (Connection(end.detach()) for end in socket.socketpair())
+    progress = SampleProgress.create()
+    try:
+        _score(theirs, reference, list(zip(TEXTS, TRUTHS, REFS, [None] * len(TEXTS))), progress, flush_s)
+        answers = []
+        while (answer := ours.recv())[0] != "done":
+            answers.append(answer)
+        assert progress.read()[0] == len(TEXTS) - 1  # the last sample started
+    finally:
+        for end in (ours, theirs, progress):
+            end.close()
+    assert [kind for kind, _, _ in answers] == ["values"] * messages
+    assert [first for _, first, _ in answers] == [len(TEXTS) // messages * k for k in range(messages)]
+    sent = [values for _, _, batch in answers for values in batch]
+    assert sent == [reference.score_sample(*item) for item in zip(TEXTS, TRUTHS, REFS, [None] * len(TEXTS))]
