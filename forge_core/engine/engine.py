@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +27,10 @@ from forge_core.engine.distributed import DistContext, init_distributed, run_on_
 from forge_core.engine.optim import clip_gradients, current_lr
 from forge_core.engine.parallel import (
     ParallelPlan,
+    accumulates_unsharded,
     add_tp_sharding,
     build_parallel_dims,
+    defer_gradient_sync,
     dp_group,
     dp_mesh_info,
     parallelize_model,
@@ -146,6 +149,7 @@ class Engine(Configurable):
             self.model, self.dist.device_type, config.total_steps
         )
         self.peak_flops = _gpu_peak_flops(self.device)
+        self.accumulates_unsharded = accumulates_unsharded(self.model, self.parallel_dims)
         self.restarted = False  # True once `restart` made it another stage's engine
 
     # ---- a kept engine for the next stage ---------------------------------------------------------------------
@@ -262,6 +266,22 @@ class Engine(Configurable):
         return state_dict
 
     # ---- training-step helpers ----------------------------------------------------------------------------
+
+    def micro_batch_passes(self, count: int) -> Iterator[int]:
+        """The indices 0..count-1 of one optimizer step's micro-batches, to run each one's forward and backward
+        in. On a single data-parallel rank the gradients accumulate in the unsharded model and are handed to the
+        optimizer once, after the last micro-batch; with several ranks every micro-batch's gradients are reduced
+        as they come, so that no rank holds the whole model's gradients. The gradients are the same either way.
+        """
+        if not self.accumulates_unsharded:
+            yield from range(count)
+            return
+        try:
+            for index in range(count):
+                defer_gradient_sync(self.model, defer=index < count - 1)
+                yield index
+        finally:
+            defer_gradient_sync(self.model, defer=False)  # a step that failed midway leaves nothing deferred
 
     def clip_gradients(self) -> float:
         """Total gradient norm over all ranks before clipping (clipped to optimizer.grad_clip when > 0)."""

@@ -152,6 +152,25 @@ def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype) ->
     disable_fsdp_gradient_division(model)
 
 
+def accumulates_unsharded(model: nn.Module, parallel_dims: ParallelDims) -> bool:
+    """Whether `model` is one FSDP unit on a single data-parallel rank, whose sharded parameters and gradients are
+    the whole model's: it can accumulate a step's gradients unsharded at no memory cost (`defer_gradient_sync`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    return units == [model] and dp_mesh_info(parallel_dims)[0] == 1
+
+
+def defer_gradient_sync(model: nn.Module, defer: bool) -> None:
+    """While `defer`, backward passes leave their gradients in the unsharded parameters (accumulating) and keep
+    those parameters for the next forward; the first backward after `defer=False` reduces the sum into the
+    sharded gradients once. On one rank this saves FSDP's copy of the parameters and of the gradients on every
+    micro-batch but the last; the sums are the same, added in the same order. `model` is a model for which
+    `accumulates_unsharded` holds (its root is its only FSDP unit)."""
+    model.set_requires_gradient_sync(not defer, recurse=False)
+    model.set_reshard_after_backward(not defer, recurse=False)
+
+
 def _use_sum_reductions(model: nn.Module) -> None:
     # FSDP turns gradient_divide_factor=1 into ReduceOp.PREMUL_SUM, which gloo lacks; plain SUM (with the
     # trivial factor applied as a separate scale) gives the same sums.

@@ -12,6 +12,7 @@ must be called on every rank with the same number of micro-batches (rows may dif
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -128,7 +129,8 @@ class TitanTrainer:
         beat(self.rank, self.step, f"step {self.step + 1}")  # a rank that hangs is named by these (launcher)
         start = time.perf_counter()
         normalizer = self.global_normalizer(micro_batches, loss)
-        outputs = [self.forward_backward(mb, loss, normalizer) for mb in micro_batches]
+        with contextlib.closing(self.engine.micro_batch_passes(len(micro_batches))) as passes:
+            outputs = [self.forward_backward(micro_batches[index], loss, normalizer) for index in passes]
         grad_norm = self.engine.clip_gradients()
         lr = self.engine.lr
         self.engine.step_optimizer()

@@ -1,9 +1,9 @@
 """The cluster path end to end on one box: `prefect server start`, `forgeflow pools create`,
 `prefect --no-prompt deploy --all` (prefect.yaml), `prefect worker start`, `prefect deployment run` with
-parameters, then the flow run's state, UI artifacts and schedules read back through the Prefect API; last, the same
-deployment runs its stages on a Ray cluster joined by address.
+parameters, then the flow run's state, UI artifacts and schedules read back through the Prefect API.
 A first run is cancelled (`prefect flow-run cancel`) during SFT: the worker's cancel must end every process
-the run launched, and the next run skips the stage that run committed.
+the run launched. The next run, of the same deployment on a Ray cluster joined by address, skips the stage that
+run committed and runs the others there.
 
     .venv/bin/python -m pytest tests/deploy -q -x
 """
@@ -294,35 +294,30 @@ def test_deploy_run_and_read_back(ray_cluster, local_prefect: LocalPrefect, proc
     assert store.list_committed("sft") == []
     data_committed = data_commit_times(store)
 
-    # 2. Run again, without the fault: the committed data prep is skipped, the rest runs to completion.
-    flow_run_id = run_deployment(local_prefect, "post-train/demo-cpu", params)
+    # 2. Run again, without the fault, on a Ray cluster joined by address (the test run's cluster_utils raylets,
+    # pool gpu-a): the flow run on the worker joins it with the cluster's token and runs every stage there, SFT
+    # as two torchrun nodes. The data prep the cancelled run committed is skipped, the rest runs to completion.
+    on_cluster = [
+        *overrides,
+        f"launch.ray_address={ray_cluster.compute.address}",
+        "launch.sft.nnodes=2", "launch.sft.nproc_per_node=1",
+        *(f"launch.{stage}.pool={POOL}" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
+    ]
+    params = {"config": "configs/tiny_test.yaml", "overrides": on_cluster}
+    flow_run_id = run_deployment(local_prefect, "post-train/demo-cpu", params, env=ray_client_environment(ray_cluster))
     run = wait_for_flow_run(local_prefect, flow_run_id, worker.log_path)
 
     assert run.parameters == params
     assert_prepare_skipped(local_prefect, run.id, store, data_committed)
     for kind, count in {"sft": 1, "eval": 1, "grpo": cfg.grpo.iterations}.items():
         assert len(store.list_committed(kind)) == count, kind
+    assert_ran_on_the_cluster(store, ray_cluster)
     assert_ui_artifacts(local_prefect, run.id, store, cfg.grpo.iterations, skipped=("prepare",))
     assert_nightly_schedule_inactive(local_prefect)
-    status = local_prefect.cli("forgeflow", "status", "--config", "configs/tiny_test.yaml", *overrides)
+    status = local_prefect.cli("forgeflow", "status", "--config", "configs/tiny_test.yaml", *on_cluster)
     assert re.search(rf"^{run.id}  {run.name} +Completed ", status.stdout, re.MULTILINE), status.stdout
     grpo_line = rf"^grpo\s+{cfg.grpo.iterations} committed"
     assert re.search(grpo_line, status.stdout, re.MULTILINE), status.stdout
-
-    # 3. The same deployment on a Ray cluster joined by address (the session's cluster_utils raylets, pool
-    # gpu-a): the flow run on the worker joins it with the cluster's token and runs every stage there.
-    on_cluster = [
-        f"storage.root=file://{tmp_path}/cluster-store", f"logging.dir={tmp_path}/cluster-runs", "grpo.iterations=0",
-        f"launch.ray_address={ray_cluster.compute.address}",
-        "launch.sft.nnodes=2", "launch.sft.nproc_per_node=1",
-        *(f"launch.{stage}.pool={POOL}" for stage in ("prepare", "sft", "rollout", "grpo", "evaluate")),
-    ]
-    cluster_run = run_deployment(
-        local_prefect, "post-train/demo-cpu", {"config": "configs/tiny_test.yaml", "overrides": on_cluster},
-        env=ray_client_environment(ray_cluster),
-    )
-    wait_for_flow_run(local_prefect, cluster_run, worker.log_path)
-    assert_ran_on_the_cluster(ObjectStore(f"file://{tmp_path}/cluster-store"), ray_cluster)
 
     process_keeper.stop_all()
     survivors = process_keeper.survivors()

@@ -8,16 +8,15 @@ On the tiny config with a reward that varies within groups (so GRPO really updat
   ranks (forge_core.run.weight_sync), not from the store; no process of the run (engines, ranks, Ray itself)
   survives the flow;
 - its two GRPO iterations again on its SFT policy and rollouts (a copy of its store), in this process on the
-  test run's Ray cluster (tests/ray_cluster.py), with stage lifetime and with flow lifetime: the same committed
-  policies, bitwise, and the same step metrics (a group's second iteration trains on with the engine and AdamW
-  of its first, a stage loads the export and the committed optimizer state);
+  test run's Ray cluster (tests/ray_cluster.py), with stage lifetime: the same committed policies, bitwise, and
+  the same step metrics (a stage loads the export and the committed optimizer state, where the flow run's group
+  trained on with the engine and AdamW of its first iteration);
 - a run that ends after iteration 0 and a new run of iteration 1: the new group loads the committed policy and
   its final AdamW state from the store and commits the same policy, bitwise;
-- flow lifetime with a rank SIGKILLed mid-iteration: the task's retry places a new group, which resumes from
-  the in-stage checkpoint, and the policies are again the same, bitwise;
 - a user error inside the group fails the stage FATAL with the worker's message and leaves no group;
-- the same iterations by a trainer group of one rank on each of two nodes of the pool: the same policies,
-  bitwise, also when a rank is SIGKILLed and a new group resumes;
+- the same iterations by a trainer group of one rank on each of two nodes of the pool, with a rank SIGKILLed
+  mid-iteration: the task's retry places a new group, which resumes from the in-stage checkpoint and goes on
+  with its engine and AdamW; the policies and step metrics are again the flow run's, bitwise;
 - two engines on two pool nodes take each policy from the rank on their node (through shared memory when they
   share it), and an engine whose vLLM is killed mid-transfer is restarted from the store and rejoins the next.
 """
@@ -251,34 +250,39 @@ def test_engines_take_each_trained_policy_from_the_trainer_group(flow_lifetime_r
     ]
 
 
+def _assert_same_policies_as_the_flow_run(store: ObjectStore, results: list, flow_run: FlowRun, kept: bool) -> None:
+    """Each iteration's step metrics and committed policy are the flow run's, bitwise. With `kept` (a trainer
+    group's chain), iteration 1 goes on with the engine and AdamW that trained iteration 0; otherwise (a stage per
+    iteration) it loads the export and the committed optimizer state."""
+    for iteration, (uri, _) in enumerate(results):
+        reference = flow_run.grpo_uri(iteration)
+        assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
+        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
+        went_on = kept and iteration == 1
+        metrics = store.read_manifest(uri).metrics
+        assert metrics["model_init"] == ("kept" if went_on else "export")
+        # grpo.optimizer_state=carry: iteration 1's AdamW goes on from iteration 0's, held by the group's ranks
+        # or read from iteration 0's committed final checkpoint; the same policy either way (above).
+        assert metrics["optimizer_init"] == ("fresh" if iteration == 0 else "kept" if went_on else "checkpoint")
+        # A kept engine's stage reads the input policy's config and tokenizer from the store, not its weights.
+        weights = sum(map(len, _policy_bytes(store, store.read_manifest(uri).inputs["policy"].uri).values()))
+        assert (metrics["load/policy_bytes_read"] < weights) == went_on, (metrics["load/policy_bytes_read"], weights)
+
+
 def test_stage_lifetime_commits_the_same_policy(flow_lifetime_run, prefect_api, ray_cluster, tmp_path):
+    """The flow run's two iterations again with a torchrun launch per iteration: the same policies, bitwise."""
     flow_run = flow_lifetime_run
     assert flow_run.returncode == 0, flow_run.log[-4000:]
-    timings = {}
-    for lifetime in ("stage", "flow"):
-        store, state = _chain_on_copy(flow_run, tmp_path / lifetime, lifetime)
-        assert state.is_completed(), state.message
-        results = state.result()
-        timings[lifetime] = [round(seconds, 2) for _, seconds in results]
-        for iteration, (uri, _) in enumerate(results):
-            reference = flow_run.grpo_uri(iteration)
-            assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
-            assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
-            # Iteration 1 of a group goes on with the engine that trained iteration 0; a stage loads the export.
-            kept = lifetime == "flow" and iteration == 1
-            metrics = store.read_manifest(uri).metrics
-            assert metrics["model_init"] == ("kept" if kept else "export")
-            # grpo.optimizer_state=carry: iteration 1's AdamW goes on from iteration 0's, held by the group's ranks
-            # or read from iteration 0's committed final checkpoint; the same policy either way (above).
-            assert metrics["optimizer_init"] == ("fresh" if iteration == 0 else "kept" if kept else "checkpoint")
-            # A kept engine's stage reads the input policy's config and tokenizer from the store, not its weights.
-            weights = sum(map(len, _policy_bytes(store, store.read_manifest(uri).inputs["policy"].uri).values()))
-            assert (metrics["load/policy_bytes_read"] < weights) == kept, (metrics["load/policy_bytes_read"], weights)
-    assert ray_cluster.live_actors() == []  # the chains' FlowResources ended their trainer groups
+    store, state = _chain_on_copy(flow_run, tmp_path / "stage", "stage")
+    assert state.is_completed(), state.message
+    results = state.result()
+    _assert_same_policies_as_the_flow_run(store, results, flow_run, kept=False)
+    assert ray_cluster.live_actors() == []
     updates = [
         m for i in (0, 1) for m in _step_metrics(flow_run.store, flow_run.grpo_uri(i)) if not m.get("skipped")
     ]
     assert updates, "no GRPO step updated the policy: the comparison would prove nothing"
+    timings = {"stage": [round(seconds, 2) for _, seconds in results]}
     (tmp_path / "grpo_task_seconds.json").write_text(json.dumps(timings))
     print(f"GRPO task wall seconds per iteration: {timings}; in the flow run: {flow_run.grpo_seconds()}")
 
@@ -310,34 +314,6 @@ def test_a_new_run_goes_on_from_the_policy_the_store_committed(flow_lifetime_run
     assert flow_run.store.read_manifest(reference).metrics["model_init"] == "kept"
     assert _step_metrics(store, second) == _step_metrics(flow_run.store, reference)
     assert _policy_bytes(store, second) == _policy_bytes(flow_run.store, reference)
-
-
-def test_killed_rank_places_a_new_group_which_resumes(
-    flow_lifetime_run, prefect_api, ray_cluster, tmp_path, monkeypatch
-):
-    flow_run = flow_lifetime_run
-    assert flow_run.returncode == 0, flow_run.log[-4000:]
-    # Rank 1 SIGKILLs itself after iteration 0's step 2, before that step's checkpoint: the retry's new group
-    # must resume from step 1, commit, and then serve iteration 1 too.
-    _assert_killed_rank_resumes_bitwise(flow_run, tmp_path, monkeypatch)
-    assert ray_cluster.live_actors() == []
-
-
-def _assert_killed_rank_resumes_bitwise(flow_run: FlowRun, tmp_path: Path, monkeypatch, extra=()) -> None:
-    """Rank 1 SIGKILLed after iteration 0's step 2: iteration 0 is retried once, resumes from step 1, and both
-    iterations commit the uninterrupted run's policies, bitwise."""
-    marker = tmp_path / "fault-fired"
-    monkeypatch.setenv("FORGE_FAULT", "kill_rank:1:2@grpo")
-    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
-    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1, extra=extra)
-    assert state.is_completed(), state.message
-    assert marker.exists()
-    runs = settled_task_runs(state.state_details.flow_run_id, count=2)
-    assert sorted(run.run_count for run in runs) == [1, 2], runs  # iteration 0 was retried once
-    results = state.result()
-    assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
-    for iteration, (uri, _) in enumerate(results):
-        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, flow_run.grpo_uri(iteration))
 
 
 def test_user_error_in_the_group_is_fatal_and_ends_it(flow_lifetime_run, ray_cluster, tmp_path):
@@ -378,35 +354,33 @@ ON_TWO_POOL_NODES = [
 ]
 
 
-def test_trainer_group_on_two_nodes_commits_the_same_policies(flow_lifetime_run, ray_cluster, prefect_api, tmp_path):
-    """The two iterations as orders to a trainer group of one rank on each of two Ray nodes: bitwise the policies
-    and step metrics of the flow run's 1 node x 2 ranks; one group served both, and nothing is left of it."""
+def test_trainer_group_on_two_nodes_with_a_rank_killed_is_retried_by_a_new_group_which_resumes(
+    flow_lifetime_run, ray_cluster, prefect_api, tmp_path, monkeypatch
+):
+    """The two iterations as orders to a trainer group of one rank on each of two Ray nodes, whose rank 1 SIGKILLs
+    itself after iteration 0's step 2 (before that step's checkpoint): the order fails retryably, the task's retry
+    places a new group, which resumes from step 1 and then serves iteration 1 too, going on with its engine and
+    AdamW. Both commit the flow run's (1 node x 2 ranks) policies and step metrics, bitwise, and nothing is left
+    of either group."""
     import ray
 
     flow_run = flow_lifetime_run
     assert flow_run.returncode == 0, flow_run.log[-4000:]
-    store, state = _chain_on_copy(flow_run, tmp_path / "group", "flow", extra=ON_TWO_POOL_NODES)
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("FORGE_FAULT", "kill_rank:1:2@grpo")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
+    store, state = _chain_on_copy(flow_run, tmp_path / "killed", "flow", retries=1, extra=ON_TWO_POOL_NODES)
     assert state.is_completed(), state.message
-    placements = []
-    for iteration, (uri, _) in enumerate(state.result()):
-        reference = flow_run.grpo_uri(iteration)
-        assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
-        assert _policy_bytes(store, uri) == _policy_bytes(flow_run.store, reference)
-        placements.append(store.read_manifest(uri).placement)
+    assert marker.exists()
+    runs = settled_task_runs(state.state_details.flow_run_id, count=2)
+    assert sorted(run.run_count for run in runs) == [1, 2], runs  # iteration 0 was retried once
+    results = state.result()
+    assert store.read_manifest(results[0][0]).metrics["resumed_from_step"] == 1
+    _assert_same_policies_as_the_flow_run(store, results, flow_run, kept=True)
+    placements = [store.read_manifest(uri).placement for uri, _ in results]
     assert placements[0]["served_by"] == "trainer" and placements[0] == placements[1], placements
     assert len({node["node_id"] for node in placements[0]["nodes"]}) == 2, placements[0]
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
-    assert ray_cluster.live_actors() == []
-
-
-def test_trainer_group_rank_killed_is_retried_by_a_new_group_which_resumes(
-    flow_lifetime_run, ray_cluster, prefect_api, tmp_path, monkeypatch
-):
-    """Rank 1's actor SIGKILLs itself after iteration 0's step 2: the order fails retryably, the retry places a
-    new group, which resumes from step 1 and commits the uninterrupted policies, bitwise."""
-    flow_run = flow_lifetime_run
-    assert flow_run.returncode == 0, flow_run.log[-4000:]
-    _assert_killed_rank_resumes_bitwise(flow_run, tmp_path, monkeypatch, extra=ON_TWO_POOL_NODES)
     assert ray_cluster.live_actors() == []
 
 

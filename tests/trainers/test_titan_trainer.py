@@ -53,6 +53,36 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path):
     assert rel < 1e-5 and weights < 1e-5
 
 
+def test_one_rank_accumulates_unsharded_and_steps_bitwise_as_reducing_every_micro_batch(tmp_path, monkeypatch):
+    """On one rank the gradients of a step's micro-batches stay in the unsharded model until the last one; the
+    steps equal, bit for bit, those of reducing into the sharded gradients after every micro-batch (the sums are
+    added in the same order)."""
+    from forge_core.engine import engine as engine_module
+
+    cfg = sft_test_config(tmp_path)
+    batches = [pad_token_rows(token_rows(12, seed=3 + i)) for i in range(3)]
+
+    def train(trainer) -> tuple[list, dict]:
+        steps = [trainer.train_step(b.split(4), LOSS) for b in batches]  # 3 micro-batches a step
+        return [(m["loss"], m["grad_norm"]) for m in steps], trainer.engine.full_state_dict()
+
+    deferring = tiny_trainer(cfg)
+    assert deferring.engine.accumulates_unsharded
+    deferred = train(deferring)
+    syncs: list[bool] = []
+    original = engine_module.defer_gradient_sync
+    monkeypatch.setattr(
+        engine_module, "defer_gradient_sync", lambda model, defer: (syncs.append(defer), original(model, defer))
+    )
+    train(tiny_trainer(cfg))  # the calls of one run: 3 steps of 3 micro-batches, each step ends undeferred
+    assert syncs == [True, True, False, False] * 3, syncs
+    reducing_trainer = tiny_trainer(cfg)
+    reducing_trainer.engine.accumulates_unsharded = False
+    reducing = train(reducing_trainer)
+    assert deferred[0] == reducing[0]
+    assert all(torch.equal(deferred[1][k], reducing[1][k]) for k in reducing[1])
+
+
 def test_evaluate_and_compute_logprobs_leave_the_model_alone(tmp_path):
     trainer = tiny_trainer(sft_test_config(tmp_path))
     batch = pad_token_rows(token_rows(6, seed=2))
