@@ -382,6 +382,13 @@ class ParallelismConfig(Section):
     dp_shard: int = -1
     dp_replicate: int = 1
     tp: int = 1
+    # Whether FSDP frees a block's gathered parameters after its forward (torchtitan's
+    # fsdp_reshard_after_forward): `always`; `default`, every block but the output layer, which backward needs
+    # first; `never`, the gathered parameters stay until the block's backward, which then gathers nothing (one
+    # all-gather less per block and micro-batch, for the whole model's parameters on every rank between forward
+    # and backward). `auto` = never on CPU (host memory; a gather is a copy through the host), default on GPU.
+    # The steps are the same either way.
+    reshard_after_forward: Literal["auto", "default", "always", "never"] = "auto"
 
 
 class TrainingConfig(Section):

@@ -34,6 +34,7 @@ from forge_core.engine.parallel import (
     dp_group,
     dp_mesh_info,
     parallelize_model,
+    resolve_reshard_after_forward,
 )
 from forge_core.engine.preflight import HostDevices, training_device_problems
 from forge_core.engine.rng import seed_everything
@@ -141,6 +142,9 @@ class Engine(Configurable):
             param_dtype=resolve_param_dtype(config.training.mixed_precision, self.dist.device_type),
             activation_checkpoint=config.training.activation_checkpoint,
             compile=config.training.compile,
+            reshard_after_forward=resolve_reshard_after_forward(
+                config.training.parallelism.reshard_after_forward, self.dist.device_type
+            ),
         )
         self.model_config = self._build_model_config()
         self.model = self._build_model()
@@ -375,6 +379,7 @@ class Engine(Configurable):
             "dp_degree": self.dp_degree,
             "tp": self.parallel_dims.tp,
             "param_dtype": str(self.plan.param_dtype).removeprefix("torch."),
+            "reshard_after_forward": self.plan.reshard_after_forward,
             "attention": self.attention,
             "attention_reason": self.attention_reason,
             "compile": self.plan.compile,

@@ -5,7 +5,8 @@
 
 torchtitan's "partial_dtensor" SPMD backend: DTensor for tp only, FSDP2's `fully_shard` for data parallelism.
 FSDP is applied at every world size, 1 included, so there is one code path (it also installs the
-mixed-precision policy). FSDP's gradient division is off: losses divide by the global normalizer themselves.
+mixed-precision policy). FSDP never scales gradients (losses divide by the global normalizer themselves): its
+division is turned off on N ranks, and on one rank it divides by the world size, 1, which it skips.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ParallelPlan:
     param_dtype: torch.dtype
     activation_checkpoint: bool
     compile: bool
+    reshard_after_forward: str  # torchtitan's policy: default, always or never (ParallelismConfig)
 
 
 def _resolve_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int, int]:
@@ -126,30 +128,39 @@ def _apply_compile(model: nn.Module, parallel_dims: ParallelDims) -> None:
     apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=parallel_dims)
 
 
-def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype) -> None:
+def resolve_reshard_after_forward(choice: str, device_type: str) -> str:
+    """torchtitan's reshard-after-forward policy for `training.parallelism.reshard_after_forward` on `device_type`."""
+    if choice == "auto":
+        return "default" if device_type == "cuda" else "never"
+    return choice
+
+
+def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reshard: str) -> None:
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     mesh = parallel_dims.get_mesh(names)
     if mesh.size() == 1:
-        _apply_single_rank_fsdp(model, mesh, param_dtype)
+        _apply_single_rank_fsdp(model, mesh, param_dtype, reshard_after_forward=reshard == "always")
     else:
         apply_fsdp_to_decoder(
-            model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, pp_enabled=False
+            model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, pp_enabled=False,
+            reshard_after_forward_policy=reshard,
         )
     if mesh.device_type == "cpu":
         _use_sum_reductions(model)
 
 
-def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype) -> None:
+def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     # With nothing to shard, per-block units only add overhead: one unit around the whole model keeps FSDP's
-    # DTensor parameters and mixed-precision policy (the same state dicts and checkpoints as N ranks).
+    # DTensor parameters and mixed-precision policy (the same state dicts and checkpoints as N ranks). That unit is
+    # the output layer's too, which the `default` policy keeps gathered: only `always` reshards it.
+    # No gradient divide factor: FSDP then divides by the world size, 1, which it skips, where a factor of 1
+    # would cost a division of every gradient by 1.0 into a new buffer each step.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    disable_fsdp_gradient_division(model)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 def accumulates_unsharded(model: nn.Module, parallel_dims: ParallelDims) -> bool:
@@ -194,7 +205,7 @@ def parallelize_model(model: nn.Module, parallel_dims: ParallelDims, plan: Paral
                 "training.compile=true: torch.compile is enabled on GPU only; set it to false on CPU"
             )
         _apply_compile(model, parallel_dims)
-    _apply_fsdp(model, parallel_dims, plan.param_dtype)
+    _apply_fsdp(model, parallel_dims, plan.param_dtype, plan.reshard_after_forward)
     return model
 
 

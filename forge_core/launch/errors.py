@@ -127,7 +127,8 @@ _OUT_OF_MEMORY_NAMES = frozenset({"builtins.MemoryError", "torch.OutOfMemoryErro
 # The settings that bound memory, named by every out-of-memory fix.
 OUT_OF_MEMORY_FIX = (
     "the same settings would run out of memory again; lower sft.micro_batch_size / grpo.micro_batch_size, "
-    "model.max_seq_len (with data.max_seq_len), or set training.activation_checkpoint=true; for rollouts "
+    "model.max_seq_len (with data.max_seq_len), or set training.activation_checkpoint=true (on several ranks also "
+    "training.parallelism.reshard_after_forward=default); for rollouts "
     "lower rollout.max_num_seqs, and rollout.gpu_memory_utilization on GPU (leaving room for the trainer) or "
     "rollout.kv_cache_gib on CPU"
 )

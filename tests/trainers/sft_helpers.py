@@ -1,5 +1,6 @@
-"""Builders for the SFT/TitanTrainer tests: a tiny CPU config, synthetic token rows, and a committed demo
-`data` artifact written by the real prepare stage. Plain functions, imported by the test modules."""
+"""Builders for the SFT/TitanTrainer tests: a tiny CPU config, synthetic token rows, a committed demo `data`
+artifact written by the real prepare stage, and a gloo rank's worker for spawned two-rank tests. Plain functions,
+imported by the test modules (and by the spawned ranks)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,38 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+def reshard_policy_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks: 3 steps of 2 micro-batches of this rank's rows under each reshard-after-forward
+    policy (`default`, `never`), counting FSDP's all-gathers; rank 0 saves {policy: steps, weights, gathers,
+    the policy the engine reports} to `out_dir`/policies.pt."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from forge_core.losses import TokenCrossEntropy
+    from forge_core.trainers import pad_token_rows
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        results = {}
+        for policy in ("default", "never"):
+            cfg = sft_test_config(Path(out_dir) / policy, f"training.parallelism.reshard_after_forward={policy}")
+            trainer = tiny_trainer(cfg)
+            batches = [pad_token_rows(token_rows(8, seed=10 * step + rank)) for step in range(3)]
+            with profile(activities=[ProfilerActivity.CPU]) as profiled:
+                steps = [trainer.train_step(batch.split(4), TokenCrossEntropy()) for batch in batches]
+            gathers = sum(
+                1 for event in profiled.events() if event.name.startswith("FSDP::all_gather") and "copy_out" not in event.name
+            )
+            results[policy] = {
+                "steps": [(m["loss"], m["grad_norm"]) for m in steps],
+                "weights": trainer.engine.full_state_dict(),
+                "gathers": gathers,
+                "reported": trainer.engine.describe()["reshard_after_forward"],
+            }
+        if rank == 0:
+            torch.save(results, Path(out_dir) / "policies.pt")
+    finally:
+        dist.destroy_process_group()
