@@ -105,7 +105,10 @@ class Iteration:
     score_s: float  # the forward scoring the batch's old logprobs (GRPO manifest train/score_logprobs_s)
     train_s: float  # the trainer's fit (GRPO manifest train/fit_s): optimizer steps + per-step slicing/logging
     step_s: float  # the optimizer steps alone (train/time_s)
-    state_s: float  # committing the final AdamW state (GRPO phase/state_s; grpo.optimizer_state carry), overhead
+    # the final AdamW state on the critical path (GRPO phase/state_s; grpo.optimizer_state carry): its save, or on
+    # a trainer group its copy (the write runs behind the commit), overhead
+    state_s: float
+    state_write_s: float  # its write behind the commit (the checkpoint's write_s), beside the next rollout
     export_s: float  # exporting and committing the policy (GRPO phase/export_s), overhead
     engine_startup_s: float
     engine_reload_s: float
@@ -198,8 +201,20 @@ def _manifests_by_iteration(store: Path, kind: str) -> dict[int, dict]:
     metrics = {}
     for manifest in store.glob(f"{kind}/*/_MANIFEST.json"):
         record = json.loads(manifest.read_text())
-        metrics[int(record["metrics"]["iteration"])] = {**record["metrics"], "_inputs": record["inputs"]}
+        metrics[int(record["metrics"]["iteration"])] = {
+            **record["metrics"], "_inputs": record["inputs"], "_state_write_s": _state_write_s(manifest.parent, record)
+        }
     return metrics
+
+
+def _state_write_s(stage: Path, record: dict) -> float:
+    """The write of a GRPO stage's final AdamW state behind its commit (its checkpoint's `write_s`); 0 when the
+    stage wrote it in line or committed none."""
+    step = record["metrics"].get("optimizer/state_step")
+    if step is None:
+        return 0.0
+    checkpoint = json.loads((stage / "_checkpoints" / f"step-{int(step)}" / "_MANIFEST.json").read_text())
+    return float(checkpoint["metrics"].get("write_s", 0.0))
 
 
 def _eval_sync_by_policy(store: Path) -> dict[str, float]:
@@ -246,6 +261,7 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
                 train_s=float(train["train/fit_s"]),
                 step_s=float(train["train/time_s"]),
                 state_s=float(train.get("phase/state_s", 0.0)),
+                state_write_s=train["_state_write_s"],
                 export_s=float(train["phase/export_s"]),
                 engine_startup_s=float(gen.get("engine_startup_s", 0.0)),
                 engine_reload_s=float(gen.get("engine_reload_s", 0.0)),

@@ -5,6 +5,9 @@
       raise_rank:<rank>:<step>              the rank raises InjectedFault (a Python error: the launcher calls it
                                             fatal)
       hang_rank:<rank>:<step>               the rank sleeps forever (deadline tests)
+      kill_saving:<rank>:<step>             the rank SIGKILLs itself as its thread starts writing step <step>'s
+                                            checkpoint behind a stage's commit (a trainer group's final
+                                            optimizer state), after the stage committed
       kill_vllm:<samples>                   the worker SIGKILLs its vLLM engine core process(es) once <samples>
                                             samples have completed in it (0: as soon as the first requests are
                                             queued, i.e. mid-generation); an in-process engine dies with the
@@ -49,14 +52,15 @@ FAULT_ONCE_ENV = "FORGE_FAULT_ONCE"
 # Set by `set_current_stage` so that processes a worker starts (vLLM engines, rollout replicas) know it too.
 STAGE_ENV = "FORGE_STAGE"
 RANK_ACTIONS = ("kill_rank", "raise_rank", "hang_rank")
+KILL_SAVING = "kill_saving"
 KILL_VLLM = "kill_vllm"
 KILL_VLLM_TRANSFER = "kill_vllm_transfer"
 HANG_ENGINE = "hang_engine"
 STORAGE_OUTAGE = "storage_outage"
-_ACTIONS = (*RANK_ACTIONS, KILL_VLLM, KILL_VLLM_TRANSFER, HANG_ENGINE, STORAGE_OUTAGE)
+_ACTIONS = (*RANK_ACTIONS, KILL_SAVING, KILL_VLLM, KILL_VLLM_TRANSFER, HANG_ENGINE, STORAGE_OUTAGE)
 _USAGE = (
     "expected <action>:<rank>:<step> with action one of "
-    f"{list(RANK_ACTIONS)} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples>, {KILL_VLLM_TRANSFER}:<buckets>, "
+    f"{[*RANK_ACTIONS, KILL_SAVING]} (e.g. kill_rank:1:3), {KILL_VLLM}:<samples>, {KILL_VLLM_TRANSFER}:<buckets>, "
     f"{HANG_ENGINE}:<index> or "
     f"{STORAGE_OUTAGE}:<seconds>[:<match>], each optionally followed by @<stage>"
 )
@@ -126,7 +130,7 @@ def _parse_entry(spec: str, entry: str) -> Fault:
     if stage_name is not None and not is_stage(stage_name):
         raise bad(f": unknown stage {stage_name!r} (stages: {', '.join(stage_names())})")
     action = parts[0]
-    if action in RANK_ACTIONS:
+    if action in (*RANK_ACTIONS, KILL_SAVING):
         if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):
             raise bad()
         return Fault(action, rank=int(parts[1]), step=int(parts[2]), stage=stage_name)
@@ -198,6 +202,15 @@ def maybe_inject_fault(rank: int, step: int) -> None:
             )
         while True:  # hang_rank
             time.sleep(3600)
+
+
+def maybe_kill_while_saving(rank: int, step: int) -> None:
+    """SIGKILL this process if a kill_saving fault names (`rank`, `step`) (called as a checkpoint written behind
+    a stage's commit starts writing)."""
+    for index, fault in _active_faults((KILL_SAVING,)):
+        if fault.rank == rank and fault.step == step and _claim_once(index):
+            _announce(f"rank {rank}: {KILL_SAVING} as step {step}'s checkpoint starts writing behind the commit")
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---- hang_engine (engine actors) -------------------------------------------------------------------------

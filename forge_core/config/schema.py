@@ -935,11 +935,13 @@ class GRPOConfig(Section):
     checkpoint_every: int = 16
     # "carry": an iteration goes on with the AdamW moments and step counts of the iteration that trained its
     # input policy, as one optimizer over the whole run (the first iteration, on the SFT policy, starts a new
-    # one). Each iteration commits its final optimizer state as a checkpoint of its own stage; a trainer group
-    # that trained the input policy keeps it in memory, any other stage (a resumed run, stage lifetime) reads it
-    # from the store, with bitwise the same result. "fresh": every iteration starts a new AdamW, so an
-    # iteration is a function of (policy weights, rollouts, config) and commits no optimizer state. Either way
-    # the LR schedule spans one rollout batch and the weights are the exported policy's.
+    # one). Each iteration commits its final optimizer state as a checkpoint of its own stage (a trainer group
+    # writes it behind the stage's commit, while the engines sample); a trainer group that trained the input
+    # policy keeps it in memory, any other stage (a resumed run, stage lifetime) reads it from the store, with
+    # bitwise the same result, and trains the input's stage again when that state was lost. "fresh": every
+    # iteration starts a new AdamW, so an iteration is a function of (policy weights, rollouts, config) and
+    # commits no optimizer state. Either way the LR schedule spans one rollout batch and the weights are the
+    # exported policy's.
     optimizer_state: Literal["carry", "fresh"] = "carry"
     # "flow" (the fast path): the first GRPO task of a flow run places a trainer group, a Ray actor per rank
     # on launch.grpo.nnodes nodes (forge_core.run.trainer_group), that trains every iteration in order, saving

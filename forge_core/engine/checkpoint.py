@@ -11,6 +11,10 @@ refused, and resume falls back to the previous committed one. Retention keeps th
     ckpt.save(step, {"model": ModelState(model), "optimizer": opt, "lr_scheduler": sched}, data_cursor)
     ckpt.save(step, components, data_cursor, pins=[best_step])     # retention keeps step-<best_step> too
     resume = ckpt.load_latest(same_components)      # ResumeState(step, data_cursor, uri) or None
+
+    pending = ckpt.save_behind(step, components, data_cursor, group)   # copied now; group = new_gloo_group()
+    pending.start()                                 # written and committed on a thread of its own, on `group`
+    pending.wait()                                  # before the next save on `group` and before the process ends
 """
 
 from __future__ import annotations
@@ -18,20 +22,25 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forge_core.engine.distributed import DistContext, barrier, broadcast_object, gather_objects
 from forge_core.engine.hashing_dcp import HashingFsspecWriter
 from forge_core.engine.rng import capture_rng_state, restore_rng_state
 from forge_core.engine.safe_dcp import SafeFsspecReader, SafeLoadPlanner
+from forge_core.faults import maybe_kill_while_saving
 from forge_core.launch.errors import RetryableStageError
 from forge_core.storage import (
     CHECKPOINTS_DIR,
@@ -70,6 +79,52 @@ class ResumeState:
     step: int
     data_cursor: dict
     uri: str
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One save's attempt: rank 0's writer (None on the other ranks) and the prefix every rank writes under."""
+
+    writer: ArtifactWriter | None
+    files_uri: str
+
+
+class PendingSave:
+    """A checkpoint copied and ready to be written (`Checkpointer.save_behind`): `start()` writes and commits it on
+    a thread of its own, `wait()` blocks until that has ended."""
+
+    def __init__(self, ref: CheckpointRef, work: Callable[[], None] | None) -> None:
+        self.ref = ref
+        self._work = work  # None: the step was committed already
+        self._done: Future | None = None
+
+    def start(self) -> None:
+        assert self._done is None, "a save starts once"
+        pool = ThreadPoolExecutor(1, thread_name_prefix="forge-save-behind")
+        self._done = pool.submit(self._work) if self._work is not None else _finished()
+        pool.shutdown(wait=False)  # returns now; the thread ends with the work
+
+    def wait(self) -> CheckpointRef:
+        """Block until the checkpoint is committed; raises what failed the save."""
+        assert self._done is not None, "start() the save first"
+        self._done.result()
+        return self.ref
+
+
+def _finished() -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
+
+
+def _copied_state(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (Stateful components included) as DCP would save it, copied into memory of its own."""
+    plain = {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # in line: no pinned or shared memory
+    try:
+        return stager.stage(plain)
+    finally:
+        stager.close()
 
 
 def _storage_may_recover(exc: BaseException) -> bool:
@@ -218,7 +273,6 @@ class Checkpointer:
         self.stage = stage
         self.config = config
         self.inputs = inputs
-        self._writer: ArtifactWriter | None = None  # rank 0: the attempt of the save in progress
 
     # ---- save ---------------------------------------------------------------------------------------------
 
@@ -228,24 +282,78 @@ class Checkpointer:
         """Collective: every rank writes its shards, then rank 0 commits the manifest; a step already committed
         is left as it is. `pins`: earlier steps retention keeps while this one is kept. Raises
         RetryableStageError when a storage outage fails the write or the commit."""
-        ref = CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
-        if broadcast_object(self.store.is_committed(ref.uri) if self.dist.is_rank0 else None):
+        ref = self._ref(step)
+        if self._is_committed(ref, group=None):
             return ref
-        state = self._state(components, _TrainState(step, data_cursor))
-        # Rank 0's writer is this save's attempt; every rank writes its shards under the attempt's prefix.
+        attempt = self._open_attempt(ref, group=None)
+        written = self._write(ref, attempt, self._state(components, _TrainState(step, data_cursor)), group=None)
+        self._commit_everywhere(ref, attempt, written, pins, group=None)
+        return ref
+
+    def save_behind(
+        self, step: int, components: dict[str, Stateful], data_cursor: dict, group: ProcessGroup
+    ) -> PendingSave:
+        """Collective over `group`, a gloo process group of this run's ranks that nothing else uses while the save
+        runs: copy this rank's state now. The returned save's `start()` (every rank's) writes and commits the copy
+        as `save` does, on a thread of its own whose collectives are `group`'s alone; changes to the weights or
+        the optimizer after this returns do not reach the checkpoint. It must be waited for before the next save
+        on `group` and before the process ends; its `wait` raises what `save` would."""
+        ref = self._ref(step)
+        if self._is_committed(ref, group):
+            return PendingSave(ref, None)
+        attempt = self._open_attempt(ref, group)
+        staged = _copied_state(self._state(components, _TrainState(step, data_cursor)))
+
+        def write_and_commit() -> None:
+            maybe_kill_while_saving(self.dist.rank, step)
+            started = time.perf_counter()
+            written = self._write(ref, attempt, staged, group)
+            self._commit_everywhere(ref, attempt, written, (), group, {"write_s": time.perf_counter() - started})
+
+        return PendingSave(ref, write_and_commit)
+
+    def _ref(self, step: int) -> CheckpointRef:
+        return CheckpointRef(step=step, uri=checkpoint_uri(self.store, self.output_uri, step))
+
+    def _is_committed(self, ref: CheckpointRef, group: ProcessGroup | None) -> bool:
+        return bool(broadcast_object(self.store.is_committed(ref.uri) if self.dist.is_rank0 else None, group=group))
+
+    def _open_attempt(self, ref: CheckpointRef, group: ProcessGroup | None) -> _Attempt:
+        """Collective: rank 0's writer is this save's attempt; every rank writes its shards under its prefix."""
+        writer = None
         if self.dist.is_rank0:
-            self._writer = ArtifactWriter(self.store, ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
-        files_uri = broadcast_object(self._writer.files_uri if self.dist.is_rank0 else None)
-        # Every rank hashes its own shards as it writes them: nothing is read back to commit them.
-        writer = HashingFsspecWriter(self.store.fsspec_path(files_uri), **self.store.storage_options)
+            writer = ArtifactWriter(self.store, ref.uri, kind=CHECKPOINT_KIND, stage=self.stage)
+        files_uri = broadcast_object(writer.files_uri if writer is not None else None, group=group)
+        return _Attempt(writer, str(files_uri))
+
+    def _write(
+        self, ref: CheckpointRef, attempt: _Attempt, state: dict[str, Any], group: ProcessGroup | None
+    ) -> dict[str, FileEntry]:
+        """Collective: DCP writes this rank's shards, hashing each as it goes (nothing is read back to commit)."""
+        writer = HashingFsspecWriter(self.store.fsspec_path(attempt.files_uri), **self.store.storage_options)
         try:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, process_group=group)
         except CheckpointException as exc:
             if any(_storage_may_recover(failure) for failure, _ in exc.failures.values()):
                 raise RetryableStageError(f"checkpoint {ref.uri}: writing shards failed: {exc}") from exc
             raise
-        per_rank = gather_objects(writer.written_files)
-        failure = broadcast_object(self._commit(ref, per_rank, pins) if self.dist.is_rank0 else None)
+        return writer.written_files
+
+    def _commit_everywhere(
+        self,
+        ref: CheckpointRef,
+        attempt: _Attempt,
+        written: dict[str, FileEntry],
+        pins: Sequence[int],
+        group: ProcessGroup | None,
+        metrics: dict | None = None,
+    ) -> None:
+        """Collective: rank 0 commits every rank's hashed files (plus `metrics` in the manifest) and applies
+        retention; each rank raises a failure of the commit."""
+        per_rank = gather_objects(written, group)
+        failure = broadcast_object(
+            self._commit(ref, attempt, per_rank, pins, metrics or {}) if self.dist.is_rank0 else None, group=group
+        )
         if failure:
             message, retryable = failure
             # A storage outage at the commit point is worth a retry (it resumes from the previous checkpoint).
@@ -254,15 +362,20 @@ class Checkpointer:
             )
         if self.dist.is_rank0:
             self._prune()
-        barrier()
-        return ref
+        barrier(group)
 
     def _commit(
-        self, ref: CheckpointRef, per_rank: list[dict[str, FileEntry]], pins: Sequence[int]
+        self,
+        ref: CheckpointRef,
+        attempt: _Attempt,
+        per_rank: list[dict[str, FileEntry]],
+        pins: Sequence[int],
+        extra: dict,
     ) -> tuple[str, bool] | None:
         """Rank 0: commit the hashed files; None, or (what failed, whether a retry may succeed)."""
-        writer = self._writer
-        metrics = {"step": ref.step, **({PINS_METRIC: sorted(set(pins))} if pins else {})}
+        writer = attempt.writer
+        assert writer is not None, "rank 0 opens the attempt"
+        metrics = {"step": ref.step, **({PINS_METRIC: sorted(set(pins))} if pins else {}), **extra}
         try:
             writer.adopt_hashed({rel: entry for files in per_rank for rel, entry in files.items()})
             writer.commit(config=self.config, inputs=self.inputs, metrics=metrics)

@@ -173,9 +173,16 @@ def destroy_distributed() -> None:
     _group_created_here = False
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def new_gloo_group() -> dist.ProcessGroup:
+    """Collective: a gloo process group of every rank, for collectives on host memory that run on a thread of
+    their own beside the default group's (a checkpoint written behind a stage's commit)."""
+    return dist.new_group(backend="gloo")
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Collective over `group` (None = the default group)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
 
 
 def all_reduce_sum(value: float, group: dist.ProcessGroup | None, device: torch.device) -> float:
@@ -225,19 +232,22 @@ def run_on_rank0(fn: Callable[[], T], dist_ctx: DistContext) -> T | None:
     return result
 
 
-def gather_objects(obj: T) -> list[T] | None:
-    """Collective: every rank's picklable `obj`, in rank order, on rank 0; None on the other ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def gather_objects(obj: T, group: dist.ProcessGroup | None = None) -> list[T] | None:
+    """Collective over `group` (None = the default group): every rank's picklable `obj`, in rank order, on the
+    group's rank 0; None on the other ranks."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
-    gathered: list[T] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
+    size = dist.get_world_size(group)
+    gathered: list[T] | None = [None] * size if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, gathered, group=group, group_dst=0)
     return gathered
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Send a picklable object from rank `src` to every rank (identity in a world of one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """Send a picklable object from the rank `src` of `group` (None = the default group) to each of its ranks
+    (identity in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, group=group, group_src=src)
     return holder[0]

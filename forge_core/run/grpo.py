@@ -13,7 +13,9 @@ that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 
 Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
 manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export; the
-state is written while rank 0 writes the export, so the export's phase holds it).
+state is written while rank 0 writes the export, so the export's phase holds it). On a trainer group the state is
+only copied there and written behind the commit, while the engines sample the next rollout batch (its
+checkpoint's manifest records `write_s`).
 
 Every stage starts from the exported weights and a new LR schedule over its rollout batch. With
 `grpo.optimizer_state: carry` (the default) AdamW goes on with the moments and step counts of the stage that
@@ -23,7 +25,9 @@ trainer-group rank that trained the input policy has them in memory (`optimizer_
 `fresh`, starts a new AdamW (`optimizer_init: fresh`). A trainer-group rank that trained the input policy keeps
 its model (`model_init: kept`), bitwise equal to loading the export, and reads only the policy's config and
 tokenizer from the store (`load/policy_bytes_read`). A retried stage resumes exactly from its newest in-stage
-checkpoint.
+checkpoint. A stage whose `grpo` input committed but not that input's final state (a trainer group ended while
+writing it) first trains the input's stage again from what its manifest records, which commits the state
+(`optimizer_init: repaired`, `phase/repair_s`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +47,15 @@ import torch
 from forge_core.artifacts.policy import download_policy
 from forge_core.batch import RLBatch
 from forge_core.config import RunConfig
-from forge_core.engine import CheckpointRef, Engine, checkpoint_uri
+from forge_core.engine import CheckpointRef, Engine, PendingSave, checkpoint_uri
 from forge_core.engine.distributed import DistContext, broadcast_object, run_on_rank0
 from forge_core.losses.correction import mismatch_summary
 from forge_core.losses.grpo import ClippedPolicyLoss, build_policy_loss
 from forge_core.metrics.phases import PhaseClock
 from forge_core.models import load_hf_folder, read_hf_info
 from forge_core.models.hf import is_weights_file
-from forge_core.run.scaffold import StageContext
+from forge_core.run.scaffold import StageContext, checked_context
+from forge_core.run.spec import StageSpec
 from forge_core.run.training import TrainingRun, training_process_group
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.trainers.grpo import (
@@ -121,11 +127,45 @@ def carried_optimizer_state(ctx: StageContext, policy_uri: str) -> CheckpointRef
     return CheckpointRef(step=int(step), uri=checkpoint_uri(ctx.store, policy_uri, int(step)))
 
 
-def optimizer_init(engine: Engine, carried: CheckpointRef | None) -> str:
-    """How the stage's AdamW began: fresh, kept (the group's engine went on) or read from a checkpoint."""
+def optimizer_init(engine: Engine, carried: CheckpointRef | None, repaired: bool) -> str:
+    """How the stage's AdamW began: fresh, kept (the group's engine went on), read from a checkpoint, or
+    repaired (its input's stage trained again to rebuild it)."""
     if carried is None:
         return "fresh"
+    if repaired:
+        return "repaired"
     return "kept" if engine.restarted else "checkpoint"
+
+
+def repair_carried_state(ctx: StageContext, dist: DistContext, policy_uri: str, carried: CheckpointRef | None) -> bool:
+    """Collective: when the carried state's checkpoint is missing (the input policy's trainer group ended while
+    it wrote the state behind its commit) and no rank here holds that policy's engine, train the input's stage
+    again on these ranks from its manifest (its config, inputs and iteration): it resumes from its newest
+    in-stage checkpoint and commits the final state (on a trainer group, leaving its engine held). Returns
+    whether it did."""
+    if carried is None or (ctx.held is not None and ctx.held.stage_uri == policy_uri.rstrip("/")):
+        return False
+    if broadcast_object(ctx.store.is_committed(carried.uri) if dist.is_rank0 else None):
+        return False
+    log.warning(
+        "%s committed but not its final optimizer state %s (its trainer group ended while writing it); training "
+        "that stage again to rebuild it", policy_uri, carried.uri,
+    )  # fmt: skip
+    spec = committed_spec(ctx.store, policy_uri)
+    parent = checked_context(spec, spec.run_config(), ctx.store, process_group=dist, held=ctx.held)
+    with tempfile.TemporaryDirectory(prefix="forge-grpo-repair-") as folder:
+        train(dataclasses.replace(parent, work_folder=Path(folder)))
+    return True
+
+
+def committed_spec(store: ObjectStore, uri: str) -> StageSpec:
+    """The spec that runs the committed GRPO stage `uri` again: its config, inputs and iteration as its manifest
+    records them."""
+    manifest = store.read_manifest(uri)
+    return StageSpec(
+        stage=manifest.stage, config=manifest.config, inputs={name: ref.uri for name, ref in manifest.inputs.items()},
+        output_uri=uri.rstrip("/"), params={"iteration": int(manifest.metrics.get("iteration", 0))},
+    )  # fmt: skip
 
 
 def read_rollouts(store: ObjectStore, cfg: RunConfig, inputs: GRPOInputs) -> RolloutBatch:
@@ -274,6 +314,9 @@ def train(ctx: StageContext) -> None:
     optimizer_state = carried_optimizer_state(ctx, inputs.policy_uri)
     with training_process_group(ctx) as dist:
         phases = PhaseClock()
+        repaired = repair_carried_state(ctx, dist, inputs.policy_uri, optimizer_state)
+        if repaired:
+            phases.lap("repair")
         # A trainer group's rank that trained the input policy goes on with that engine (TrainingRun.engine):
         # its weights are not read from the store.
         holds_input = ctx.held is not None and ctx.held.stage_uri == inputs.policy_uri.rstrip("/")
@@ -307,10 +350,19 @@ def train(ctx: StageContext) -> None:
             )
             fit_s = phases.lap("steps")
 
+            pending: PendingSave | None = None
+
             def save_optimizer_state() -> dict:
-                """The next iteration goes on from here, whatever runs it."""
+                """The next iteration goes on from here, whatever runs it. A trainer group's rank copies the
+                state and writes it behind the commit, on its save group (HeldPolicy)."""
+                nonlocal pending
                 clock = PhaseClock()
-                step = trainer.save_checkpoint(trainer.step, {"history": history}).step
+                cursor = {"history": history}
+                if ctx.held is not None and ctx.held.save_group is not None:
+                    pending = trainer.save_checkpoint_behind(trainer.step, cursor, ctx.held.save_group)
+                    step = pending.ref.step
+                else:
+                    step = trainer.save_checkpoint(trainer.step, cursor).step
                 clock.lap("state")
                 return {OPTIMIZER_STATE_STEP: step, **clock.metrics()}
 
@@ -324,7 +376,7 @@ def train(ctx: StageContext) -> None:
                 "train/fit_s": fit_s,
                 "iteration": iteration,
                 "resumed_from_step": resume.step if resume is not None else 0,
-                "optimizer_init": optimizer_init(engine, optimizer_state),
+                "optimizer_init": optimizer_init(engine, optimizer_state, repaired),
                 "optimizer/adam_steps": engine.optimizer_steps(),  # over every iteration it carried on from
                 "model_init": "kept" if engine.restarted else "export",  # kept: the group's engine went on
                 "load/policy_bytes_read": policy.bytes_read(),  # kept: the config and tokenizer files alone
@@ -334,6 +386,7 @@ def train(ctx: StageContext) -> None:
             carry = save_optimizer_state if cfg.grpo.optimizer_state == "carry" else None
             run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history, alongside=carry)
             if ctx.held is not None:
-                ctx.held.keep(engine, ctx.output_uri)  # the exported weights, for the engines (weight_sync)
+                # The exported weights, for the engines (weight_sync), and the state still being written.
+                ctx.held.keep(engine, ctx.output_uri, pending)
         finally:
             trainer.close()

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forge_core.artifacts.inputs import committed_kind
 from forge_core.config import RunConfig, config_to_dict
@@ -32,6 +32,9 @@ from forge_core.run.external import verify_external_inputs
 from forge_core.run.spec import StageSpec
 from forge_core.stages import Stage, StageInput, stage_named
 from forge_core.storage import ArtifactAlreadyCommitted, ArtifactWriter, ObjectStore
+
+if TYPE_CHECKING:
+    from forge_core.engine.checkpoint import PendingSave
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +44,41 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class HeldPolicy:
     """What a long-lived trainer rank keeps of its last training stage: the engine and the artifact that
     committed its weights, for a weight push (forge_core.run.weight_sync) and for the next GRPO stage to train on.
-    A stage takes or drops it before building its own engine, so a rank never holds two models."""
+    A stage takes or drops it before building its own engine, so a rank never holds two models.
 
-    def __init__(self) -> None:
+    `save_group`: a process group of the trainer's ranks for checkpoints saved behind a stage's commit (None: a
+    stage saves in line). The save still running is `pending`; taking or dropping the engine waits for it first,
+    so the next stage's first step starts with the last stage's state committed.
+    """
+
+    def __init__(self, save_group: Any = None) -> None:
         self.engine: Any = None
         self.stage_uri: str | None = None
+        self.save_group = save_group
+        self.pending: PendingSave | None = None
 
-    def keep(self, engine: Any, stage_uri: str) -> None:
-        self.engine, self.stage_uri = engine, stage_uri.rstrip("/")
+    def keep(self, engine: Any, stage_uri: str, pending: PendingSave | None = None) -> None:
+        """Hold `engine`, whose weights `stage_uri` committed, and start writing `pending` (its stage's state)."""
+        assert self.pending is None, "a save is still pending: take or drop the held engine first"
+        self.engine, self.stage_uri, self.pending = engine, stage_uri.rstrip("/"), pending
+        if pending is not None:
+            pending.start()
+
+    def settle(self) -> None:
+        """Wait for the pending save; raises its failure."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            ref = pending.wait()
+            log.info("checkpoint %s committed behind its stage", ref.uri)
 
     def drop(self) -> None:
+        """Hold nothing, once the pending save has ended (raising its failure)."""
         self.engine = self.stage_uri = None
+        self.settle()
 
     def take(self, stage_uri: str) -> Any:
-        """The held engine when it holds the weights `stage_uri` committed, else None; nothing is held afterwards."""
+        """The held engine when it holds the weights `stage_uri` committed, else None; nothing is held afterwards.
+        Waits for the pending save first (raising its failure)."""
         engine = self.engine if self.stage_uri == stage_uri.rstrip("/") else None
         self.drop()
         return engine
@@ -127,13 +151,27 @@ def stage_context(
 ) -> StageContext | None:
     """The checked context of a stage run (steps 1-5 of the module docstring); None when its output is already
     committed. `cfg`: the RunConfig object the task holds (not validated again); None = validate the spec's."""
-    started = time.perf_counter() if started is None else started
-    stage = stage_named(spec.stage)
     cfg = spec.run_config() if cfg is None else cfg
     store = ObjectStore.from_config(cfg.storage)
     if store.is_committed(spec.output_uri):
         log.info("%s is already committed; nothing to do", spec.output_uri)
         return None
+    return checked_context(spec, cfg, store, started=started, process_group=process_group, held=held)
+
+
+def checked_context(
+    spec: StageSpec,
+    cfg: RunConfig,
+    store: ObjectStore,
+    *,
+    started: float | None = None,
+    process_group: Any = None,
+    held: HeldPolicy | None = None,
+) -> StageContext:
+    """The checked context of a stage run whether or not its output is committed: a committed stage runs again
+    through it to rebuild what it saved outside its artifact (a GRPO stage's final optimizer state)."""
+    started = time.perf_counter() if started is None else started
+    stage = stage_named(spec.stage)
     if stage.external:
         verify_external_inputs(spec, cfg, store)  # what the key was made from is what the stage reads
     for declared in stage.inputs:  # what the spec lacks first, then what it names

@@ -32,7 +32,7 @@ from forge_core.compute.cluster import ComputeCluster
 from forge_core.compute.gang import free_port
 from forge_core.config import RunConfig
 from forge_core.config.schema import ResourceConfig
-from forge_core.engine import destroy_distributed, init_distributed
+from forge_core.engine import destroy_distributed, init_distributed, new_gloo_group
 from forge_core.engine.preflight import preflight
 from forge_core.faults import fault_environment
 from forge_core.launch import LaunchResult, Outcome
@@ -91,6 +91,9 @@ class TrainerRank:
             }
         )
         self.dist = init_distributed(self.cfg.training.device)
+        # A GRPO stage's final optimizer state is written behind its commit on a group of its own, beside the
+        # next order's and the weight pushes' collectives on the default group.
+        self.held = HeldPolicy(save_group=new_gloo_group())
 
     def run(self, spec_uri: str, log: LogSink) -> None:
         """Run one order: the GRPO stage `spec_uri` names, on this rank."""
@@ -118,7 +121,12 @@ class TrainerRank:
         release_shared_memory()
 
     def close(self) -> None:
-        self.held.drop()
+        """Leave the process group once the last stage's state is committed (a failed write is logged: the next
+        GRPO stage on that policy trains its stage again to rebuild it)."""
+        try:
+            self.held.drop()
+        except Exception as exc:  # noqa: BLE001 - repaired by the next stage; the rank ends either way
+            log.error("trainer rank %d: the last stage's optimizer state was not committed: %s", self.rank, exc)
         destroy_distributed()
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
 
@@ -164,13 +172,17 @@ class TrainerGroup:
 
     call_timeout_s = TRAINER_RANK_CALL_S
 
-    def __init__(self, shape: GroupShape, group: HostGroup, ranks: list[Hosted], placement: dict) -> None:
+    def __init__(
+        self, shape: GroupShape, group: HostGroup, ranks: list[Hosted], placement: dict, deadline_s: float
+    ) -> None:
         self.shape = shape
         self.group = group
         self.ranks = ranks
         self.placement = placement
         # Held by an order and by a weight push: both are collectives of every rank, so one at a time.
         self.busy = threading.Lock()
+        # A normal close first waits for the last stage's state to be written (bounded as an order is).
+        self.close_s = TRAINER_CLOSE_S + deadline_s
 
     @classmethod
     def start(cls, cluster: ComputeCluster, cfg: RunConfig, log_line: LogSink) -> TrainerGroup:
@@ -209,7 +221,7 @@ class TrainerGroup:
         except BaseException:
             _end(ranks, group, failing=True)
             raise
-        trainer = cls(shape, group, ranks, placement)
+        trainer = cls(shape, group, ranks, placement, cfg.launch.grpo.deadline_s)
         log_line(f"grpo: the run's trainer group runs on {trainer.describe()}, rendezvous {master}:{port}")
         return trainer
 
@@ -248,13 +260,14 @@ class TrainerGroup:
         return stall_note(beats, range(len(self.ranks)), time.time(), event, when_level=False)
 
     def close(self, failing: bool) -> None:
-        """End every rank (at a normal end each first leaves its process group) and give the nodes back."""
-        _end(self.ranks, self.group, failing)
+        """End every rank (at a normal end each first commits the last stage's state and leaves its process
+        group) and give the nodes back."""
+        _end(self.ranks, self.group, failing, self.close_s)
 
 
-def _end(ranks: list[Hosted], group: HostGroup, failing: bool) -> None:
+def _end(ranks: list[Hosted], group: HostGroup, failing: bool, close_s: float = TRAINER_CLOSE_S) -> None:
     """End `ranks` and give `group` back: at once when failing (a rank may sit in a collective that never
-    completes), else each first leaves its process group (TRAINER_CLOSE_S)."""
+    completes), else each first closes (within `close_s`)."""
 
     def end(rank: Hosted) -> None:
         if failing:
@@ -262,7 +275,7 @@ def _end(ranks: list[Hosted], group: HostGroup, failing: bool) -> None:
                 with contextlib.suppress(Exception):  # bounded; ended below either way
                     rank.call("release", timeout=TRAINER_RANK_CALL_S)
             rank.mark_lost("ended with its group")  # no close call: ended at once
-        rank.close(TRAINER_CLOSE_S)
+        rank.close(close_s)
 
     if ranks:
         with ThreadPoolExecutor(len(ranks), thread_name_prefix="forge-trainer-close") as pool:

@@ -20,13 +20,14 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from forge_core.artifacts.policy import POLICY_KIND
 from forge_core.batch import TokenBatch
-from forge_core.engine import Checkpointer, CheckpointRef, Engine, ResumeState
+from forge_core.engine import Checkpointer, CheckpointRef, Engine, PendingSave, ResumeState
 from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
 from forge_core.faults import maybe_inject_fault
 from forge_core.launch.heartbeat import beat
@@ -209,6 +210,12 @@ class TitanTrainer:
         """Collective: commit model + optimizer + LR schedule + step + data cursor + RNG at `step`."""
         beat(self.rank, self.step, f"checkpoint at step {step}")
         return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor)
+
+    def save_checkpoint_behind(self, step: int, data_cursor: dict, group: Any) -> PendingSave:
+        """Collective over `group`: what `save_checkpoint` commits, copied now and written on a thread of its own
+        (`Checkpointer.save_behind`)."""
+        beat(self.rank, self.step, f"checkpoint at step {step}, saved behind")
+        return self._require_checkpointer().save_behind(step, self.engine.checkpoint_components(), data_cursor, group)
 
     def load_checkpoint(self) -> ResumeState | None:
         """Collective: restore the newest valid committed checkpoint and set `self.step`; None when there is

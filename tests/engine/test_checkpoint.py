@@ -4,6 +4,7 @@ LR schedule, step, data cursor and RNG; commit by manifest; fallback past a corr
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from forge_core.engine import (
     committed_checkpoints,
     latest_committed_checkpoint,
     load_components,
+    new_gloo_group,
 )
 from forge_core.engine.checkpoint import ModelState
 from forge_core.engine.distributed import DistContext
@@ -176,9 +178,9 @@ def test_a_checkpoint_committed_by_another_attempt_meanwhile_is_kept_and_ours_is
 
     ref = ours.save(1, {"model": ModelState(torch.nn.Linear(4, 3)), "zombie": interleaved}, {"who": "us"})
 
-    # The zombie's commit came first: step 1 is its checkpoint, whole; our shards were removed, not theirs.
+    # The zombie's commit came first: step 1 is its checkpoint (its cursor, below), whole; our shards were
+    # removed, not theirs.
     manifest = store.read_manifest(ref.uri)
-    assert manifest.attempt == zombie._writer.attempt
     assert sorted(store.list_files(ref.uri)) == sorted(
         [store.manifest_uri(ref.uri), *(store.reader(ref.uri).file_uri(rel) for rel in manifest.files)]
     )
@@ -220,3 +222,35 @@ def test_an_engine_that_goes_on_trains_as_a_new_one_that_loads_its_optimizer_sta
     after_kept, after_loaded, after_fresh = (e.full_state_dict() for e in (kept, loaded, fresh))
     assert all(torch.equal(after_kept[k], after_loaded[k]) for k in after_kept)
     assert any(not torch.equal(after_kept[k], after_fresh[k]) for k in after_kept)  # the carried moments counted
+
+
+def test_a_state_saved_behind_is_the_state_of_the_call_whatever_trains_while_it_is_written(tmp_path, monkeypatch):
+    """`save_behind` copies the state when called and writes it on a thread of its own, on a process group of its
+    own: a step taken before the thread writes a byte does not reach the checkpoint, which resumes a run exactly
+    as the same state saved in line does (weights, AdamW, LR schedule, cursor, RNG)."""
+    store = ObjectStore(f"file://{tmp_path}/store")
+    batches = _batches(4)
+    behind, inline = (_trainer(store, store.artifact_uri("grpo", name)) for name in ("behind", "inline"))
+    for trainer in (behind, inline):
+        for batch in batches[:2]:
+            _step(trainer, batch)
+    inline_ref = inline.save_checkpoint(2, {"at": 2})
+    start_writing = threading.Event()
+    write = Checkpointer._write
+    monkeypatch.setattr(Checkpointer, "_write", lambda self, *args: start_writing.wait() and write(self, *args))
+    pending = behind.save_checkpoint_behind(2, {"at": 2}, new_gloo_group())
+    pending.start()
+    _step(behind, batches[2])  # weights, moments and RNG move on before the write starts
+    start_writing.set()
+    ref = pending.wait()
+    assert ref.step == 2 and store.read_manifest(ref.uri).metrics["write_s"] > 0
+
+    resumed = []
+    for name in ("behind", "inline"):
+        trainer = _trainer(store, store.artifact_uri("grpo", name))
+        resume = trainer.load_checkpoint()
+        assert (resume.step, resume.data_cursor) == (2, {"at": 2})
+        resumed.append((_step(trainer, batches[3]), trainer.engine.full_state_dict()))
+    (loss_behind, weights_behind), (loss_inline, weights_inline) = resumed
+    assert loss_behind == loss_inline and inline_ref.step == 2
+    assert all(torch.equal(weights_behind[k], weights_inline[k]) for k in weights_inline)

@@ -27,6 +27,12 @@ def test_kill_vllm_transfer_counts_loaded_buckets():
         parse_faults("kill_vllm_transfer:")
 
 
+def test_kill_saving_names_a_rank_and_the_step_of_its_checkpoint():
+    assert parse_faults("kill_saving:1:16@grpo") == [Fault("kill_saving", rank=1, step=16, stage="grpo")]
+    with pytest.raises(ValueError, match="'kill_saving'"):
+        parse_faults("kill_saving:1")
+
+
 @pytest.mark.parametrize("spec", ["kill:1:3", "kill_rank:one:3", "kill_rank:1"])
 def test_bad_fault_specs_name_the_entry(spec):
     with pytest.raises(ValueError, match="expected <action>:<rank>:<step>"):

@@ -17,6 +17,8 @@ On the tiny config with a reward that varies within groups (so GRPO really updat
 - the same iterations by a trainer group of one rank on each of two nodes of the pool, with a rank SIGKILLed
   mid-iteration: the task's retry places a new group, which resumes from the in-stage checkpoint and goes on
   with its engine and AdamW; the policies and step metrics are again the flow run's, bitwise;
+- a rank SIGKILLed as it writes iteration 0's final AdamW state behind that stage's commit: iteration 1 runs on a
+  new group, which first trains iteration 0 again to rebuild the lost state; the policies are the flow run's;
 - two engines on two pool nodes take each policy from the rank on their node (through shared memory when they
   share it), and an engine whose vLLM is killed mid-transfer is restarted from the store and rejoins the next.
 """
@@ -250,10 +252,13 @@ def test_engines_take_each_trained_policy_from_the_trainer_group(flow_lifetime_r
     ]
 
 
-def _assert_same_policies_as_the_flow_run(store: ObjectStore, results: list, flow_run: FlowRun, kept: bool) -> None:
+def _assert_same_policies_as_the_flow_run(
+    store: ObjectStore, results: list, flow_run: FlowRun, kept: bool, repaired: bool = False
+) -> None:
     """Each iteration's step metrics and committed policy are the flow run's, bitwise. With `kept` (a trainer
-    group's chain), iteration 1 goes on with the engine and AdamW that trained iteration 0; otherwise (a stage per
-    iteration) it loads the export and the committed optimizer state."""
+    group's chain), iteration 1 goes on with the engine and AdamW that trained iteration 0 (`repaired`: that trained
+    iteration 0 again to rebuild its lost state); otherwise (a stage per iteration) it loads the export and the
+    committed optimizer state."""
     for iteration, (uri, _) in enumerate(results):
         reference = flow_run.grpo_uri(iteration)
         assert _step_metrics(store, uri) == _step_metrics(flow_run.store, reference)
@@ -263,7 +268,8 @@ def _assert_same_policies_as_the_flow_run(store: ObjectStore, results: list, flo
         assert metrics["model_init"] == ("kept" if went_on else "export")
         # grpo.optimizer_state=carry: iteration 1's AdamW goes on from iteration 0's, held by the group's ranks
         # or read from iteration 0's committed final checkpoint; the same policy either way (above).
-        assert metrics["optimizer_init"] == ("fresh" if iteration == 0 else "kept" if went_on else "checkpoint")
+        carried = "repaired" if repaired else "kept" if went_on else "checkpoint"
+        assert metrics["optimizer_init"] == ("fresh" if iteration == 0 else carried)
         # A kept engine's stage reads the input policy's config and tokenizer from the store, not its weights.
         weights = sum(map(len, _policy_bytes(store, store.read_manifest(uri).inputs["policy"].uri).values()))
         assert (metrics["load/policy_bytes_read"] < weights) == went_on, (metrics["load/policy_bytes_read"], weights)
@@ -380,6 +386,36 @@ def test_trainer_group_on_two_nodes_with_a_rank_killed_is_retried_by_a_new_group
     placements = [store.read_manifest(uri).placement for uri, _ in results]
     assert placements[0]["served_by"] == "trainer" and placements[0] == placements[1], placements
     assert len({node["node_id"] for node in placements[0]["nodes"]}) == 2, placements[0]
+    assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
+    assert ray_cluster.live_actors() == []
+
+
+def test_a_group_killed_while_it_writes_a_state_behind_the_commit_is_repaired_by_the_next_iteration(
+    flow_lifetime_run, ray_cluster, prefect_api, tmp_path, monkeypatch
+):
+    """Rank 1 SIGKILLs itself as it starts writing iteration 0's final AdamW state behind that stage's commit:
+    iteration 0 is committed without its state. Iteration 1 runs on a new group (after a retryable failure when its
+    order reached the broken group first), which trains iteration 0 again to rebuild the state and goes on with
+    that engine. The policies and step metrics are the flow run's, bitwise, and nothing is left of either group."""
+    import ray
+
+    from forge_core.engine import checkpoint_uri
+
+    flow_run = flow_lifetime_run
+    assert flow_run.returncode == 0, flow_run.log[-4000:]
+    state_step = int(flow_run.store.read_manifest(flow_run.grpo_uri(0)).metrics["optimizer/state_step"])
+    marker = tmp_path / "fault-fired"
+    monkeypatch.setenv("FORGE_FAULT", f"kill_saving:1:{state_step}@grpo")
+    monkeypatch.setenv("FORGE_FAULT_ONCE", str(marker))
+    store, state = _chain_on_copy(flow_run, tmp_path / "killed-saving", "flow", retries=1)
+    assert state.is_completed(), state.message
+    assert marker.exists()
+    results = state.result()
+    first_uri = results[0][0]
+    assert store.read_manifest(first_uri).metrics["optimizer/state_step"] == state_step
+    assert store.is_committed(checkpoint_uri(store, first_uri, state_step))  # rebuilt
+    assert store.read_manifest(results[1][0]).metrics["phase/repair_s"] > 0
+    _assert_same_policies_as_the_flow_run(store, results, flow_run, kept=True, repaired=True)
     assert all(t["state"] == "REMOVED" for t in ray.util.placement_group_table().values())
     assert ray_cluster.live_actors() == []
 

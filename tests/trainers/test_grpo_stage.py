@@ -43,7 +43,7 @@ from forge_core.faults import FAULT_ENV, InjectedFault
 from forge_core.launch import LaunchSpec, Outcome, launch
 from forge_core.models import model_logprobs
 from forge_core.run.grpo import plan_seed
-from forge_core.run.scaffold import run_spec
+from forge_core.run.scaffold import HeldPolicy, run_spec
 from forge_core.run.spec import read_spec
 from forge_core.storage import ObjectStore
 from forge_core.trainers.grpo import rollouts_to_rl_batch
@@ -296,3 +296,45 @@ def test_one_rank_goes_on_with_the_optimizer_state_two_ranks_committed(setup, tm
     metrics = setup.store.read_manifest(output).metrics
     assert metrics["world_size"] == 1 and metrics["optimizer_init"] == "checkpoint"
     assert metrics["optimizer/adam_steps"] == step + metrics["train/steps"]
+
+
+def test_a_lost_final_state_is_rebuilt_by_training_its_stage_again(setup):
+    """A trainer group that ends while it writes a stage's final AdamW state behind the stage's commit leaves the
+    stage committed without that checkpoint. The next stage trains the input's stage again from its manifest
+    (resuming from its step-2 checkpoint), which commits the state; on a rank that holds policies it then goes on
+    with the rebuilt engine. Its policy and steps are bitwise those of the same stage on the uninterrupted
+    parent."""
+    setup.run_in_process("lost-state")  # the one-rank stage again, under another output
+    lost, whole = setup.store.artifact_uri("grpo", "lost-state"), setup.store.artifact_uri("grpo", "one-rank")
+    step = int(setup.store.read_manifest(lost).metrics["optimizer/state_step"])
+    state_uri = checkpoint_uri(setup.store, lost, step)
+    setup.store.delete_artifact(state_uri)
+    assert [ref.step for ref in committed_checkpoints(setup.store, lost)] == [2]
+
+    def next_stage(parent: str, held: HeldPolicy | None) -> str:
+        output = setup.store.artifact_uri("grpo", f"after-{parent.rsplit('/', 1)[-1]}")
+        spec_uri = grpo_spec(setup.cfg, setup.store, output, {"policy": parent, "rollouts": setup.rollouts_uri}, 1)
+        try:
+            with intra_op_threads(1):
+                run_spec(read_spec(spec_uri), held=held)
+        finally:
+            if held is not None:
+                held.drop()
+            destroy_distributed()
+        return output
+
+    held = HeldPolicy()
+    after_lost, after_whole = next_stage(lost, held), next_stage(whole, None)
+    assert setup.store.is_committed(state_uri)
+    assert held.engine is None and held.pending is None
+    repaired, uninterrupted = (setup.store.read_manifest(uri).metrics for uri in (after_lost, after_whole))
+    assert repaired["optimizer_init"] == "repaired" and repaired["model_init"] == "kept", repaired
+    assert repaired["phase/repair_s"] > 0 and "phase/repair_s" not in uninterrupted
+    assert uninterrupted["optimizer_init"] == "checkpoint"
+    assert repaired["optimizer/adam_steps"] == uninterrupted["optimizer/adam_steps"] == 2 * STEPS
+    steps = [setup.store.reader(uri).read_json("train_summary.json")["steps"] for uri in (after_lost, after_whole)]
+    untimed = [[{k: v for k, v in step.items() if not k.endswith("_s")} for step in run] for run in steps]
+    assert len(untimed[0]) == STEPS and untimed[0] == untimed[1]
+    rebuilt, expected = setup.weights("after-lost-state"), setup.weights("after-one-rank")
+    assert rebuilt.keys() == expected.keys()
+    assert all(torch.equal(rebuilt[k], expected[k]) for k in expected)
