@@ -143,7 +143,7 @@ def repair_carried_state(ctx: StageContext, dist: DistContext, policy_uri: str, 
     again on these ranks from its manifest (its config, inputs and iteration): it resumes from its newest
     in-stage checkpoint and commits the final state (on a trainer group, leaving its engine held). Returns
     whether it did."""
-    if carried is None or (ctx.held is not None and ctx.held.stage_uri == policy_uri.rstrip("/")):
+    if carried is None or (ctx.held is not None and ctx.held.holds(policy_uri)):
         return False
     if broadcast_object(ctx.store.is_committed(carried.uri) if dist.is_rank0 else None):
         return False
@@ -319,7 +319,7 @@ def train(ctx: StageContext) -> None:
             phases.lap("repair")
         # A trainer group's rank that trained the input policy goes on with that engine (TrainingRun.engine):
         # its weights are not read from the store.
-        holds_input = ctx.held is not None and ctx.held.stage_uri == inputs.policy_uri.rstrip("/")
+        holds_input = ctx.held is not None and ctx.held.holds(inputs.policy_uri)
         policy = InputPolicyFolder(store, inputs.policy_uri, workdir / "policy", dist, with_weights=not holds_input)
         policy_dir = policy.path
         # Every rank builds the model its policy's config.json describes (rank 0 alone holds the folder).

@@ -64,6 +64,10 @@ class HeldPolicy:
         if pending is not None:
             pending.start()
 
+    def holds(self, stage_uri: str) -> bool:
+        """Whether the held engine holds the weights `stage_uri` committed."""
+        return self.engine is not None and self.stage_uri == stage_uri.rstrip("/")
+
     def settle(self) -> None:
         """Wait for the pending save; raises its failure."""
         pending, self.pending = self.pending, None
@@ -79,7 +83,7 @@ class HeldPolicy:
     def take(self, stage_uri: str) -> Any:
         """The held engine when it holds the weights `stage_uri` committed, else None; nothing is held afterwards.
         Waits for the pending save first (raising its failure)."""
-        engine = self.engine if self.stage_uri == stage_uri.rstrip("/") else None
+        engine = self.engine if self.holds(stage_uri) else None
         self.drop()
         return engine
 

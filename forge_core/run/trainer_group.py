@@ -93,7 +93,7 @@ class TrainerRank:
         self.dist = init_distributed(self.cfg.training.device)
         # A GRPO stage's final optimizer state is written behind its commit on a group of its own, beside the
         # next order's and the weight pushes' collectives on the default group.
-        self.held = HeldPolicy(save_group=new_gloo_group())
+        self.held.save_group = new_gloo_group()
 
     def run(self, spec_uri: str, log: LogSink) -> None:
         """Run one order: the GRPO stage `spec_uri` names, on this rank."""

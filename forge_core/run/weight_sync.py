@@ -125,7 +125,7 @@ class EngineGroupClient:
 def push_held_weights(held: HeldPolicy, push: WeightPush) -> float:
     """This rank's part in `push`: the seconds it took; RuntimeError when it holds another policy. Imports
     nothing of vLLM."""
-    if held.engine is None or held.stage_uri != push.stage_uri.rstrip("/"):
+    if not held.holds(push.stage_uri):
         raise RuntimeError(f"weight push of {push.stage_uri}: this rank holds {held.stage_uri or 'no policy'}")
     started = time.perf_counter()
     source = HeldPolicySource(held.engine)
