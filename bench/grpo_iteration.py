@@ -106,9 +106,10 @@ class Iteration:
     train_s: float  # the trainer's fit (GRPO manifest train/fit_s): optimizer steps + per-step slicing/logging
     step_s: float  # the optimizer steps alone (train/time_s)
     # the final AdamW state on the critical path (GRPO phase/state_s; grpo.optimizer_state carry): its save, or on
-    # a trainer group its copy (the write runs behind the commit), overhead
+    # a trainer group what is left of it on the critical path (the write runs behind the commit), overhead
     state_s: float
     state_write_s: float  # its write behind the commit (the checkpoint's write_s), beside the next rollout
+    state_wait_s: float  # how long this stage waited for the previous stage's write (GRPO phase/state_wait_s)
     export_s: float  # exporting and committing the policy (GRPO phase/export_s), overhead
     engine_startup_s: float
     engine_reload_s: float
@@ -262,6 +263,7 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
                 step_s=float(train["train/time_s"]),
                 state_s=float(train.get("phase/state_s", 0.0)),
                 state_write_s=train["_state_write_s"],
+                state_wait_s=float(train.get("phase/state_wait_s", 0.0)),
                 export_s=float(train["phase/export_s"]),
                 engine_startup_s=float(gen.get("engine_startup_s", 0.0)),
                 engine_reload_s=float(gen.get("engine_reload_s", 0.0)),

@@ -12,16 +12,20 @@ refused, and resume falls back to the previous committed one. Retention keeps th
     ckpt.save(step, components, data_cursor, pins=[best_step])     # retention keeps step-<best_step> too
     resume = ckpt.load_latest(same_components)      # ResumeState(step, data_cursor, uri) or None
 
-    pending = ckpt.save_behind(step, components, data_cursor, group)   # copied now; group = new_gloo_group()
+    pending = ckpt.save_behind(step, components, data_cursor, group)   # group = new_gloo_group()
     pending.start()                                 # written and committed on a thread of its own, on `group`
-    pending.wait()                                  # before the next save on `group` and before the process ends
+    pending.wait()                                  # before the components change, the next save on `group`,
+                                                    # and the process's end
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +37,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from forge_core.engine.distributed import DistContext, barrier, broadcast_object, gather_objects
@@ -60,6 +63,9 @@ CHECKPOINT_KIND = "checkpoint"
 PINS_METRIC = "pins"  # manifest metric: steps whose checkpoints retention must keep while this one is kept
 _STEP_DIR = re.compile(r"step-(\d+)$")
 _VERIFY_CHUNK_BYTES = 8 * 2**20
+# A save behind its stage's commit yields the CPU to what the flow runs meanwhile on the same host (the weight
+# push, the engines' generation): its thread's niceness is raised by this much. It still gets every idle cycle.
+BEHIND_NICENESS = 10
 
 
 class CheckpointCorrupted(ValueError):
@@ -90,7 +96,7 @@ class _Attempt:
 
 
 class PendingSave:
-    """A checkpoint copied and ready to be written (`Checkpointer.save_behind`): `start()` writes and commits it on
+    """A checkpoint taken and ready to be written (`Checkpointer.save_behind`): `start()` writes and commits it on
     a thread of its own, `wait()` blocks until that has ended."""
 
     def __init__(self, ref: CheckpointRef, work: Callable[[], None] | None) -> None:
@@ -99,9 +105,19 @@ class PendingSave:
         self._done: Future | None = None
 
     def start(self) -> None:
+        """Start the write on a thread of its own, at BEHIND_NICENESS lower priority than the caller's."""
         assert self._done is None, "a save starts once"
+        if self._work is None:
+            self._done = _finished()
+            return
+        work = self._work
+
+        def write_in_background() -> None:
+            lower_thread_priority(BEHIND_NICENESS)
+            work()
+
         pool = ThreadPoolExecutor(1, thread_name_prefix="forge-save-behind")
-        self._done = pool.submit(self._work) if self._work is not None else _finished()
+        self._done = pool.submit(write_in_background)
         pool.shutdown(wait=False)  # returns now; the thread ends with the work
 
     def wait(self) -> CheckpointRef:
@@ -111,20 +127,28 @@ class PendingSave:
         return self.ref
 
 
+def lower_thread_priority(niceness: int) -> None:
+    """Raise the calling thread's niceness by `niceness` (at most to 19), leaving the process's other threads as
+    they are. Only on Linux, where a thread's niceness is its own; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + niceness))
+    except OSError as exc:  # a sandbox may refuse it: the save only runs at normal priority
+        log.warning("could not lower the priority of a save written behind its stage: %s", exc)
+
+
 def _finished() -> Future:
     done: Future = Future()
     done.set_result(None)
     return done
 
 
-def _copied_state(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` (Stateful components included) as DCP would save it, copied into memory of its own."""
-    plain = {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
-    stager = DefaultStager(StagingOptions(False, False, False, False))  # in line: no pinned or shared memory
-    try:
-        return stager.stage(plain)
-    finally:
-        stager.close()
+def _state_now(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` as DCP would save it, each Stateful's `state_dict()` called now: values such as the RNG streams are
+    captured, tensors are the live ones."""
+    return {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
 
 
 def _storage_may_recover(exc: BaseException) -> bool:
@@ -294,17 +318,21 @@ class Checkpointer:
         self, step: int, components: dict[str, Stateful], data_cursor: dict, group: ProcessGroup
     ) -> PendingSave:
         """Collective over `group`, a gloo process group of this run's ranks that nothing else uses while the save
-        runs: copy this rank's state now. The returned save's `start()` (every rank's) writes and commits the copy
-        as `save` does, on a thread of its own whose collectives are `group`'s alone; changes to the weights or
-        the optimizer after this returns do not reach the checkpoint. It must be waited for before the next save
-        on `group` and before the process ends; its `wait` raises what `save` would."""
+        runs: take this rank's state now, its tensors as they are (not copied: a checkpoint is as large as the
+        weights and both AdamW moments). The returned save's `start()` (every rank's) writes and commits it as
+        `save` does, on a thread of its own whose collectives are `group`'s alone. Until its `wait()` returns,
+        nothing may change the components' tensors (the weights, the optimizer's state); the RNG streams, step,
+        cursor and LR schedule are taken as values now. It must be waited for before the next save on `group` and
+        before the process ends; its `wait` raises what `save` would."""
         ref = self._ref(step)
         if self._is_committed(ref, group):
             return PendingSave(ref, None)
         attempt = self._open_attempt(ref, group)
-        staged = _copied_state(self._state(components, _TrainState(step, data_cursor)))
+        staged = _state_now(self._state(components, _TrainState(step, data_cursor)))
 
         def write_and_commit() -> None:
+            if self.dist.device.type == "cuda":  # a thread starts on cuda:0; DCP copies shards to host on its device
+                torch.cuda.set_device(self.dist.device)
             maybe_kill_while_saving(self.dist.rank, step)
             started = time.perf_counter()
             written = self._write(ref, attempt, staged, group)

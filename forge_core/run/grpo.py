@@ -14,8 +14,9 @@ that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
 manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export; the
 state is written while rank 0 writes the export, so the export's phase holds it). On a trainer group the state is
-only copied there and written behind the commit, while the engines sample the next rollout batch (its
-checkpoint's manifest records `write_s`).
+only taken there (its tensors as they are, not copied) and written behind the commit, at a lower CPU priority,
+while the engines sample the next rollout batch (its checkpoint's manifest records `write_s`); the next stage
+waits for that write before its engine is taken (`phase/state_wait_s`).
 
 Every stage starts from the exported weights and a new LR schedule over its rollout batch. With
 `grpo.optimizer_state: carry` (the default) AdamW goes on with the moments and step counts of the stage that
@@ -328,6 +329,10 @@ def train(ctx: StageContext) -> None:
         rollouts = read_rollouts(store, cfg, inputs)
         steps = steps_per_batch(cfg.grpo, rollouts.batch.batch_size)
         run = TrainingRun(ctx, dist, lineage=inputs.lineage(), run_name=f"{cfg.name}-{ctx.stage.name}-{iteration}")
+        if ctx.held is not None:  # the last stage's state, when it is still being written behind its commit
+            phases.lap("load")
+            ctx.held.settle()
+            phases.lap("state_wait")
         engine = run.engine(
             vocab_size, cfg.grpo.optimizer, max(steps, 1), policy_dir, checkpoint, weights_of=inputs.policy_uri,
             fetch_weights=policy.weights, optimizer_state=optimizer_state,
@@ -353,8 +358,9 @@ def train(ctx: StageContext) -> None:
             pending: PendingSave | None = None
 
             def save_optimizer_state() -> dict:
-                """The next iteration goes on from here, whatever runs it. A trainer group's rank copies the
-                state and writes it behind the commit, on its save group (HeldPolicy)."""
+                """The next iteration goes on from here, whatever runs it. A trainer group's rank writes the state
+                behind the commit, on its save group; the held engine is not changed until that has ended
+                (HeldPolicy)."""
                 nonlocal pending
                 clock = PhaseClock()
                 cursor = {"history": history}

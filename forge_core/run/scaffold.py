@@ -47,8 +47,9 @@ class HeldPolicy:
     A stage takes or drops it before building its own engine, so a rank never holds two models.
 
     `save_group`: a process group of the trainer's ranks for checkpoints saved behind a stage's commit (None: a
-    stage saves in line). The save still running is `pending`; taking or dropping the engine waits for it first,
-    so the next stage's first step starts with the last stage's state committed.
+    stage saves in line). The save still running is `pending`; it writes the held engine's own tensors, which is
+    why taking or dropping the engine waits for it first (and the next stage's first step starts with the last
+    stage's state committed).
     """
 
     def __init__(self, save_group: Any = None) -> None:

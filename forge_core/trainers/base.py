@@ -212,8 +212,8 @@ class TitanTrainer:
         return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor)
 
     def save_checkpoint_behind(self, step: int, data_cursor: dict, group: Any) -> PendingSave:
-        """Collective over `group`: what `save_checkpoint` commits, copied now and written on a thread of its own
-        (`Checkpointer.save_behind`)."""
+        """Collective over `group`: what `save_checkpoint` commits, taken now and written on a thread of its own
+        (`Checkpointer.save_behind`: the engine must not change until the save has ended)."""
         beat(self.rank, self.step, f"checkpoint at step {step}, saved behind")
         return self._require_checkpointer().save_behind(step, self.engine.checkpoint_components(), data_cursor, group)
 

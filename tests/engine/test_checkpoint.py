@@ -3,6 +3,7 @@ LR schedule, step, data cursor and RNG; commit by manifest; fallback past a corr
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from forge_core.config import load_config
 from forge_core.engine import (
@@ -23,7 +25,7 @@ from forge_core.engine import (
     load_components,
     new_gloo_group,
 )
-from forge_core.engine.checkpoint import ModelState
+from forge_core.engine.checkpoint import BEHIND_NICENESS, ModelState
 from forge_core.engine.distributed import DistContext
 from forge_core.losses import TokenCrossEntropy
 from forge_core.storage import ObjectStore
@@ -224,10 +226,14 @@ def test_an_engine_that_goes_on_trains_as_a_new_one_that_loads_its_optimizer_sta
     assert any(not torch.equal(after_kept[k], after_fresh[k]) for k in after_kept)  # the carried moments counted
 
 
-def test_a_state_saved_behind_is_the_state_of_the_call_whatever_trains_while_it_is_written(tmp_path, monkeypatch):
-    """`save_behind` copies the state when called and writes it on a thread of its own, on a process group of its
-    own: a step taken before the thread writes a byte does not reach the checkpoint, which resumes a run exactly
-    as the same state saved in line does (weights, AdamW, LR schedule, cursor, RNG)."""
+def test_a_state_saved_behind_is_the_live_state_written_at_low_priority_and_resumes_as_one_saved_in_line(
+    tmp_path, monkeypatch
+):
+    """`save_behind` takes the state when called and writes it on a thread of its own, on a process group of its
+    own, at BEHIND_NICENESS lower priority: the weights and AdamW state are the live tensors (no copy), the RNG
+    streams, step and cursor are values of the call, so draws made while it is written do not reach it. Reading
+    the weights meanwhile (as the weight push does) is allowed. It resumes a run exactly as the same state saved
+    in line does (weights, AdamW, LR schedule, cursor, RNG)."""
     store = ObjectStore(f"file://{tmp_path}/store")
     batches = _batches(4)
     behind, inline = (_trainer(store, store.artifact_uri("grpo", name)) for name in ("behind", "inline"))
@@ -237,13 +243,29 @@ def test_a_state_saved_behind_is_the_state_of_the_call_whatever_trains_while_it_
     inline_ref = inline.save_checkpoint(2, {"at": 2})
     start_writing = threading.Event()
     write = Checkpointer._write
-    monkeypatch.setattr(Checkpointer, "_write", lambda self, *args: start_writing.wait() and write(self, *args))
+    writes = []
+
+    def held_write(self, ref, attempt, state, group):
+        writes.append((_thread_niceness(), state))
+        start_writing.wait()
+        return write(self, ref, attempt, state, group)
+
+    monkeypatch.setattr(Checkpointer, "_write", held_write)
+    caller_niceness = _thread_niceness()
     pending = behind.save_checkpoint_behind(2, {"at": 2}, new_gloo_group())
     pending.start()
-    _step(behind, batches[2])  # weights, moments and RNG move on before the write starts
+    random.random(), np.random.rand(), torch.rand(())  # every RNG moves on before the write starts
+    behind.engine.full_state_dict()
     start_writing.set()
     ref = pending.wait()
     assert ref.step == 2 and store.read_manifest(ref.uri).metrics["write_s"] > 0
+    [(write_niceness, written)] = writes
+    # The write yields the CPU to what runs beside it; the caller's thread keeps its priority.
+    assert write_niceness == min(19, caller_niceness + BEHIND_NICENESS)
+    assert _thread_niceness() == caller_niceness
+    live = behind.engine.model.state_dict()
+    assert written["model"].keys() == live.keys()
+    assert all(_storage(written["model"][k]) == _storage(live[k]) for k in live)  # the weights, not a copy
 
     resumed = []
     for name in ("behind", "inline"):
@@ -254,3 +276,12 @@ def test_a_state_saved_behind_is_the_state_of_the_call_whatever_trains_while_it_
     (loss_behind, weights_behind), (loss_inline, weights_inline) = resumed
     assert loss_behind == loss_inline and inline_ref.step == 2
     assert all(torch.equal(weights_behind[k], weights_inline[k]) for k in weights_inline)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _thread_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -222,6 +222,8 @@ def test_one_group_serves_every_iteration_and_nothing_survives(flow_lifetime_run
     assert "forge_core.run grpo --spec" not in "\n".join(run.seen.values())  # no per-stage GRPO worker
     assert any("raylet" in cmd for cmd in run.seen.values()), run.seen  # the embedded Ray was the flow's own
     assert "stopped the run's trainer group" in run.log
+    for iteration in (0, 1):  # each stage records its wait for the last one's state write (0 when none was left)
+        assert run.store.read_manifest(run.grpo_uri(iteration)).metrics["phase/state_wait_s"] >= 0
     _assert_nothing_survives(run)
 
 

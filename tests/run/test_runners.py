@@ -130,6 +130,10 @@ def test_a_stage_in_the_task_process_past_its_deadline_stops_the_flow_engines_an
     resources = FlowResources.of(cfg)
     plan = _planned(cfg, "wait_for_engines", tmp_path / "started")
     lines: list[str] = []
+    # The run's engines are reserved before the deadline runs, so the stage has them at once whatever the
+    # cluster's speed (a reservation can outlast DEADLINE_S on a loaded machine).
+    with resources.engine_actors(seed=0):
+        pass
 
     result = _short(TaskProcessRunner)(cfg, "wait_for_engines", resources).run(plan, lines.append)
 
