@@ -9,8 +9,9 @@ Workload (the demo defaults): llama3 `tiny` initialised from one HF folder on bo
 optimizer step per batch in 4 micro-batches of 64, the DAPO token-mean clipped surrogate (clip 0.2 / 0.28,
 ratio against the stored generator logprobs, no KL), fused AdamW, gradient clipping at 1.0.
 
-Ours: `GRPOTrainer.fit` on the batch (`rollouts_to_rl_batch`): the exact path of the GRPO stage (FSDP2-wrapped
-torchtitan model, world size 1, per-micro-batch padding trim, no-grad entropy, metric reduction).
+Ours: `GRPOTrainer.fit` on the batch (`rollouts_to_rl_batch`): the exact path of the GRPO stage (world size 1:
+the torchtitan model as one fp32 rank trains it, plain; per-micro-batch padding trim, no-grad entropy, metric
+reduction).
 Baseline: TRL's `GRPOTrainer` (loss_type="dapo", beta=0, epsilon 0.2, epsilon_high 0.28, num_generations 8,
 per_device_train_batch_size 64 x gradient_accumulation_steps 4) on a transformers Llama loaded from the same
 HF folder; each step runs TRL's own `compute_loss` on its micro-batch dicts (left-padded prompts, right-padded

@@ -4,8 +4,9 @@
     python -m bench.sft_throughput --quick    # fewer steps (smoke run)
 
 Ours: `SFTTrainer` on the demo task's real `sft.parquet` (prepare stage), world size 1: every optimizer step
-samples its global batch, pads micro-batches, runs the engine (FSDP2-wrapped torchtitan model, fused
-AdamW, LR schedule, DTensor-aware grad clipping) and reduces metrics - the exact path of the SFT stage.
+samples its global batch, pads micro-batches, runs the engine (the torchtitan model as one fp32 rank trains
+it: plain, since FSDP2 wraps it only to shard or cast; fused AdamW, LR schedule, torchtitan's grad clipping)
+and reduces metrics - the exact path of the SFT stage.
 Baseline: the same torchtitan model unwrapped, the same initial weights, `torch.optim.AdamW(fused=True)`
 with the same hyper-parameters, the same micro-batches (pre-padded, so the baseline pays no data cost),
 `log_softmax` + masked token mean, backward, `clip_grad_norm_`, step. Both run in this process, alternating

@@ -4,9 +4,12 @@
     parallelize_model(model, parallel_dims, plan)     # TP (GPU) -> activation checkpointing -> compile -> FSDP2
 
 torchtitan's "partial_dtensor" SPMD backend: DTensor for tp only, FSDP2's `fully_shard` for data parallelism.
-FSDP is applied at every world size, 1 included, so there is one code path (it also installs the
-mixed-precision policy). FSDP never scales gradients (losses divide by the global normalizer themselves): its
-division is turned off on N ranks, and on one rank it divides by the world size, 1, which it skips.
+FSDP is applied over the data-parallel ranks, and on one rank only to cast (a mixed-precision policy, one unit
+around the whole model): as in torchtitan, a single fp32 rank trains the plain module, since FSDP would only copy
+every parameter in and every gradient out each step. Either way the state dicts, checkpoints and exports name the
+same tensors, and a checkpoint of one layout resumes the other (DCP reshards). FSDP never scales gradients
+(losses divide by the global normalizer themselves): its division is turned off on N ranks, and on one rank it
+divides by the world size, 1, which it skips.
 """
 
 from __future__ import annotations
@@ -138,6 +141,8 @@ def resolve_reshard_after_forward(choice: str, device_type: str) -> str:
 def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reshard: str) -> None:
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     mesh = parallel_dims.get_mesh(names)
+    if mesh.size() == 1 and param_dtype == torch.float32:
+        return  # nothing to shard or cast
     if mesh.size() == 1:
         _apply_single_rank_fsdp(model, mesh, param_dtype, reshard_after_forward=reshard == "always")
     else:
@@ -150,9 +155,9 @@ def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torc
 
 
 def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
-    # With nothing to shard, per-block units only add overhead: one unit around the whole model keeps FSDP's
-    # DTensor parameters and mixed-precision policy (the same state dicts and checkpoints as N ranks). That unit is
-    # the output layer's too, which the `default` policy keeps gathered: only `always` reshards it.
+    # With nothing to shard, FSDP is there for its mixed-precision policy, and per-block units would only add
+    # overhead: one unit around the whole model casts it. That unit is the output layer's too, which the
+    # `default` policy keeps gathered: only `always` reshards it.
     # No gradient divide factor: FSDP then divides by the world size, 1, which it skips, where a factor of 1
     # would cost a division of every gradient by 1.0 into a new buffer each step.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

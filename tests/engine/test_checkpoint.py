@@ -285,3 +285,48 @@ def _storage(tensor: torch.Tensor) -> int:
 
 def _thread_niceness() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _layout_cfg(*overrides: str):
+    return load_config(None, ["training.device=cpu", "seed=5", *overrides])
+
+
+def _master_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every fp32 master weight and AdamW moment, whole, by parameter name."""
+    optimizer = engine.optimizers.optimizers[0]
+    out = dict(engine.full_state_dict())
+    for name, param in engine.model.named_parameters():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            value = optimizer.state[param][moment]
+            out[f"{name}.{moment}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    return out
+
+
+def test_one_fp32_rank_trains_the_plain_model_and_resumes_from_and_into_an_fsdp_unit_bitwise(tmp_path):
+    """A single fp32 rank trains the plain module (nothing to shard or cast); one that casts (bf16) wraps it in
+    one FSDP unit. A checkpoint of either resumes the other with every master weight and AdamW moment as saved."""
+    from torch.distributed.fsdp import FSDPModule
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    batches = _batches(2)
+
+    def trainer(output: str, *overrides: str) -> TitanTrainer:
+        cfg = _layout_cfg(*overrides)
+        engine = Engine.Config.from_run_config(cfg, VOCAB, cfg.sft.optimizer, total_steps=6).build()
+        uri = store.artifact_uri("sft", output)
+        return TitanTrainer(engine, checkpointer=Checkpointer(store, uri, engine.dist, stage="test", config={}, inputs={}))
+
+    plain, unit = trainer("plain"), trainer("unit", "training.mixed_precision=bf16")
+    assert not any(isinstance(m, FSDPModule) for m in plain.engine.model.modules())
+    assert not any(isinstance(p, DTensor) for p in plain.engine.model.parameters())
+    assert isinstance(unit.engine.model, FSDPModule) and unit.engine.accumulates_unsharded
+    assert all(isinstance(p, DTensor) for p in unit.engine.model.parameters())
+    for source, target_overrides in ((plain, ["training.mixed_precision=bf16"]), (unit, [])):
+        source.train_step(batches[0].split(2), TokenCrossEntropy())
+        source.save_checkpoint(1, {})
+        saved = _master_state(source.engine)
+        target = trainer("plain" if source is plain else "unit", *target_overrides)
+        assert target.load_checkpoint().step == 1
+        resumed = _master_state(target.engine)
+        assert saved.keys() == resumed.keys()
+        assert [k for k in saved if not torch.equal(saved[k], resumed[k])] == []

@@ -1,4 +1,4 @@
-"""GRPOTrainer in one process (world size 1, the real FSDP-wrapped torchtitan engine): the first step on a
+"""GRPOTrainer in one process (world size 1, the real torchtitan engine): the first step on a
 rollout batch is on-policy (ratio exactly 1) and its gradient is the REINFORCE-with-baseline gradient computed
 independently from the unpadded rollout rows; rollout rows become correctly aligned batches."""
 
@@ -18,6 +18,7 @@ from grpo_helpers import (
     plain_policy,
     rollout_table,
 )
+from torch.distributed.tensor import DTensor
 
 from forge_core.batch import RLBatch, pad_token_rows
 from forge_core.engine import Engine, destroy_distributed
@@ -63,6 +64,11 @@ def _reinforce_gradient(model: torch.nn.Module, table: pa.Table) -> dict[str, to
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered from an FSDP unit's shards, as is from the plain model of one fp32 rank."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _capture_gradients(engine: Engine) -> list[dict[str, torch.Tensor]]:
     """Full gradients as the optimizer sees them, once per step (a hook before AdamW's update)."""
     captured: list[dict[str, torch.Tensor]] = []
@@ -71,7 +77,7 @@ def _capture_gradients(engine: Engine) -> list[dict[str, torch.Tensor]]:
         # Looked up at step time: FSDP swaps the registered parameter objects around a no-grad forward.
         names = {id(p): name for name, p in engine.model.named_parameters()}
         captured.append({
-            names[id(p)]: p.grad.full_tensor().detach().clone()
+            names[id(p)]: _whole(p.grad).detach().clone()
             for group in optimizer.param_groups for p in group["params"] if p.grad is not None
         })
 

@@ -54,12 +54,12 @@ def test_gradient_accumulation_1x8_equals_8x1(tmp_path):
 
 
 def test_one_rank_accumulates_unsharded_and_steps_bitwise_as_reducing_every_micro_batch(tmp_path, monkeypatch):
-    """On one rank the gradients of a step's micro-batches stay in the unsharded model until the last one; the
-    steps equal, bit for bit, those of reducing into the sharded gradients after every micro-batch (the sums are
-    added in the same order)."""
+    """On one rank that casts (one FSDP unit; an fp32 rank trains the plain model) the gradients of a step's
+    micro-batches stay in the unsharded model until the last one; the steps equal, bit for bit, those of reducing
+    into the sharded gradients after every micro-batch (the sums are added in the same order)."""
     from forge_core.engine import engine as engine_module
 
-    cfg = sft_test_config(tmp_path)
+    cfg = sft_test_config(tmp_path, "training.mixed_precision=bf16")
     batches = [pad_token_rows(token_rows(12, seed=3 + i)) for i in range(3)]
 
     def train(trainer) -> tuple[list, dict]:
