@@ -17,6 +17,8 @@ Phases, in order, each one line {"phase", "status": "ok" | "skipped" | "failed",
   logprob_gap  the trainer's logprobs of the sampled tokens against vLLM's (bf16 on GPU)
   grpo_reload  one GRPO step, the new weights written into the engine's folder, reloaded in place: vLLM
                then agrees with the updated trainer, which moved well beyond that agreement
+  weight_push  the same after a step each, the weights pushed into the running engine as a trainer group does
+               (forge_core.run.weight_sync): by shared memory, then by broadcasts over the gloo group
   flow         `forgeflow run configs/tiny_test.yaml` end to end (Prefect's ephemeral API unless
                PREFECT_API_URL is set), on this device
 A phase whose inputs are missing (no GPU, no vLLM, torch too old for torchtitan, an earlier phase failed)
@@ -62,6 +64,7 @@ PHASES = (
     "rollout",
     "logprob_gap",
     "grpo_reload",
+    "weight_push",
     "flow",
 )
 MIN_DRIVER_MAJOR = 580  # torch 2.13.0 from PyPI is a CUDA 13 build
@@ -629,21 +632,40 @@ class Smoke:
             "max_abs_gap": worst,
         }
 
-    def grpo_reload(self) -> dict:
-        from forge_core.models import write_hf_folder
-
-        trainer, engine = self.trainer, self.trainer.engine
+    def _grpo_step(self, seed: int) -> tuple[float, float]:
+        """One GRPO step on the last samples: its seconds and how far it moved their mean logprob."""
+        trainer = self.trainer
         batch = self._rollout_batch(self.samples)
         before = trainer.compute_logprobs(batch).float().cpu()
         start = time.perf_counter()
-        history = trainer.fit(batch, seed=self.cfg.seed)
+        history = trainer.fit(batch, seed=seed)
         train_s = time.perf_counter() - start
         if all(step.get("skipped") for step in history):
-            raise RuntimeError("the GRPO step was skipped (no completion carried loss); nothing to reload")
-        moved = (
-            (trainer.compute_logprobs(batch).float().cpu() - before)[batch.loss_mask_BL].abs().mean().item()
-        )
-        # The GRPO stage's in-place path: the new weights over the engine's folder, then reload_weights.
+            raise RuntimeError("the GRPO step was skipped (no completion carried loss); nothing to move the engine to")
+        moved = (trainer.compute_logprobs(batch).float().cpu() - before)[batch.loss_mask_BL].abs().mean().item()
+        return train_s, moved
+
+    def _engine_follows(self, moved: float, how: str) -> tuple[list[str], float, float]:
+        """Whether vLLM, given the trainer's new weights `how`, samples as the updated trainer scores: the
+        problems, the mean and the max logprob gap over a fresh rollout."""
+        after_samples = self.generator.generate(self.prompts, self.cfg.rollout.sampling, seed=self.cfg.seed)
+        gap_after, worst = self._trainer_gap(self.trainer, self._rollout_batch(after_samples))
+        problems = []
+        if not gap_after <= max(3 * self.gap_before, self.profile.logprob_bound / 10):
+            problems.append(f"after {how} vLLM differs from the updated trainer by {gap_after:.3g} (mean)")
+        if not moved > 3 * gap_after:
+            problems.append(
+                f"the GRPO step moved logprobs by {moved:.3g}, too little next to the trainer-vLLM gap "
+                f"{gap_after:.3g} to tell whether {how} took effect (raise --lr)"
+            )
+        return problems, gap_after, worst
+
+    def grpo_reload(self) -> dict:
+        from forge_core.models import write_hf_folder
+
+        engine = self.trainer.engine
+        train_s, moved = self._grpo_step(self.cfg.seed)
+        # What an engine does with a policy from the store: the new weights over its folder, then reload_weights.
         write_hf_folder(
             engine.full_state_dict(dtype=engine.export_dtype),
             self.cfg.model,
@@ -652,18 +674,7 @@ class Smoke:
             tokenizer_dir=self.policy_dir,
         )
         reload_s = self.generator.reload(self.policy_dir, "smoke-1")
-        after_samples = self.generator.generate(self.prompts, self.cfg.rollout.sampling, seed=self.cfg.seed)
-        gap_after, worst = self._trainer_gap(trainer, self._rollout_batch(after_samples))
-        problems = []
-        if not gap_after <= max(3 * self.gap_before, self.profile.logprob_bound / 10):
-            problems.append(
-                f"after the reload vLLM differs from the updated trainer by {gap_after:.3g} (mean)"
-            )
-        if not moved > 3 * gap_after:
-            problems.append(
-                f"the GRPO step moved logprobs by {moved:.3g}, too little next to the trainer-vLLM gap "
-                f"{gap_after:.3g} to tell whether the reload took effect (raise --lr)"
-            )
+        problems, gap_after, worst = self._engine_follows(moved, "the reload")
         return {
             "problems": problems,
             "train_s": _round(train_s),
@@ -672,6 +683,42 @@ class Smoke:
             "mean_abs_gap_after_reload": gap_after,
             "max_abs_gap_after_reload": worst,
         }
+
+    def weight_push(self) -> dict:
+        """The trainer group's path (rollout.weight_sync.transport: group): a GRPO step, then its weights pushed
+        into the running engine, by shared memory (an engine on the trainer's node), then after another step by
+        broadcasts over the group (an engine on another node), each followed by the updated trainer."""
+        from forge_core.compute.gang import free_port
+        from forge_core.rollout.weight_transfer import GeneratorClient, GlooTrainerEngine, GlooTrainerInit
+        from forge_core.run.weight_sync import MIB, HeldPolicySource
+
+        sync = self.cfg.rollout.weight_sync
+        out: dict = {"problems": [], "bucket_mb": sync.bucket_mb}
+        for round_, path in enumerate(("shared_memory", "group"), start=2):
+            _, moved = self._grpo_step(self.cfg.seed + round_)
+            version = f"smoke-{round_}"
+            init = GlooTrainerInit(
+                "127.0.0.1", free_port("127.0.0.1"), 2, sync.bucket_mb * MIB, sync.timeout_s,
+                shared_memory=path == "shared_memory", rank=0,
+            )  # fmt: skip
+            start = time.perf_counter()
+            client = GeneratorClient(self.generator, version)
+            sender = GlooTrainerEngine.trainer_init(init, client=client, source=HeldPolicySource(self.trainer.engine))
+            try:
+                sender.send_weights()
+            finally:
+                sender.shutdown()
+            out[f"{path}_s"] = _round(time.perf_counter() - start)
+            if self.generator.policy_version != version:
+                out["problems"].append(f"{path}: the engine serves {self.generator.policy_version!r}, not {version!r}")
+            problems, gap_after, worst = self._engine_follows(moved, f"the {path} push")
+            out["problems"] += problems
+            out.update({
+                f"{path}_logprobs_moved_by_step": moved,
+                f"{path}_mean_abs_gap_after": gap_after,
+                f"{path}_max_abs_gap_after": worst,
+            })  # fmt: skip
+        return out
 
     def close(self) -> None:
         if self.generator is not None:
@@ -794,6 +841,7 @@ def main(argv: list[str] | None = None) -> int:
         ("rollout", smoke.rollout, ("export",)),
         ("logprob_gap", smoke.logprob_gap, ("rollout",)),
         ("grpo_reload", smoke.grpo_reload, ("logprob_gap",)),
+        ("weight_push", smoke.weight_push, ("grpo_reload",)),
         ("flow", smoke.flow, ()),
     ]
     start = time.perf_counter()
@@ -803,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
                 report.emit(name, "skipped", 0.0, why="--skip")
                 continue
             report.run(name, body, needs)
-            if name == "grpo_reload" or (name == "export" and report.status.get(name) != "ok"):
+            if name == "weight_push" or (name == "export" and report.status.get(name) != "ok"):
                 smoke.close()  # before the flow: its stages need the GPU (and the process group) to themselves
     finally:
         smoke.close()

@@ -1,7 +1,8 @@
 """scripts/gpu_smoke.py in CI: its reduced CPU form runs every phase for real (training at several lengths,
 checkpoint resume, export, a vLLM rollout, the trainer-vLLM logprob gap, a GRPO step reloaded in place, the
-tiny flow through `forgeflow run`), so the script a person runs on the first GPU node cannot rot; and asked for
-a GPU on this CPU-only host it says, phase by phase, what it could not run and why."""
+weights of two more steps pushed into the running engine, the tiny flow through `forgeflow run`), so the script a
+person runs on the first GPU node cannot rot; and asked for a GPU on this CPU-only host it says, phase by phase,
+what it could not run and why."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ PHASES = [
     "rollout",
     "logprob_gap",
     "grpo_reload",
+    "weight_push",
     "flow",
     "summary",
 ]
@@ -72,6 +74,10 @@ def test_the_cpu_form_measures_what_the_gpu_run_will_report(cpu_run):
     assert phases["logprob_gap"]["mean_abs_gap"] < 1e-4
     reload = phases["grpo_reload"]
     assert reload["mean_abs_gap_after_reload"] < 1e-4 < reload["logprobs_moved_by_step"]
+    push = phases["weight_push"]
+    for path in ("shared_memory", "group"):
+        assert push[f"{path}_mean_abs_gap_after"] < 1e-4 < push[f"{path}_logprobs_moved_by_step"], push
+        assert push[f"{path}_s"] > 0
     assert phases["flow"]["final_policy"].startswith("file://") and phases["flow"]["evals"]
 
 
@@ -86,7 +92,7 @@ def test_asked_for_a_gpu_here_every_phase_says_what_it_could_not_run(tmp_path):
     assert phases["sft_lengths"]["status"] == "skipped" and "no usable GPU" in phases["sft_lengths"]["why"]
     for name in ("checkpoint", "export"):
         assert phases[name]["status"] == "skipped" and "sft_lengths phase, which was skipped" in phases[name]["why"]
-    for name in ("rollout", "logprob_gap", "grpo_reload"):
+    for name in ("rollout", "logprob_gap", "grpo_reload", "weight_push"):
         assert phases[name]["status"] == "skipped" and phases[name]["why"]
     assert (phases["flow"]["status"], phases["flow"]["why"]) == ("skipped", "--skip")
     assert phases["summary"]["failed"] == ["environment"]
