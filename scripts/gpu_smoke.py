@@ -847,12 +847,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         for name, body, needs in steps:
+            if name == "flow":
+                smoke.close()  # its stages need the GPU (and the process group) to themselves
             if name in args.skip:
                 report.emit(name, "skipped", 0.0, why="--skip")
                 continue
             report.run(name, body, needs)
-            if name == "weight_push" or (name == "export" and report.status.get(name) != "ok"):
-                smoke.close()  # before the flow: its stages need the GPU (and the process group) to themselves
     finally:
         smoke.close()
         if not args.keep and not args.workdir:

@@ -5,11 +5,11 @@
 
 torchtitan's "partial_dtensor" SPMD backend: DTensor for tp only, FSDP2's `fully_shard` for data parallelism.
 FSDP is applied over the data-parallel ranks, and on one rank only to cast (a mixed-precision policy, one unit
-around the whole model): as in torchtitan, a single fp32 rank trains the plain module, since FSDP would only copy
-every parameter in and every gradient out each step. Either way the state dicts, checkpoints and exports name the
-same tensors, and a checkpoint of one layout resumes the other (DCP reshards). FSDP never scales gradients
-(losses divide by the global normalizer themselves): its division is turned off on N ranks, and on one rank it
-divides by the world size, 1, which it skips.
+around the whole model). A single fp32 rank trains the plain module: torchtitan wraps it all the same, but with
+nothing to shard or cast FSDP only copies every parameter in and every gradient out each step. Either way the
+state dicts, checkpoints and exports name the same tensors, and a checkpoint of one layout resumes the other (DCP
+reshards). FSDP never scales gradients (losses divide by the global normalizer themselves): its division is turned
+off on N ranks, and on one rank it divides by the world size, 1, which it skips.
 """
 
 from __future__ import annotations
