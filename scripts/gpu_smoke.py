@@ -841,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
         ("rollout", smoke.rollout, ("export",)),
         ("logprob_gap", smoke.logprob_gap, ("rollout",)),
         ("grpo_reload", smoke.grpo_reload, ("logprob_gap",)),
-        ("weight_push", smoke.weight_push, ("grpo_reload",)),
+        ("weight_push", smoke.weight_push, ("logprob_gap",)),
         ("flow", smoke.flow, ()),
     ]
     start = time.perf_counter()
