@@ -37,6 +37,7 @@ _EXPORTS = {
     "num_params": "build",
     "HFModelInfo": "hf",
     "hf_config_dict": "hf",
+    "hf_folder_files": "hf",
     "hf_to_titan_state_dict": "hf",
     "load_hf_folder": "hf",
     "titan_to_hf_state_dict": "hf",
@@ -65,6 +66,7 @@ __all__ = [
     "flops_per_token",
     "forward_logits",
     "hf_config_dict",
+    "hf_folder_files",
     "hf_to_titan_state_dict",
     "init_buffers",
     "init_weights",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
     from forge_core.models.hf import (
         HFModelInfo,
         hf_config_dict,
+        hf_folder_files,
         hf_to_titan_state_dict,
         load_hf_folder,
         read_hf_info,

@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torchtitan.models.common import Decoder
@@ -322,12 +325,12 @@ def _special_token_ids(tokenizer_dir: Path) -> dict[str, Any]:
     }
 
 
-def _write_file_atomically(path: Path, write) -> None:
+def _write_file_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a temp file + rename so a reader (e.g. vLLM's reload) never sees a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
     try:
-        write(tmp)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -346,31 +349,26 @@ def _hf_tensors_for_saving(hf_state_dict: dict[str, torch.Tensor]) -> dict[str, 
     return tensors
 
 
-def write_hf_folder(
+def hf_folder_files(
     titan_state_dict: dict[str, torch.Tensor],
     cfg: ModelConfig,
     vocab_size: int,
-    out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
     *,
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     checkpoint: HFModelInfo | None = None,
-) -> Path:
-    """Write `model.safetensors`, `config.json`, `generation_config.json` (+ tokenizer files) into `out_dir`.
+) -> list[tuple[str, Callable[[BinaryIO], None]]]:
+    """The files of the HF folder `write_hf_folder` writes, each as (name, a function that writes it into a
+    binary stream), weights last: a store's writer takes them without a local copy.
 
     `titan_state_dict` is the full state dict of plain tensors. Token ids default to `tokenizer_dir`'s. A
-    model trained from `checkpoint` keeps its config files. Files are replaced atomically, so a running vLLM
-    can reload in place. Returns `out_dir`; ValueError for weights that do not fit.
+    model trained from `checkpoint` keeps its config files.
 
+    Raises:
+        ValueError: weights that do not fit the model, mixed dtypes, or a tokenizer larger than `vocab_size`.
     """
-
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     arch = checkpoint.architecture if checkpoint is not None else None
     model_config = build_model_config(cfg, vocab_size, attention="sdpa", architecture=arch)
     _check_state_dict_matches(titan_state_dict, model_config, "write_hf_folder")
@@ -401,17 +399,86 @@ def write_hf_folder(
         generation_config["_from_model_config"] = True
         generation_config["transformers_version"] = config.get("transformers_version")
 
+    files: list[tuple[str, Callable[[BinaryIO], None]]] = []
     if tokenizer_dir is not None:
         for src in sorted(Path(tokenizer_dir).iterdir()):
             if _is_tokenizer_file(src):
-                _write_file_atomically(out / src.name, lambda tmp, src=src: shutil.copyfile(src, tmp))
-    _write_file_atomically(out / "config.json", lambda tmp: Path(tmp).write_text(_json(config)))
-    _write_file_atomically(
-        out / "generation_config.json", lambda tmp: Path(tmp).write_text(_json(generation_config))
-    )
+                files.append((src.name, lambda f, src=src: _copy_file_into(src, f)))
+    files.append(("config.json", lambda f: f.write(_json(config).encode())))
+    files.append(("generation_config.json", lambda f: f.write(_json(generation_config).encode())))
     # Weights last: a watcher that keys on the weights file sees a complete folder.
-    _write_file_atomically(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    files.append((WEIGHTS_FILE, lambda f: write_safetensors(tensors, f, metadata={"format": "pt"})))
+    return files
+
+
+def write_hf_folder(
+    titan_state_dict: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    vocab_size: int,
+    out_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    **options: Any,
+) -> Path:
+    """Write `model.safetensors`, `config.json`, `generation_config.json` (+ tokenizer files) into `out_dir`.
+
+    Each file is replaced atomically, so a running vLLM can reload in place. `options` are `hf_folder_files`'s
+    keyword arguments. Returns `out_dir`.
+
+    Raises:
+        ValueError: as `hf_folder_files` does.
+    """
+    files = hf_folder_files(titan_state_dict, cfg, vocab_size, tokenizer_dir, **options)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, write in files:
+        _write_file_atomically(out / name, write)
     return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], f: BinaryIO, metadata: dict[str, str]) -> None:
+    """Stream `tensors` (CPU tensors of one dtype) into `f` in the safetensors format: the bytes
+    `safetensors.torch.save` returns for them.
+
+    The library writes only to a path or to one `bytes` of the whole file; streaming lets a store hash and
+    upload the weights as they are written, without a local file or a second copy of the model in memory.
+
+    Raises:
+        ValueError: a dtype safetensors has no name for here, or tensors of several dtypes.
+    """
+    assert sys.byteorder == "little", "safetensors stores little-endian bytes"
+    dtypes = {t.dtype for t in tensors.values()}
+    unknown = sorted(str(d) for d in dtypes if d not in _SAFETENSORS_DTYPES)
+    if unknown or len(dtypes) > 1:
+        raise ValueError(
+            f"write_safetensors: dtypes {sorted(map(str, dtypes))}; pass tensors of one of "
+            f"{sorted(map(str, _SAFETENSORS_DTYPES))}"
+        )
+    names = sorted(tensors)  # the library's order for tensors of one dtype
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(text)))
+    f.write(text)
+    for name in names:
+        f.write(tensors[name].reshape(-1).view(torch.uint8).numpy())
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def _copy_file_into(src: Path, f: BinaryIO) -> None:
+    with open(src, "rb") as source:
+        shutil.copyfileobj(source, f)
 
 
 def _json(obj: Any) -> str:

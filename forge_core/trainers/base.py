@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -33,7 +32,7 @@ from forge_core.faults import maybe_inject_fault
 from forge_core.launch.heartbeat import beat
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs, reduce_metric_dicts
 from forge_core.metrics import MetricsSink, NullSink
-from forge_core.models import forward_logits, token_entropy, token_logprobs, write_hf_folder
+from forge_core.models import forward_logits, hf_folder_files, token_entropy, token_logprobs
 from forge_core.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -248,16 +247,15 @@ class TitanTrainer:
 
         def write_and_commit() -> str:
             ctx = self.artifacts
-            with tempfile.TemporaryDirectory(prefix="forge-export-") as tmp:
-                write_hf_folder(
-                    full, self.engine.config.model, self.engine.config.vocab_size, tmp, tokenizer_dir,
-                    checkpoint=self.engine.config.checkpoint,  # keeps the starting checkpoint's facts
-                )
-                writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
-                writer.put_dir(tmp)
-                writer.commit(
-                    config=ctx.config, inputs=ctx.inputs, metrics={"step": self.step, **(metrics or {})}
-                )
+            files = hf_folder_files(
+                full, self.engine.config.model, self.engine.config.vocab_size, tokenizer_dir,
+                checkpoint=self.engine.config.checkpoint,  # keeps the starting checkpoint's facts
+            )
+            writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
+            for name, write in files:  # streamed into the store, hashed on the way: no local copy
+                with writer.open(name) as f:
+                    write(f)
+            writer.commit(config=ctx.config, inputs=ctx.inputs, metrics={"step": self.step, **(metrics or {})})
             return uri
 
         writing = None

@@ -4,10 +4,12 @@ Random HF weights are drawn at unit scale (not transformers' std 0.02 init) so l
 q/k permutation, RoPE convention or norm epsilon shows up far above the 1e-4 tolerance.
 """
 
+import io
 import json
 import math
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -16,11 +18,13 @@ from forge_core.models import (
     build_model,
     forward_logits,
     hf_config_dict,
+    hf_folder_files,
     init_buffers,
     init_weights,
     load_hf_folder,
     write_hf_folder,
 )
+from forge_core.models.hf import write_safetensors
 
 TOLERANCE = 1e-4
 VOCAB = 48
@@ -214,6 +218,48 @@ def test_write_rejects_tokenizer_larger_than_vocab(tmp_path):
         write_hf_folder(
             _titan_model(cfg, 8).state_dict(), cfg, 8, tmp_path / "p", tokenizer_dir=tmp_path / "tok"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_streamed_safetensors_are_the_bytes_the_library_writes(dtype):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(7, 5, generator=generator).to(dtype),
+        "lm_head.weight": torch.randn(3, 8, generator=generator).to(dtype),
+        "model.norm.weight": torch.randn(5, generator=generator).to(dtype),
+        "scalar": torch.tensor(1.5, dtype=dtype),
+        "empty": torch.zeros(0, 4, dtype=dtype),
+    }
+    stream = io.BytesIO()
+    write_safetensors(tensors, stream, metadata={"format": "pt"})
+    assert stream.getvalue() == safetensors.torch.save(tensors, metadata={"format": "pt"})
+    loaded = safetensors.torch.load(stream.getvalue())
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], tensors[k]) and loaded[k].dtype == dtype for k in tensors)
+
+
+def test_streamed_safetensors_refuse_mixed_or_unnamed_dtypes():
+    with pytest.raises(ValueError, match=r"dtypes \['torch.bfloat16', 'torch.float32'\]"):
+        write_safetensors({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.bfloat16)}, io.BytesIO(), {})
+    with pytest.raises(ValueError, match=r"dtypes \['torch.int64'\]; pass tensors of one of"):
+        write_safetensors({"a": torch.zeros(2, dtype=torch.long)}, io.BytesIO(), {})
+
+
+def test_folder_files_stream_the_folder_write_hf_folder_writes(tmp_path):
+    """The files a store's writer takes one by one are the folder's, byte for byte, weights last."""
+    _save_tokenizer(tmp_path / "tok")
+    cfg = ModelConfig(family="llama3", flavor="tiny", max_seq_len=32)
+    state_dict = _titan_model(cfg, 16).state_dict()
+    out = write_hf_folder(state_dict, cfg, 16, tmp_path / "policy", tokenizer_dir=tmp_path / "tok")
+    streamed = {}
+    for name, write in hf_folder_files(state_dict, cfg, 16, tokenizer_dir=tmp_path / "tok"):
+        stream = io.BytesIO()
+        write(stream)
+        streamed[name] = stream.getvalue()
+    assert list(streamed)[-1] == "model.safetensors"
+    assert streamed == {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= streamed.keys()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left behind
 
 
 def test_write_rejects_weights_of_another_size(tmp_path):

@@ -3,6 +3,7 @@ the cross-entropy loss, batches, the sampler, and export to an HF folder that tr
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from sft_helpers import VOCAB, one_intra_op_thread, sft_test_config, tiny_trainer, token_rows  # noqa: F401 (fixture)
 
 from forge_core.losses import ModelOutputs, TokenCrossEntropy
-from forge_core.models import forward_logits
+from forge_core.models import forward_logits, write_hf_folder
 from forge_core.storage import ObjectStore
 from forge_core.trainers import ArtifactContext, pad_token_rows
 from forge_core.trainers.sampler import GlobalBatchSampler
@@ -155,6 +156,13 @@ def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path):
     reader = store.reader(uri)
     assert reader.manifest.kind == "policy" and reader.manifest.metrics["step"] == 1
     local = reader.download_dir("", tmp_path / "policy")
+    # Streamed into the store, the folder is byte for byte the one write_hf_folder writes from the same weights.
+    folder = write_hf_folder(
+        trainer.engine.full_state_dict(dtype=trainer.engine.export_dtype), cfg.model, VOCAB, tmp_path / "local"
+    )
+    written = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    assert {rel: entry.sha256 for rel, entry in reader.manifest.files.items()} == written
+    assert {"model.safetensors", "config.json"} <= written.keys()
     hf = transformers.AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
     ids_BL = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
