@@ -14,8 +14,8 @@ after a warm-up, the seconds until the engine serves the trainer's current weigh
   group's set-up included (a push makes its group);
 - group: the path for an engine on another node, the same buckets broadcast over the group (here over the
   loopback socket);
-- baseline (store): the path without it: the trainer's export (gather, write the HF folder, upload into a local
-  `file://` store, commit), then the engine's side (download into an empty policy cache, verify every file's
+- baseline (store): the path without it: the trainer's export (gather, stream the HF folder into a local
+  `file://` store, hashed on the way, commit: `commit_policy`), then the engine's side (download into an empty policy cache, verify every file's
   sha256, reload the folder in place). A local folder is the fastest store there is: on S3 the store path only
   gets slower.
 
@@ -94,17 +94,15 @@ class Sides:
         sender.shutdown()
 
     def by_store(self) -> None:
-        from forge_core.artifacts.policy import fetch_policy
-        from forge_core.models import write_hf_folder
+        from forge_core.artifacts.policy import commit_policy, fetch_policy
+        from forge_core.models import hf_folder_files
 
         version = self._next_version()
         stage_uri = self.store.artifact_uri("grpo", f"bench-{version}")
         full = self.trainer.full_state_dict(dtype=self.trainer.export_dtype)
-        with tempfile.TemporaryDirectory(prefix="forge-bench-export-") as tmp:
-            write_hf_folder(full, self.cfg.model, self.info.vocab_size, tmp, self.tokenizer_dir, checkpoint=self.info)
-            writer = self.store.writer(self.store.join(stage_uri, "policy"), kind="policy", stage="grpo")
-            writer.put_dir(tmp)
-            writer.commit(config={}, inputs={}, metrics={})
+        files = hf_folder_files(full, self.cfg.model, self.info.vocab_size, self.tokenizer_dir, checkpoint=self.info)
+        policy = self.store.join(stage_uri, "policy")
+        commit_policy(self.store, policy, files, stage="grpo", config={}, inputs={}, metrics={})
         stage = self.store.writer(stage_uri, kind="grpo", stage="grpo")
         stage.write_json("train_summary.json", {"metrics": {}})
         stage.commit(config={}, inputs={}, metrics={})

@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from forge_core.artifacts.inputs import committed_kind
 from forge_core.stages import policy_kinds
@@ -339,6 +340,30 @@ def export_policy_folder(store: ObjectStore, uri: str, target: str | os.PathLike
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return source
+
+
+def commit_policy(
+    store: ObjectStore,
+    uri: str,
+    files: list[tuple[str, Callable[[BinaryIO], None]]],
+    *,
+    stage: str,
+    config: dict,
+    inputs: dict[str, str],
+    metrics: dict,
+) -> Manifest:
+    """Commit the policy artifact at `uri` (`<stage_uri>/policy`) from `files`, the (name, write into a binary
+    stream) pairs of `forge_core.models.hf_folder_files`: each is streamed into the store and hashed on the way,
+    with no local copy. Returns its manifest.
+
+    Raises:
+        ArtifactAlreadyCommitted: another attempt committed `uri` first.
+    """
+    writer = store.writer(uri, kind=POLICY_KIND, stage=stage)
+    for name, write in files:
+        with writer.open(name) as f:
+            write(f)
+    return writer.commit(config=config, inputs=inputs, metrics=metrics)
 
 
 def _committed_policy_uri(store: ObjectStore, uri: str) -> str:

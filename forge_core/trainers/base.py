@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from forge_core.artifacts.policy import POLICY_KIND
+from forge_core.artifacts.policy import commit_policy
 from forge_core.batch import TokenBatch
 from forge_core.engine import Checkpointer, CheckpointRef, Engine, PendingSave, ResumeState
 from forge_core.engine.distributed import all_reduce_sum, all_reduce_tensors, run_on_rank0
@@ -251,11 +251,10 @@ class TitanTrainer:
                 full, self.engine.config.model, self.engine.config.vocab_size, tokenizer_dir,
                 checkpoint=self.engine.config.checkpoint,  # keeps the starting checkpoint's facts
             )
-            writer = ctx.store.writer(uri, kind=POLICY_KIND, stage=ctx.stage)
-            for name, write in files:  # streamed into the store, hashed on the way: no local copy
-                with writer.open(name) as f:
-                    write(f)
-            writer.commit(config=ctx.config, inputs=ctx.inputs, metrics={"step": self.step, **(metrics or {})})
+            commit_policy(
+                ctx.store, uri, files, stage=ctx.stage, config=ctx.config, inputs=ctx.inputs,
+                metrics={"step": self.step, **(metrics or {})},
+            )
             return uri
 
         writing = None
