@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from forge_core.engine.preflight import HostDevices
 from forge_core.launch.spec import DEADLINE_ENV
@@ -251,3 +252,100 @@ def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None 
     holder = [obj]
     dist.broadcast_object_list(holder, group=group, group_src=src)
     return holder[0]
+
+
+# Full tensors per all-gather in `full_tensors`: one collective per parameter is latency-bound (gloo, or peers
+# that share cores), while a bucket stays small next to the model it gathers.
+GATHER_BUCKET_BYTES = 32 << 20
+
+
+def full_tensors(
+    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = GATHER_BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: each (name, tensor) of `items`, in order, whole: a DTensor gathered (every rank of its mesh
+    iterates the same items), any other tensor as it is.
+
+    Consecutive DTensors sharded along dim 0 of the same 1-D mesh (FSDP's layout) are gathered together, one
+    all-gather per run of at most `bucket_bytes` of full tensors (a larger tensor alone); any other DTensor by
+    `full_tensor()`. Either way a gathered tensor is new memory, never a view of the sharded one.
+    """
+    run: list[tuple[str, DTensor]] = []
+    run_bytes = 0
+    for name, value in items:
+        if run and (not _gathers_with(run[-1][1], value) or run_bytes + _full_bytes(value) > bucket_bytes):
+            yield from _gathered_together(run)
+            run, run_bytes = [], 0
+        if _row_sharded(value):
+            run.append((name, value))
+            run_bytes += _full_bytes(value)
+        elif isinstance(value, DTensor):
+            yield name, _new_memory(value.full_tensor(), value.to_local())
+        else:
+            yield name, value
+    yield from _gathered_together(run)
+
+
+def _new_memory(full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`full`, copied when it is the rank's own shard (a replicated DTensor's full tensor is)."""
+    return full.clone() if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() else full
+
+
+def _row_sharded(value: torch.Tensor) -> bool:
+    return (
+        isinstance(value, DTensor)
+        and value.device_mesh.ndim == 1
+        and value.ndim > 0
+        and len(value.placements) == 1
+        and type(value.placements[0]) is Shard
+        and value.placements[0].dim == 0
+    )
+
+
+def _gathers_with(previous: DTensor, value: torch.Tensor) -> bool:
+    return _row_sharded(value) and value.device_mesh == previous.device_mesh
+
+
+def _full_bytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def _rows_of_ranks(rows: int, ranks: int) -> list[int]:
+    """Dim-0 rows each rank of a Shard(0) placement holds (torch.chunk's split: the last ranks may hold fewer,
+    or none)."""
+    chunk = -(-rows // ranks)
+    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(ranks)]
+
+
+def _gathered_together(run: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all-gather of the local shards of `run` (as bytes, so dtypes may differ), cut back into full tensors."""
+    if not run:
+        return
+    mesh = run[0][1].device_mesh
+    ranks, me = mesh.size(), mesh.get_local_rank()
+    # pieces[k][r]: the bytes rank r holds of tensor k
+    pieces = []
+    for _, value in run:
+        row_bytes = _full_bytes(value) // value.shape[0] if value.shape[0] else 0
+        pieces.append([rows * row_bytes for rows in _rows_of_ranks(value.shape[0], ranks)])
+    per_rank = [sum(sizes[rank] for sizes in pieces) for rank in range(ranks)]
+    width = max(per_rank)
+    device = run[0][1].device
+    send = torch.empty(width, dtype=torch.uint8, device=device)
+    offset = 0
+    for (_, value), sizes in zip(run, pieces, strict=True):
+        local = value.to_local().contiguous().view(-1).view(torch.uint8)
+        assert local.numel() == sizes[me], f"local shard of {tuple(value.shape)}: {local.numel()} bytes, not {sizes[me]}"
+        send[offset : offset + sizes[me]].copy_(local)
+        offset += sizes[me]
+    received = torch.empty(ranks * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(received, send, group=mesh.get_group())
+    read = [rank * width for rank in range(ranks)]
+    for (name, value), sizes in zip(run, pieces, strict=True):
+        full = torch.empty(value.shape, dtype=value.dtype, device=device)
+        out = full.view(-1).view(torch.uint8)
+        written = 0
+        for rank, size in enumerate(sizes):
+            out[written : written + size].copy_(received[read[rank] : read[rank] + size])
+            written += size
+            read[rank] += size
+        yield name, full

@@ -23,7 +23,7 @@ from torchtitan.config import Configurable
 
 from forge_core.config.schema import ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
 from forge_core.engine.checkpoint import ModelState
-from forge_core.engine.distributed import DistContext, init_distributed, run_on_rank0
+from forge_core.engine.distributed import DistContext, full_tensors, init_distributed, run_on_rank0
 from forge_core.engine.optim import clip_gradients, current_lr
 from forge_core.engine.parallel import (
     ParallelPlan,
@@ -327,15 +327,15 @@ class Engine(Configurable):
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Collective: the unsharded state dict (torchtitan keys; master dtype, or `dtype` such as
-        `self.export_dtype`) on CPU, on rank 0 only; other ranks get an empty dict. Tensors are gathered and
-        cast one at a time, so peak memory is one full tensor."""
+        `self.export_dtype`) on CPU, on rank 0 only; other ranks get an empty dict. Tensors are gathered a bucket
+        at a time (`full_tensors`), so beyond what rank 0 returns, peak memory is one bucket."""
         full = {}
-        for key, value in self.model.state_dict().items():
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
+        live = self.model.state_dict()
+        for key, value in full_tensors(live.items()):
             if self.dist.is_rank0:
-                # copy=True: never alias the live parameters, whatever the dtype.
-                full[key] = value.detach().to("cpu", dtype=dtype or value.dtype, copy=True)
+                # A gathered tensor is new already; a local one is copied, never aliasing the live parameters.
+                gathered = isinstance(live[key], DTensor)
+                full[key] = value.detach().to("cpu", dtype=dtype or value.dtype, copy=not gathered)
         return full
 
     def load_full_state_dict(

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from forge_core.artifacts.policy import PolicyRef
 from forge_core.compute.actors import call_all
+from forge_core.engine.distributed import full_tensors
 from forge_core.models.hf import titan_to_hf_state_dict
 from forge_core.rollout.weight_buckets import BucketSender, EngineRendezvous, Param
 from forge_core.run.resources import FlowResources
@@ -87,8 +87,7 @@ class HeldPolicySource:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The live tensors (gathered, renamed, in the model's dtype): the sender casts each as it packs it."""
-        for key, value in self.engine.model.state_dict().items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+        for key, full in full_tensors(self.engine.model.state_dict().items()):
             yield from self._hf(key, full.detach()).items()
 
 
