@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,9 @@ from forge_core.engine import Checkpointer, checkpoint_uri
 from forge_core.engine.checkpoint import ModelState
 from forge_core.engine.distributed import DistContext
 from forge_core.storage import ArtifactWriter, FileEntry, ObjectStore, StorageError
+from tests.two_ranks import torchrun_two_ranks
 
 WORKER = Path(__file__).with_name("hashed_checkpoint_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.integration)])
@@ -62,24 +59,7 @@ def test_one_rank_commit_equals_hashing_after_and_reads_nothing_back(store, monk
 @pytest.mark.integration
 def test_two_ranks_each_hash_their_shards_and_the_manifest_equals_hashing_after(tmp_path, s3_store):
     stores = [f"file://{tmp_path}/store", f"{s3_store.root}={s3_store.endpoint_url}"]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(WORKER),
-            *stores,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    result = torchrun_two_ranks(str(WORKER), *stores)
     assert result.returncode == 0, result.stderr[-4000:]
     records = [
         json.loads(line.split("HASHED ", 1)[1]) for line in result.stdout.splitlines() if "HASHED " in line

@@ -5,25 +5,15 @@ mixed dtypes, and tensors it leaves to `full_tensor()` (replicated, column-shard
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.two_ranks import torchrun_two_ranks
+
 WORKER = Path(__file__).with_name("full_tensors_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_ranks_gather_every_tensor_bitwise_with_one_all_gather_per_bucket():
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    result = torchrun_two_ranks(str(WORKER))
     assert result.returncode == 0, result.stderr[-4000:]
     record = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("FULL ")).split(" ", 1)[1])
     names = ["uneven", "one_row", "bf16", "vector", "replicated", "columns", "plain", "big", "after_big", "fp16"]

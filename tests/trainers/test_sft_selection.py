@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -35,6 +33,7 @@ from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import read_spec
 from forge_core.storage import ObjectStore
 from forge_core.trainers.validation import Selection, greedy_decode
+from tests.two_ranks import torchrun_two_ranks
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -189,9 +188,7 @@ OVERFIT = [
 
 
 def _torchrun(spec_uri: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "forge_core.run", "sft", "--spec", spec_uri]
-    return subprocess.run(command, env={**os.environ, **env_extra}, capture_output=True, text=True, timeout=600, check=False)
+    return torchrun_two_ranks("-m", "forge_core.run", "sft", "--spec", spec_uri, env=env_extra)
 
 
 def _engine(cfg, vocab_size: int, init_dir: str | None = None) -> Engine:

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from forge_core.engine import committed_checkpoints
 from forge_core.run.scaffold import run_spec
 from forge_core.run.spec import StageSpec, read_spec
 from forge_core.storage import ObjectStore
+from tests.two_ranks import torchrun_two_ranks
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -42,21 +41,7 @@ def test_unknown_model_flavor_is_named(tmp_path):
 
 
 def _torchrun(spec_uri: str, env_extra: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, **env_extra}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "forge_core.run",
-        "sft",
-        "--spec",
-        spec_uri,
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return torchrun_two_ranks("-m", "forge_core.run", "sft", "--spec", spec_uri, env=env_extra, timeout=timeout)
 
 
 def _step_metrics(cfg, run_name: str) -> dict[int, dict]:
