@@ -224,16 +224,20 @@ class EngineActors:
         `push`, when given, first gets the live engines behind `policy` to update without the store; whatever it
         leaves behind is fetched."""
         with self._serving, ThreadPoolExecutor(len(self.slots), thread_name_prefix="forge-engine-ensure") as pool:
-            live = [
-                engine for engine in self.slots
-                if engine is not None and engine.host.lost() is None and not engine.failed
-            ]  # fmt: skip
+            live = self.live()
             served_already = {engine.index for engine in live if engine.policy_version == policy.version}
             behind = [engine for engine in live if engine.index not in served_already]
             if push is not None and behind:
                 push(behind)
             list(pool.map(lambda index: self._serve_slot(index, policy, stage, served_already), range(len(self.slots))))
             return EngineRouter([engine for engine in self.slots if engine is not None])
+
+    def live(self) -> list[HostedEngine]:
+        """The engines started and not known to be lost or failed."""
+        return [
+            engine for engine in self.slots
+            if engine is not None and engine.host.lost() is None and not engine.failed
+        ]  # fmt: skip
 
     def _serve_slot(self, index: int, policy: PolicyRef, stage: str, served_already: set[int]) -> None:
         engine = self.slots[index]

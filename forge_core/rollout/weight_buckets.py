@@ -412,12 +412,34 @@ class BucketSender:
     def send_weights(self) -> None:
         """One round: every engine holds the source's weights when it returns (a rank that only gathers has
         taken its part in every gather)."""
+        self.send_buckets()
+        self.finish()
+
+    def send_buckets(self) -> None:
+        """A round but its end: every engine has loaded the source's weights, and serves them from `finish`. A rank
+        that only gathers takes its part in every gather. When sending fails, the rest of the source is still
+        iterated before the error is raised, so no other trainer rank waits in a gather this rank left."""
         params = self.source.metadata()
+        pairs = iter(self.source)
         if self.group is None:
-            for _ in self.source:
+            for _ in pairs:
                 pass
             return
         assert self.client is not None, "join gives a sender its client"
+        try:
+            self._send(params, pairs)
+        except BaseException:
+            for _ in pairs:
+                pass
+            raise
+
+    def finish(self, weight_version: str | None = None) -> None:
+        """End the round: the engines serve the weights sent, as `weight_version` (None: the client's)."""
+        if self.client is not None and self.group is not None:
+            self.client.finish_weight_update(weight_version)
+
+    def _send(self, params: list[Param], pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        assert self.client is not None and self.group is not None
         buckets, sizes = round_plan(params, self.bucket_bytes, self.shared_memory)
         path = SharedMemoryBuckets.create(max(sizes, default=0)) if self.shared_memory else GroupBuckets()
         self.client.start_weight_update()
@@ -425,17 +447,18 @@ class BucketSender:
         try:
             update = BucketUpdate.of(params, path.paths)
             received = pool.submit(self.client.update_weights, dataclasses.asdict(update))
-            path.send(self.group, self._filled(params, buckets, path.sender_ring(max(sizes, default=0))))
+            path.send(self.group, self._filled(params, pairs, buckets, path.sender_ring(max(sizes, default=0))))
             received.result()
         finally:
             # A failed broadcast leaves the engines waiting in theirs: never join their call here.
             pool.shutdown(wait=False)
             path.close()
-        self.client.finish_weight_update()
 
-    def _filled(self, params: list[Param], buckets: list[range], ring: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    @staticmethod
+    def _filled(
+        params: list[Param], pairs: Iterator[tuple[str, torch.Tensor]], buckets: list[range], ring: list[torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
         """Each bucket packed into the next buffer of `ring` (the path's: it says when one may be refilled)."""
-        pairs = iter(self.source)
         for index, bucket in enumerate(buckets):
             metas = [params[k] for k in bucket]
             buffer = ring[index % len(ring)][: sum(nbytes(m) for m in metas)]

@@ -12,8 +12,9 @@ With a mismatch correction or `grpo.correction.measure_mismatch`, every row is f
 that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 
 Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
-manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export; the
-state is written while rank 0 writes the export, so the export's phase holds it). On a trainer group the state is
+manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export, push; the
+state is written, and an order's push streams the weights to the engines, while rank 0 writes the export, so the
+export's phase holds both). On a trainer group the state is
 only taken there (its tensors as they are, not copied) and written behind the commit, at a lower CPU priority,
 while the engines sample the next rollout batch (its checkpoint's manifest records `write_s`); the next stage
 waits for that write before its engine is taken (`phase/state_wait_s`).
@@ -45,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from forge_core.artifacts.policy import download_policy
+from forge_core.artifacts.policy import committed_policy_version, download_policy, policy_uri
 from forge_core.batch import RLBatch
 from forge_core.config import RunConfig
 from forge_core.engine import CheckpointRef, Engine, PendingSave, checkpoint_uri
@@ -58,6 +59,7 @@ from forge_core.models.hf import is_weights_file
 from forge_core.run.scaffold import StageContext, checked_context
 from forge_core.run.spec import StageSpec
 from forge_core.run.training import TrainingRun, training_process_group
+from forge_core.run.weight_sync import ExportPush
 from forge_core.storage import ArtifactError, ObjectStore
 from forge_core.trainers.grpo import (
     GRPOTrainer,
@@ -305,6 +307,20 @@ def attach_policy_logprobs(
     return dataclasses.replace(batch, old_logprobs_BL=old_BL, ref_logprobs_BL=ref_BL)
 
 
+def export_push(ctx: StageContext, dist: DistContext, engine: Engine) -> ExportPush | None:
+    """Collective: this rank's part in pushing the policy to the engines as it is exported, when the order asked
+    for one and this attempt exports it (not when an earlier attempt committed it: those weights may differ)."""
+    order = ctx.held.push if ctx.held is not None else None
+    if order is None:
+        return None
+    committed = ctx.store.is_committed(policy_uri(ctx.store, ctx.output_uri)) if dist.is_rank0 else None
+    exported_before = broadcast_object(committed)
+    if exported_before:
+        log.info("%s: committed by an earlier attempt; the engines take it after the stage", ctx.output_uri)
+        return None
+    return ExportPush(engine, order)
+
+
 def train(ctx: StageContext) -> None:
     """Collective: train on the rollouts, export `<output_uri>/policy`, commit the `grpo` artifact. Per-stage
     workers and trainer-group ranks run the same code."""
@@ -357,7 +373,7 @@ def train(ctx: StageContext) -> None:
 
             pending: PendingSave | None = None
 
-            def save_optimizer_state() -> dict:
+            def save_optimizer_state(_exported) -> dict:
                 """The next iteration goes on from here, whatever runs it. A trainer group's rank writes the state
                 behind the commit, on its save group; the held engine is not changed until that has ended
                 (HeldPolicy)."""
@@ -388,9 +404,19 @@ def train(ctx: StageContext) -> None:
                 "load/policy_bytes_read": policy.bytes_read(),  # kept: the config and tokenizer files alone
                 **phases.metrics(),
             }
-            # The state is written while rank 0 writes the export.
-            carry = save_optimizer_state if cfg.grpo.optimizer_state == "carry" else None
-            run.finish(trainer, metrics, str(policy_dir) if policy_dir else None, steps=history, alongside=carry)
+            # The state is written, and the engines load the weights (ExportPush), while rank 0 writes the export.
+            push = export_push(ctx, dist, engine)
+            # The push first: it cannot raise, so no rank leaves the others in one of its gathers.
+            alongside = [work for work in (
+                push.send if push else None, save_optimizer_state if cfg.grpo.optimizer_state == "carry" else None,
+            ) if work is not None]  # fmt: skip
+            run.finish(
+                trainer, metrics, str(policy_dir) if policy_dir else None, steps=history,
+                alongside=(lambda full: {k: v for work in alongside for k, v in work(full).items()}) if alongside else None,
+            )  # fmt: skip
+            if push is not None:
+                version = committed_policy_version(store, ctx.output_uri) if dist.is_rank0 else None
+                ctx.held.push_failed = push.finish(broadcast_object(version))
             if ctx.held is not None:
                 # The exported weights, for the engines (weight_sync), and the state still being written.
                 ctx.held.keep(engine, ctx.output_uri, pending)

@@ -50,6 +50,10 @@ class HeldPolicy:
     stage saves in line). The save still running is `pending`; it writes the held engine's own tensors, which is
     why taking or dropping the engine waits for it first (and the next stage's first step starts with the last
     stage's state committed).
+
+    `push`: this rank's part in pushing the running stage's policy to the engines as it is exported (a
+    forge_core.run.weight_sync.WeightPush, set by its order; None: no push); the stage sets `push_failed` to why
+    that part failed.
     """
 
     def __init__(self, save_group: Any = None) -> None:
@@ -57,6 +61,8 @@ class HeldPolicy:
         self.stage_uri: str | None = None
         self.save_group = save_group
         self.pending: PendingSave | None = None
+        self.push: Any = None
+        self.push_failed: str | None = None
 
     def keep(self, engine: Any, stage_uri: str, pending: PendingSave | None = None) -> None:
         """Hold `engine`, whose weights `stage_uri` committed, and start writing `pending` (its stage's state)."""

@@ -45,7 +45,7 @@ from forge_core.run.resources import FlowResources
 from forge_core.run.runner import Attempt, FlowProcessRunner, LogSink
 from forge_core.run.scaffold import HeldPolicy, run_spec, worker_process_setup
 from forge_core.run.spec import read_spec
-from forge_core.run.weight_sync import WeightPush, push_held_weights
+from forge_core.run.weight_sync import WeightPush, export_push_plan, push_held_weights
 from forge_core.stages import stage_named
 from forge_core.storage.manifest import PLACEMENT_ENV
 from forge_core.timings import TRAINER_CLOSE_S, TRAINER_RANK_CALL_S, TRAINER_RENDEZVOUS_S
@@ -95,14 +95,21 @@ class TrainerRank:
         # next order's and the weight pushes' collectives on the default group.
         self.held.save_group = new_gloo_group()
 
-    def run(self, spec_uri: str, log: LogSink) -> None:
-        """Run one order: the GRPO stage `spec_uri` names, on this rank."""
+    def run(self, spec_uri: str, push: WeightPush | None = None, *, log: LogSink) -> str | None:
+        """Run one order: the GRPO stage `spec_uri` names, on this rank, with its part in pushing the policy to the
+        engines as it is exported (`push`, ExportPush). Returns why that part failed; None when it did not (or
+        there was none)."""
         started = time.perf_counter()
         spec = read_spec(spec_uri, self.cfg.storage)
         if stage_named(spec.stage).flow_runner != TrainerGroupRunner.serves:
             raise ValueError(f"{spec_uri}: a {spec.stage} stage, which the trainer group does not run")
-        with _forwarded_records(log, self.rank):
-            run_spec(spec, process_group=self.dist, started=started, held=self.held)
+        self.held.push, self.held.push_failed = push, None
+        try:
+            with _forwarded_records(log, self.rank):
+                run_spec(spec, process_group=self.dist, started=started, held=self.held)
+        finally:
+            self.held.push = None
+        return self.held.push_failed
 
     def held_stage(self) -> str | None:
         """The stage artifact whose policy this rank holds (its last order's), None when it holds none."""
@@ -355,10 +362,35 @@ class _Order:
         self.trainer = trainer
         self.plan = plan
         self._resources = resources
+        self._log = log
         # A weight push in progress ends first (each of its steps is bounded by weight_sync.timeout_s).
         self._holding = trainer.busy.acquire(timeout=4 * resources.cfg.rollout.weight_sync.timeout_s)
         self._started = time.monotonic()
-        self._calls = [rank.stream("run", plan.spec_uri, log_sink=log) for rank in trainer.ranks]
+        # In sync mode the engines wait for this policy: they load it while it is exported (ExportPush).
+        plan_of_rank = export_push_plan(resources, trainer, plan.output_uri) or [(None, [])] * len(trainer.ranks)
+        self._pushed_to: dict[int, list] = {k: engines for k, (_, engines) in enumerate(plan_of_rank) if engines}
+        self._calls = [
+            rank.stream("run", plan.spec_uri, part, log_sink=log) for rank, (part, _) in zip(trainer.ranks, plan_of_rank)
+        ]
+
+    def _settle_engines(self, failed: dict[int, str]) -> None:
+        """The engines the order pushed to serve what they report now, but those of a rank whose part failed (its
+        reason in `failed`; every rank's when the order failed): part of their weights may be new, so they are
+        restarted from the store at their next serve."""
+        pushed_to, self._pushed_to = self._pushed_to, {}
+        for k, engines in pushed_to.items():
+            why = failed.get(k)
+            for engine in engines:
+                if why is None:
+                    try:
+                        engine.refresh(engine.host.call("describe"))
+                    except Exception as exc:  # noqa: BLE001 - gone since: restarted at its next serve
+                        engine.failed = f"lost after a weight transfer ({type(exc).__name__})"
+                else:
+                    engine.failed = engine.failed or f"interrupted weight transfer ({why})"
+            how = f"failed ({why}); restarted from the store" if why else "done alongside its export"
+            names = ", ".join(f"engine {engine.index}" for engine in engines)
+            self._log(f"weight sync of {self.plan.output_uri} from rank {k} to {names}: {how}")
 
     def _release(self) -> None:
         if self._holding:
@@ -368,15 +400,19 @@ class _Order:
     def wait(self, timeout: float) -> LaunchResult | None:
         until = time.monotonic() + timeout
         pending = list(enumerate(self._calls))
+        push_failures: dict[int, str] = {}
         while pending:
             k, call = pending[0]
             try:
-                done, _ = call.wait(max(0.0, until - time.monotonic()))
+                done, push_failed = call.wait(max(0.0, until - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - the rank's loss, or its own error, classified below
                 return self._failed(k, exc)
             if not done:
                 return self._first_failure()
+            if push_failed:
+                push_failures[k] = push_failed
             pending.pop(0)
+        self._settle_engines(push_failures)
         self._release()
         return LaunchResult(Outcome.SUCCESS, 0, "committed by the run's trainer group")
 
@@ -393,6 +429,7 @@ class _Order:
         """The order's result once rank `k`'s call ended with `exc`. The group is probed first, since a rank's
         error may follow from a dead peer: a lost rank makes it RETRYABLE; else `exc` is classified."""
         _, gone = self.trainer.probe()
+        self._settle_engines(dict.fromkeys(self._pushed_to, f"the order failed on rank {k}"))
         self._release()
         forget_trainer_group(self._resources, self.trainer)
         if gone:
@@ -405,6 +442,7 @@ class _Order:
     def stop(self, reason: str) -> LaunchResult:
         """End the group (a rank may be in a collective that never completes); the result names a stalled rank."""
         stall = self.trainer.stall("the group was stopped")
+        self._settle_engines(dict.fromkeys(self._pushed_to, "the order was stopped"))
         self._release()
         forget_trainer_group(self._resources, self.trainer)
         return LaunchResult(Outcome.CANCELLED, None, reason, stall=stall)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+
+import torch
 
 from forge_core.config.schema import OptimizerConfig
 from forge_core.engine import (
@@ -117,20 +119,21 @@ class TrainingRun:
         metrics: dict,
         tokenizer_dir: str | None,
         steps: list | None = None,
-        alongside: Callable[[], dict] | None = None,
+        alongside: Callable[[Mapping[str, torch.Tensor]], dict] | None = None,
     ) -> dict:
         """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics` plus
         the policy URI, `phase/export_s`, the engine's layout and `wall_s`; `train_summary.json` holds them (and,
         given `steps`, every step's). Returns the stage's metrics.
 
         Args:
-            alongside: collective work run while rank 0 writes the export (the two overlap); the metrics it
-                returns join the stage's (not the policy artifact's).
+            alongside: collective work run while rank 0 writes the export (the two overlap), given the weights
+                written as `export_weights` gives them; the metrics it returns join the stage's (not the policy
+                artifact's).
         """
         ctx = self.ctx
         export = PhaseClock()
         extra: dict = {}
-        also = None if alongside is None else lambda: extra.update(alongside())
+        also = None if alongside is None else lambda full: extra.update(alongside(full))
         policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics, alongside=also)
         export.lap("export")
         layout = {k: v for k, v in trainer.engine.describe().items() if not isinstance(v, dict)}

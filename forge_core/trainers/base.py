@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -229,14 +229,16 @@ class TitanTrainer:
         uri: str,
         tokenizer_dir: str | None,
         metrics: dict | None = None,
-        alongside: Callable[[], object] | None = None,
+        alongside: Callable[[Mapping[str, torch.Tensor]], object] | None = None,
     ) -> str:
         """Collective: write the full weights as an HF folder in `engine.export_dtype` and commit it as a
         `policy` artifact at `uri` (on rank 0). Returns `uri`.
 
         Args:
             alongside: collective work every rank runs while rank 0 writes and commits the folder on a thread of
-                its own (the writing takes no collective); both have ended when this returns.
+                its own (the writing takes no collective); both have ended when this returns. It is given the full
+                weights being written (torchtitan names, export dtype; rank 0's, empty on the other ranks), which it
+                must not change.
 
         Raises:
             The error of `alongside` (every rank), else rank 0's writing error (as run_on_rank0 raises it).
@@ -264,7 +266,7 @@ class TitanTrainer:
             pool.shutdown(wait=False)
         try:
             if alongside is not None:
-                alongside()
+                alongside(full)
         finally:
             if writing is not None:
                 futures.wait([writing])  # never a writer left running past the export

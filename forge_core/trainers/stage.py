@@ -18,7 +18,9 @@ first manifest wins, and the other attempt uses the winner's artifact (same cont
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import torch
 
 from forge_core.artifacts.policy import policy_uri
 from forge_core.engine.distributed import broadcast_object
@@ -35,10 +37,11 @@ def export_policy(
     output_uri: str,
     tokenizer_dir: str | None,
     metrics: dict,
-    alongside: Callable[[], object] | None = None,
+    alongside: Callable[[Mapping[str, torch.Tensor]], object] | None = None,
 ) -> str:
     """Collective: commit the trainer's weights as `<output_uri>/policy` (skipped when a previous attempt of
-    the stage already committed it), running `alongside` (collective) meanwhile as `export_weights` does.
+    the stage already committed it), running `alongside` (collective) meanwhile as `export_weights` does (given
+    no weights when the policy was committed already).
     Returns its URI."""
     assert trainer.artifacts is not None, "export_policy needs a trainer built with artifacts=ArtifactContext"
     store = trainer.artifacts.store
@@ -46,7 +49,7 @@ def export_policy(
     is_rank0 = trainer.engine.dist.is_rank0
     if broadcast_object(store.is_committed(uri) if is_rank0 else None):  # one answer for every rank
         if alongside is not None:
-            alongside()
+            alongside({})
         return uri
     try:
         trainer.export_weights(uri, tokenizer_dir, metrics=metrics, alongside=alongside)

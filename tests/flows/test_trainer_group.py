@@ -228,30 +228,30 @@ def test_one_group_serves_every_iteration_and_nothing_survives(flow_lifetime_run
 
 
 def test_engines_take_each_trained_policy_from_the_trainer_group(flow_lifetime_run):
-    """rollout.weight_sync.transport=group (the default): each GRPO iteration's policy reaches the run's engine
-    from the trainer ranks, never through the store, and the next rollouts are sampled with it."""
+    """rollout.weight_sync.transport=group (the default) in grpo.mode=sync: each GRPO iteration's policy reaches
+    the run's engine from the trainer ranks while rank 0 writes its export, never through the store; the engine
+    serves it under the committed version, and the next stages sample with it without a sync of their own."""
     from forge_core.artifacts.policy import committed_policy_version
 
     run = flow_lifetime_run
     assert run.returncode == 0, run.log[-4000:]
     for iteration in (0, 1):
         uri = run.grpo_uri(iteration)
-        assert f"weight sync: {uri} to 1 engine(s) from the trainer group" in run.log, run.log[-4000:]
+        assert f"weight sync of {uri} from rank 0 to engine 0: done alongside its export" in run.log, run.log[-4000:]
         assert f"policy {uri}/policy at" not in run.log  # no engine fetched it from the store
+        assert run.store.read_manifest(uri).metrics["phase/push_s"] > 0
     sampled = run.store.read_manifest(run.grpo_uri(1)).inputs["rollouts"].uri
     versions = set(run.store.reader(sampled).read_table("rollouts.parquet").column("policy_version").to_pylist())
     assert versions == {committed_policy_version(run.store, run.grpo_uri(0))}
-    # The first stage to sample with iteration 0's policy (its evaluation) paid the sync; the rollout after it
-    # found the engine serving that policy already and records no reload of its own.
+    # Both stages that sample with iteration 0's policy (its evaluation, then the next rollouts) found the engine
+    # serving it already: neither paid a sync.
     samplers = sorted(
         (m for kind in ("eval", "rollouts") for m in map(run.store.read_manifest, run.store.list_committed(kind))
          if m.inputs.get("policy") and m.inputs["policy"].uri == run.grpo_uri(0)),
         key=lambda m: m.committed_at,
     )  # fmt: skip
     assert [m.kind for m in samplers] == ["eval", "rollouts"], [(m.kind, m.committed_at) for m in samplers]
-    assert samplers[0].metrics["phase/sync_s"] > 0 and samplers[1].metrics["phase/sync_s"] == 0.0, [
-        m.metrics["phase/sync_s"] for m in samplers
-    ]
+    assert [m.metrics["phase/sync_s"] for m in samplers] == [0.0, 0.0]
 
 
 def _assert_same_policies_as_the_flow_run(
@@ -485,11 +485,12 @@ def test_two_engines_on_two_nodes_take_each_policy_from_the_group_and_a_killed_o
     flow_lifetime_run, ray_cluster, tmp_path, monkeypatch, caplog
 ):
     """Two engines on two pool nodes and a trainer group of one rank on each of two pool nodes, both held by one
-    FlowResources as a flow run holds them. Iteration 0's push: one engine's vLLM SIGKILLs itself after the first
-    bucket; the push fails, the group is ended, and both engines serve the committed policy from the store (each
-    restarted: part of its weights may be new). Iteration 1: a new group trains, and both engines, the restarted
-    one included, receive its policy from the rank on their own node (rank 0 where none; through shared memory
-    when a rank's engines all share its node) before they sample."""
+    FlowResources as a flow run holds them (grpo.mode=sync: each GRPO order pushes its policy while it is
+    exported). Iteration 0: one engine's vLLM SIGKILLs itself after the first bucket; the stage commits all the
+    same, the group lives on, and the engine whose transfer failed is restarted from the store at the next serve.
+    Iteration 1: both engines, the restarted one included, receive the policy from the rank on their own node
+    (rank 0 where none; through shared memory when a rank's engines all share its node) during the stage, and
+    serve its committed version before they sample, with nothing left to push or fetch."""
     from forge_core.artifacts.policy import policy_ref
     from forge_core.rollout import prompts_from_table
     from forge_core.run.weight_sync import trainer_pusher
@@ -512,28 +513,33 @@ def test_two_engines_on_two_nodes_take_each_policy_from_the_group_and_a_killed_o
     with FlowResources.of(cfg) as resources:
         with resources.engine_actors(seed=0) as engines:
             engines.serve(policy_ref(store, policy_uri))  # both engines up on the SFT policy, from the store
+            engine_nodes = {node["node_rank"]: node["node_id"] for node in engines.placement()["nodes"]}
+        assert len(set(engine_nodes.values())) == 2, engine_nodes
         for iteration, rollouts_uri in enumerate(rollouts):
             inputs = {"policy": policy_uri, "rollouts": rollouts_uri}
             plan = plan_stage(cfg, store, "grpo", inputs=inputs, params={"iteration": iteration})
             write_spec(store, plan.spec)
-            result = runner_for(cfg, "grpo").run(plan, lambda line: None, Cancel())
-            assert result.outcome is Outcome.SUCCESS, result
+            caplog.clear()
+            lines: list[str] = []
+            result = runner_for(cfg, "grpo").run(plan, lines.append, Cancel())
+            assert result.outcome is Outcome.SUCCESS, result  # a failed push does not fail the stage
             policy_uri = plan.output_uri
             policy = policy_ref(store, policy_uri)
             with resources.lock:
+                assert resources.trainer_group is not None  # nor does it end the group
                 ranks_on = {rank.place.node_id: k for k, rank in reversed(list(enumerate(resources.trainer_group.ranks)))}
-            caplog.clear()
+            pushes = [line for line in lines if line.startswith(f"weight sync of {policy_uri} from rank ")]
             with resources.engine_actors(seed=0) as engines:
                 router = engines.serve(policy, "rollout", push=trainer_pusher(resources, policy))
-                engine_nodes = {node["node_rank"]: node["node_id"] for node in engines.placement()["nodes"]}
+                served = list(engines.slots)
                 assert router.policy_version == policy.version and len(router.live) == 2
                 samples = router.generate(prompts, cfg.rollout.sampling, seed=iteration)  # refused by a stale engine
                 assert len(samples) == len(prompts) * cfg.rollout.sampling.group_size
             if iteration == 0:
                 assert marker.exists(), "the fault never fired: nothing was tested"
-                assert f"weight sync of {policy_uri} to " in caplog.text and " failed (" in caplog.text, caplog.text
-                assert resources.trainer_group is None  # ended; iteration 1 places a new one
-                assert "interrupted weight transfer" in caplog.text, caplog.text  # both restarted from the store
+                failed = [line for line in pushes if ": failed (" in line]
+                assert len(failed) == 1 and "restarted from the store" in failed[0], pushes
+                assert "its vLLM died (interrupted weight transfer" in caplog.text, caplog.text  # restarted
                 continue
             expected: dict[int, list[int]] = {}
             for index in sorted(engine_nodes):
@@ -545,7 +551,12 @@ def test_two_engines_on_two_nodes_take_each_policy_from_the_group_and_a_killed_o
                 + (", shared memory" if all(engine_nodes[i] == node_of_rank[k] for i in expected[k]) else "")
                 for k in sorted(expected)
             )
-            assert f"weight sync: {policy_uri} to 2 engine(s) from the trainer group" in caplog.text, caplog.text
-            assert f"(no store; {senders})" in caplog.text, (senders, caplog.text)
-            assert len(set(engine_nodes.values())) == 2, engine_nodes
+            assert f"weight sync: {policy_uri} goes to 2 engine(s) while it is exported ({senders})" in caplog.text
+            assert sorted(pushes) == sorted(
+                f"weight sync of {policy_uri} from rank {k} to {', '.join(f'engine {i}' for i in expected[k])}: "
+                "done alongside its export" for k in expected
+            ), pushes
+            # The serve found both engines on it already: nothing pushed, nothing reloaded from the store.
+            assert "from the trainer group" not in caplog.text
+            assert [engine.reload_s for engine in served] == [0.0, 0.0], [engine.reload_s for engine in served]
     assert ray_cluster.live_actors() == []

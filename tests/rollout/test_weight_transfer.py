@@ -171,8 +171,8 @@ def _vllm_state(generator) -> dict[str, torch.Tensor]:
 class _FileWatchingSource(HeldPolicySource):
     """The trainer's weights; records, as each parameter is packed, whether files match `pattern`."""
 
-    def __init__(self, engine, pattern: str) -> None:
-        super().__init__(engine)
+    def __init__(self, engine, pattern: str, gathered=None) -> None:
+        super().__init__(engine, gathered)
         self.pattern = pattern
         self.files_seen: list[bool] = []
 
@@ -188,8 +188,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["over-the-group", "shared-memory"])
-def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_path, shared_memory):
+@pytest.mark.parametrize(
+    ("shared_memory", "from_export"), [(False, False), (True, False), (False, True)],
+    ids=["over-the-group", "shared-memory", "from-the-export"],
+)
+def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_path, shared_memory, from_export):
+    """from_export: the source iterates the full weights the export gathered (a push alongside the export) instead
+    of gathering the live ones."""
     from forge_core.engine import Engine
     from forge_core.models import write_hf_folder
 
@@ -210,7 +215,8 @@ def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_p
         "127.0.0.1", _free_port(), world_size=2, bucket_bytes=64 * 1024, timeout_s=60, shared_memory=shared_memory,
         rank=0,
     )  # fmt: skip
-    source = _FileWatchingSource(trainer, f"/dev/shm/forgeflow-weights-{os.getpid()}-*")
+    gathered = trainer.full_state_dict(dtype=trainer.export_dtype) if from_export else None
+    source = _FileWatchingSource(trainer, f"/dev/shm/forgeflow-weights-{os.getpid()}-*", gathered)
     sender = GlooTrainerEngine.trainer_init(init, client=GeneratorClient(generator, version), source=source)
     assert len(plan_buckets(HeldPolicySource(trainer).metadata(), init.bucket_bytes)) > 3
     sender.send_weights()

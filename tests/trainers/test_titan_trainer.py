@@ -182,8 +182,9 @@ def test_work_alongside_the_export_runs_while_it_writes_and_its_error_waits_for_
     trainer = tiny_trainer(cfg, artifacts=ArtifactContext(store, "sft", {"x": 1}, {}))
     seen = []
 
-    def checkpoint_fails() -> None:
+    def checkpoint_fails(full) -> None:
         seen.append(threading.current_thread() is threading.main_thread())
+        assert set(full) == set(trainer.engine.model.state_dict())  # one rank: the weights written
         raise ValueError("the state could not be written")
 
     uri = store.join(store.artifact_uri("sft", "alongside"), "policy")
