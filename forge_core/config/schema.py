@@ -384,10 +384,11 @@ class ParallelismConfig(Section):
     tp: int = 1
     # Whether FSDP frees a block's gathered parameters after its forward (torchtitan's
     # fsdp_reshard_after_forward): `always`; `default`, every block but the output layer, which backward needs
-    # first; `never`, the gathered parameters stay until the block's backward, which then gathers nothing (one
-    # all-gather less per block and micro-batch, for the whole model's parameters on every rank between forward
-    # and backward). `auto` = never on CPU (host memory; a gather is a copy through the host), default on GPU.
-    # The steps are the same either way.
+    # first; `never`, the gathered parameters stay until the step's last backward: a block's backward gathers
+    # nothing, and a step's micro-batches accumulate their gradients unsharded and reduce them once (one
+    # all-gather less per block and micro-batch, one reduce-scatter per step, for the whole model's parameters
+    # and gradients on every rank during a step). `auto` = never on CPU (host memory; a gather is a copy through
+    # the host), default on GPU. The steps are the same either way, up to rounding.
     reshard_after_forward: Literal["auto", "default", "always", "never"] = "auto"
 
 

@@ -153,7 +153,9 @@ class Engine(Configurable):
             self.model, self.dist.device_type, config.total_steps
         )
         self.peak_flops = _gpu_peak_flops(self.device)
-        self.accumulates_unsharded = accumulates_unsharded(self.model, self.parallel_dims)
+        self.accumulates_unsharded = accumulates_unsharded(
+            self.model, self.parallel_dims, self.plan.reshard_after_forward
+        )
         self.restarted = False  # True once `restart` made it another stage's engine
 
     # ---- a kept engine for the next stage ---------------------------------------------------------------------
@@ -273,9 +275,11 @@ class Engine(Configurable):
 
     def micro_batch_passes(self, count: int) -> Iterator[int]:
         """The indices 0..count-1 of one optimizer step's micro-batches, to run each one's forward and backward
-        in. On a single data-parallel rank the gradients accumulate in the unsharded model and are handed to the
-        optimizer once, after the last micro-batch; with several ranks every micro-batch's gradients are reduced
-        as they come, so that no rank holds the whole model's gradients. The gradients are the same either way.
+        in. When the engine `accumulates_unsharded` (one data-parallel rank, or several that keep the gathered
+        parameters through a step: `reshard_after_forward` never) the gradients accumulate in the unsharded model
+        and are reduced once, after the last micro-batch; otherwise every micro-batch's gradients are reduced as
+        they come, so that no rank holds the whole model's gradients. The gradients are the same either way (on
+        several ranks up to rounding).
         """
         if not self.accumulates_unsharded:
             yield from range(count)

@@ -168,23 +168,31 @@ def _apply_single_rank_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype, re
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
-def accumulates_unsharded(model: nn.Module, parallel_dims: ParallelDims) -> bool:
-    """Whether `model` is one FSDP unit on a single data-parallel rank, whose sharded parameters and gradients are
-    the whole model's: it can accumulate a step's gradients unsharded at no memory cost (`defer_gradient_sync`)."""
+def accumulates_unsharded(model: nn.Module, parallel_dims: ParallelDims, reshard_after_forward: str) -> bool:
+    """Whether `model` accumulates a step's gradients in its unsharded parameters until the step's last micro-batch
+    (`defer_gradient_sync`): as one FSDP unit on a single data-parallel rank, whose sharded parameters and gradients
+    are the whole model's (no memory cost), and on several data-parallel ranks when FSDP keeps the gathered
+    parameters through a step (`reshard_after_forward` "never"): every rank then also holds the whole model's
+    gradients during the step, which gathers the parameters and reduces the gradients once instead of once per
+    micro-batch."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    return units == [model] and dp_mesh_info(parallel_dims)[0] == 1
+    if dp_mesh_info(parallel_dims)[0] == 1:
+        return units == [model]
+    return bool(units) and reshard_after_forward == "never"
 
 
 def defer_gradient_sync(model: nn.Module, defer: bool) -> None:
     """While `defer`, backward passes leave their gradients in the unsharded parameters (accumulating) and keep
     those parameters for the next forward; the first backward after `defer=False` reduces the sum into the
     sharded gradients once. On one rank this saves FSDP's copy of the parameters and of the gradients on every
-    micro-batch but the last; the sums are the same, added in the same order. `model` is a model for which
-    `accumulates_unsharded` holds (its root is its only FSDP unit)."""
-    model.set_requires_gradient_sync(not defer, recurse=False)
-    model.set_reshard_after_backward(not defer, recurse=False)
+    micro-batch but the last, and the sums are the same, added in the same order; on several ranks it saves an
+    all-gather and a reduce-scatter of the model per micro-batch but the last, and each rank's micro-batches are
+    summed before the ranks' sums (the same sums up to rounding). `model` is a model for which
+    `accumulates_unsharded` holds."""
+    model.set_requires_gradient_sync(not defer, recurse=True)
+    model.set_reshard_after_backward(not defer, recurse=True)
 
 
 def _use_sum_reductions(model: nn.Module) -> None:
