@@ -97,8 +97,8 @@ def one_intra_op_thread():
 
 def reshard_policy_worker(rank: int, init_file: str, out_dir: str) -> None:
     """One of two gloo ranks: 3 steps of 2 micro-batches of this rank's rows under each reshard-after-forward
-    policy (`default`, `never`), counting FSDP's all-gathers; rank 0 saves {policy: steps, weights, gathers,
-    the policy the engine reports} to `out_dir`/policies.pt."""
+    policy (`default`, `never`), counting FSDP's all-gathers and gradient reductions; rank 0 saves {policy: steps,
+    weights, gathers, reduces, the policy the engine reports} to `out_dir`/policies.pt."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,13 +115,14 @@ def reshard_policy_worker(rank: int, init_file: str, out_dir: str) -> None:
             batches = [pad_token_rows(token_rows(8, seed=10 * step + rank)) for step in range(3)]
             with profile(activities=[ProfilerActivity.CPU]) as profiled:
                 steps = [trainer.train_step(batch.split(4), TokenCrossEntropy()) for batch in batches]
-            gathers = sum(
-                1 for event in profiled.events() if event.name.startswith("FSDP::all_gather") and "copy_out" not in event.name
-            )
+            events = [event.name for event in profiled.events()]
+            gathers = sum(1 for name in events if name.startswith("FSDP::all_gather") and "copy_out" not in name)
+            reduces = sum(1 for name in events if name.startswith("FSDP::post_backward_reduce"))
             results[policy] = {
                 "steps": [(m["loss"], m["grad_norm"]) for m in steps],
                 "weights": trainer.engine.full_state_dict(),
                 "gathers": gathers,
+                "reduces": reduces,
                 "reported": trainer.engine.describe()["reshard_after_forward"],
             }
         if rank == 0:
