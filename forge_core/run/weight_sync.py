@@ -206,8 +206,8 @@ class ExportPush:
         gather."""
         started = time.perf_counter()
         gathered = None if self._push.every_rank_gathers else exported
-        if gathered is not None and not self._push.engines:
-            return {}  # rank 0 alone sends, from its export: nothing to gather
+        if gathered is not None and not self._push.engines:  # rank 0 alone sends, from its export
+            return {}
         try:
             self._rank = RankPush(self._engine, self._push, gathered)
         except Exception as exc:  # noqa: BLE001 - the stage goes on; the flow restarts the engines
