@@ -366,8 +366,10 @@ class _Order:
         # A weight push in progress ends first (each of its steps is bounded by weight_sync.timeout_s).
         self._holding = trainer.busy.acquire(timeout=4 * resources.cfg.rollout.weight_sync.timeout_s)
         self._started = time.monotonic()
-        # In sync mode the engines wait for this policy: they load it while it is exported (ExportPush).
-        plan_of_rank = export_push_plan(resources, trainer, plan.output_uri) or [(None, [])] * len(trainer.ranks)
+        # In sync mode the engines wait for this policy: they load it while it is exported (ExportPush). Not while
+        # a push from the flow may still hold them (the lock was not had).
+        pushes = export_push_plan(resources, trainer, plan.output_uri) if self._holding else None
+        plan_of_rank = pushes or [(None, [])] * len(trainer.ranks)
         self._pushed_to: dict[int, list] = {k: engines for k, (_, engines) in enumerate(plan_of_rank) if engines}
         self._calls = [
             rank.stream("run", plan.spec_uri, part, log_sink=log) for rank, (part, _) in zip(trainer.ranks, plan_of_rank)
