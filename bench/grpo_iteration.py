@@ -111,6 +111,10 @@ class Iteration:
     state_write_s: float  # its write behind the commit (the checkpoint's write_s), beside the next rollout
     state_wait_s: float  # how long this stage waited for the previous stage's write (GRPO phase/state_wait_s)
     export_s: float  # exporting and committing the policy (GRPO phase/export_s), overhead
+    # within it, at once: rank 0 writing and committing the export (phase/commit_s), and streaming the policy to
+    # the engines (phase/push_s; grpo.mode sync on a trainer group)
+    commit_s: float
+    push_s: float
     engine_startup_s: float
     engine_reload_s: float
     response_len_mean: float
@@ -265,6 +269,8 @@ def split_iterations(label: str, wall_s: float, flow_run_id: str, store: Path, i
                 state_write_s=train["_state_write_s"],
                 state_wait_s=float(train.get("phase/state_wait_s", 0.0)),
                 export_s=float(train["phase/export_s"]),
+                commit_s=float(train["phase/commit_s"]),
+                push_s=float(train.get("phase/push_s", 0.0)),
                 engine_startup_s=float(gen.get("engine_startup_s", 0.0)),
                 engine_reload_s=float(gen.get("engine_reload_s", 0.0)),
                 response_len_mean=float(gen["response_len_mean"]),

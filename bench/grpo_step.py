@@ -32,6 +32,15 @@ interleaved round by round (bench.harness.interleave). The extra forward runs on
 correction's step time is its step + extra forward / (steps the batch feeds): reported at the default
 grpo.epochs (2 passes over the batch; the value) and at one step per batch (the worst case, in details).
 Value = the slowest variant's seconds per step, baseline = token-mean's; target: every variant <= 1.25x.
+
+The output layer (`bench/results/grpo_step.output_layer.json`): one optimizer step of the token-mean loss where
+the trainer runs the vocabulary projection, log-softmax and entropy at the loss (completion) positions alone,
+against the same trainer running them at every position (prompt and padding included), alternated on one engine
+and batch. Workload: the llama3 `medium` body with a 16k vocabulary (the output layer is a quarter of the
+model's matrix work, as in Qwen3-0.6B), 32 completions of 8..88 tokens after 48-token prompts, 2 micro-batches
+of 16. The arithmetic expects a ratio near 1 - share x skipped positions = 1 - 0.235 x 0.59 = 0.86; target:
+<= 0.93, at least half that saving. Details give each side's positions and logits per micro-batch, and the
+output layer's share for Qwen3-0.6B, Qwen3-1.7B and Llama-3.1-8B by the same arithmetic.
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -88,6 +99,9 @@ FAMILY = {
     "icepop": ("clipped_token_mean", "icepop"),
 }
 FAMILY_TARGET = 1.25
+# The output-layer comparison: a model and batch where the vocabulary projection is a realistic share.
+OUTPUT_VOCAB, OUTPUT_ROWS, OUTPUT_PROMPT, OUTPUT_RESPONSES, OUTPUT_MICRO = 16384, 32, 48, (8, 88), 16
+OUTPUT_TARGET = 0.93
 
 
 def ensure_trl() -> str:
@@ -245,6 +259,114 @@ def measure_family(ours: Ours, cfg, repeats: int) -> dict:
     return {"variants": family, "extra_forward_s": summarize(times[EXTRA_FORWARD]), "epochs": epochs}
 
 
+# ---- the output layer at the loss positions ------------------------------------------------------------------
+
+
+# (hidden, layers, attention width, key/value width, FFN width, vocabulary) of public models, for the output
+# layer's share of the matrix work per token (the arithmetic of `matrix_params`).
+PUBLIC_SHAPES = {
+    "Qwen3-0.6B": (1024, 28, 2048, 1024, 3072, 151936),
+    "Qwen3-1.7B": (2048, 28, 2048, 1024, 6144, 151936),
+    "Llama-3.1-8B": (4096, 32, 4096, 1024, 14336, 128256),
+}
+
+
+def output_share(hidden: int, layers: int, attention: int, kv: int, ffn: int, vocab: int) -> float:
+    """The output layer's share of a decoder's matrix multiply-adds per token (attention scores left out)."""
+    per_layer = hidden * attention * 2 + hidden * kv * 2 + hidden * ffn * 3
+    return hidden * vocab / (layers * per_layer + hidden * vocab)
+
+
+def output_layer_sides(workdir: Path) -> tuple[Any, Any, Any, dict]:
+    """(the trainer, the same engine's trainer running the output layer at every position, the batch, the
+    workload's facts) for the output-layer comparison."""
+    from forge_core.config import load_config
+    from forge_core.engine import Engine
+    from forge_core.losses import ModelOutputs
+    from forge_core.losses.grpo import build_policy_loss
+    from forge_core.models import token_entropy, token_logprobs
+    from forge_core.trainers.grpo import GRPOTrainer, rollouts_to_rl_batch
+
+    class EveryPositionTrainer(GRPOTrainer):
+        """The trainer as it was: logits, log-softmax and entropy at every position, the loss masking them."""
+
+        def _model_outputs(self, batch, with_entropy):
+            logits_BLV = self.logits(batch.input_ids_BL, batch.positions_BL)
+            entropy_BL = None
+            if with_entropy:
+                with torch.no_grad():
+                    entropy_BL = token_entropy(logits_BLV.detach())
+            return ModelOutputs(token_logprobs(logits_BLV, batch.target_ids_BL), entropy_BL)
+
+    shortest, longest = OUTPUT_RESPONSES
+    cfg = load_config(
+        None,
+        [
+            f"storage.root=file://{workdir}/store",
+            "model.flavor=medium",
+            f"rollout.sampling.max_new_tokens={longest}",
+            f"grpo.mini_batch_size={OUTPUT_ROWS}",
+            "grpo.epochs=1",
+            f"grpo.micro_batch_size={OUTPUT_MICRO}",
+            f"grpo.optimizer.lr={LR}",
+            "grpo.advantage.drop_zero_variance_groups=false",
+            "logging.wandb_mode=disabled",
+        ],
+    )
+    engine = Engine.Config.from_run_config(cfg, OUTPUT_VOCAB, cfg.grpo.optimizer, total_steps=10_000).build()
+    loss = build_policy_loss(cfg.grpo.loss, longest)
+    at_loss, everywhere = GRPOTrainer(engine, cfg.grpo, loss), EveryPositionTrainer(engine, cfg.grpo, loss)
+    rng = random.Random(1)
+    group = cfg.rollout.sampling.group_size
+    rows: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_logprobs", "group_id", "reward", "finish_reason")}
+    for index in range(OUTPUT_ROWS):
+        if index % group == 0:
+            prompt = [rng.randrange(3, OUTPUT_VOCAB) for _ in range(OUTPUT_PROMPT)]
+        response = [rng.randrange(3, OUTPUT_VOCAB) for _ in range(rng.randint(shortest, longest))]
+        rows["prompt_ids"].append(prompt)
+        rows["response_ids"].append(response)
+        rows["response_logprobs"].append([0.0] * len(response))
+        rows["group_id"].append(index // group)
+        rows["reward"].append(float(rng.random() < 0.5))
+        rows["finish_reason"].append("length" if len(response) == longest else "stop")
+    batch = rollouts_to_rl_batch(pa.table(rows), cfg.grpo.advantage).batch
+    batch = dataclasses.replace(batch, generator_logprobs_BL=at_loss.score_logprobs(batch))  # sampled on-policy
+    step = at_loss.plan(batch.batch_size, 0)[0]
+    micro = at_loss.micro_batches(batch, step)
+    hidden, out = engine.model.lm_head.weight.shape[1], engine.model.lm_head.weight.numel()
+    body = sum(p.numel() for name, p in engine.model.named_parameters() if name.startswith("layers.") and p.dim() == 2)
+    positions = sum(m.input_ids_BL.numel() for m in micro)
+    facts = {
+        "workload": (
+            f"llama3 medium body (hidden {hidden}) with a {OUTPUT_VOCAB}-token vocabulary, {OUTPUT_ROWS} completions "
+            f"of {shortest}..{longest} tokens after {OUTPUT_PROMPT}-token prompts, {len(micro)} micro-batches of "
+            f"{OUTPUT_MICRO}, token-mean loss, entropy logged"
+        ),
+        "positions_per_step": {"every": positions, "at_loss": batch.num_loss_tokens()},
+        "fp32_logits_gb_per_micro_batch": {
+            "every": max(m.input_ids_BL.numel() for m in micro) * OUTPUT_VOCAB * 4 / 1e9,
+            "at_loss": max(m.num_loss_tokens() for m in micro) * OUTPUT_VOCAB * 4 / 1e9,
+        },
+        "expected_ratio": round(1 - out / (body + out) * (1 - batch.num_loss_tokens() / positions), 3),
+        "output_layer_share": {
+            "this workload": round(out / (body + out), 3),
+            **{name: round(output_share(*shape), 3) for name, shape in PUBLIC_SHAPES.items()},
+        },
+    }
+    return at_loss, everywhere, batch, facts
+
+
+def measure_output_layer(workdir: Path, repeats: int) -> dict:
+    """Seconds per step with the output layer at the loss positions and at every position, alternated."""
+    at_loss, everywhere, batch, facts = output_layer_sides(workdir)
+
+    def step(trainer) -> Callable[[], None]:
+        return lambda: trainer.fit(batch, seed=0)
+
+    selected_s, every_s = alternate(step(at_loss), step(everywhere), warmup=1, repeats=repeats)
+    return {"at_loss_s": selected_s, "every_s": every_s, **facts}
+
+
 # ---- TRL ----------------------------------------------------------------------------------------------------
 
 
@@ -356,6 +478,7 @@ def main() -> None:
         try:
             ours_s, trl_s = alternate(ours.step, baseline.step, warmup=2, repeats=5 if args.quick else 15)
             family = measure_family(ours, cfg, repeats=5 if args.quick else 30)
+            output_layer = measure_output_layer(workdir, repeats=3 if args.quick else 7)
         finally:
             destroy_distributed()
     load = {"before": list(load_before), "after": list(os.getloadavg()), "cpus": os.cpu_count()}
@@ -402,6 +525,21 @@ def main() -> None:
             ),
             "extra_forward_s": family["extra_forward_s"],
             "step_s": {name: v["step_s"] for name, v in variants.items()},
+            "threads": torch.get_num_threads(),
+            "load_avg": load,
+        },
+    )
+    at_loss_s, every_s = output_layer.pop("at_loss_s"), output_layer.pop("every_s")
+    write_result(
+        "grpo_step.output_layer",
+        median(at_loss_s),
+        median(every_s),
+        target=f"<={OUTPUT_TARGET}",
+        unit="s/step",
+        details={
+            **output_layer,
+            "at_loss_s": summarize(at_loss_s),
+            "every_s": summarize(every_s),
             "threads": torch.get_num_threads(),
             "load_avg": load,
         },

@@ -45,6 +45,7 @@ _EXPORTS = {
     "forward_logits": "logprobs",
     "length_bucket": "logprobs",
     "model_logprobs": "logprobs",
+    "on_positions": "logprobs",
     "token_entropy": "logprobs",
     "token_logprobs": "logprobs",
 }
@@ -74,6 +75,7 @@ __all__ = [
     "load_hf_folder",
     "model_logprobs",
     "num_params",
+    "on_positions",
     "read_hf_info",
     "titan_to_hf_state_dict",
     "token_entropy",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:
         forward_logits,
         length_bucket,
         model_logprobs,
+        on_positions,
         token_entropy,
         token_logprobs,
     )

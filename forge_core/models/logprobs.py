@@ -3,9 +3,14 @@
 logp_BL = model_logprobs(model, input_ids_BL, target_ids_BL)      # fp32, grad flows when enabled
 logits_BLV = forward_logits(model, input_ids_BL, positions_BL)   # pad_to=length_bucket(L, max) when compiled
 logp_BL, entropy_BL = token_logprobs(logits_BLV, target_ids_BL), token_entropy(logits_BLV)
+logits_NV = forward_logits(model, input_ids_BL, at_BL=loss_mask_BL)   # the output layer at N positions only
+logp_BL = on_positions(token_logprobs(logits_NV, target_ids_BL[loss_mask_BL]), loss_mask_BL)   # 0 elsewhere
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -39,21 +44,51 @@ def forward_logits(
     positions_BL: torch.Tensor | None = None,
     *,
     pad_to: int | None = None,
+    at_BL: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits [B, L, V] of a torchtitan decoder, in the model's compute dtype.
+    """Logits [B, L, V] of a torchtitan decoder, in the model's compute dtype; given the bool mask `at_BL`, the
+    logits [N, V] of its N True positions (row-major) alone, for which alone the output layer runs: the
+    vocabulary projection of positions no loss reads is skipped (a model whose output layer is tensor-parallel
+    takes no `at_BL`: its input is sharded over the sequence).
 
     With SDPA `positions_BL` only moves RoPE; with flex/varlen the masks come from it (0 starts a document).
     `pad_to` > L runs on right-padded rows and returns the first L positions, unaffected by the padding.
     """
     length = input_ids_BL.shape[1]
-    if pad_to is None or pad_to <= length:
+    if pad_to is not None and pad_to > length:
+        extra = pad_to - length
+        input_ids_BL = torch.nn.functional.pad(input_ids_BL, (0, extra))
+        if positions_BL is not None:
+            tail = torch.arange(1, extra + 1, device=positions_BL.device, dtype=positions_BL.dtype)
+            positions_BL = torch.cat([positions_BL, positions_BL[:, -1:] + tail], dim=1)
+        if at_BL is not None:
+            at_BL = torch.nn.functional.pad(at_BL, (0, extra), value=False)
+    if at_BL is None:
+        return _forward(model, input_ids_BL, positions_BL)[:, :length]
+    with _output_layer_at(model, at_BL.to(input_ids_BL.device)):
         return _forward(model, input_ids_BL, positions_BL)
-    extra = pad_to - length
-    input_ids_BL = torch.nn.functional.pad(input_ids_BL, (0, extra))
-    if positions_BL is not None:
-        tail = torch.arange(1, extra + 1, device=positions_BL.device, dtype=positions_BL.dtype)
-        positions_BL = torch.cat([positions_BL, positions_BL[:, -1:] + tail], dim=1)
-    return _forward(model, input_ids_BL, positions_BL)[:, :length]
+
+
+@contextlib.contextmanager
+def _output_layer_at(model: nn.Module, at_BL: torch.Tensor) -> Iterator[None]:
+    """While open, the decoder's output layer takes only the hidden states of `at_BL`'s True positions, [N, D]
+    (selected inside the model's forward, so FSDP gathers and reduces the layer as it always does)."""
+    _, inner = _decoder_config(model)
+
+    def select(_module: nn.Module, args: tuple) -> tuple:
+        hidden_BLD, *rest = args
+        return (hidden_BLD[at_BL], *rest)
+
+    handle = inner.lm_head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def on_positions(values_N: torch.Tensor, at_BL: torch.Tensor) -> torch.Tensor:
+    """[B, L]: `values_N` at the N True positions of `at_BL` (row-major), 0 elsewhere; differentiable."""
+    return values_N.new_zeros(at_BL.shape).masked_scatter(at_BL.to(values_N.device), values_N)
 
 
 def _forward(model: nn.Module, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None) -> torch.Tensor:
@@ -68,13 +103,14 @@ def _forward(model: nn.Module, input_ids_BL: torch.Tensor, positions_BL: torch.T
 
 
 def token_logprobs(logits_BLV: torch.Tensor, target_ids_BL: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position: fp32 log_softmax over the vocab, then gather. Shape [B, L]."""
+    """log p(target) per position: fp32 log_softmax over the vocab, then gather. Shape [B, L] (or [N] from
+    logits [N, V] and targets [N])."""
     logprobs_BLV = torch.log_softmax(logits_BLV.float(), dim=-1)
     return logprobs_BLV.gather(-1, target_ids_BL.long().unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits_BLV: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution per position, in nats, computed in fp32. Shape [B, L]."""
+    """Entropy of the next-token distribution per position, in nats, computed in fp32. Shape [B, L] (or [N])."""
     logprobs_BLV = torch.log_softmax(logits_BLV.float(), dim=-1)
     return -(logprobs_BLV.exp() * logprobs_BLV).sum(dim=-1)
 

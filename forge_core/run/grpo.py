@@ -12,9 +12,9 @@ With a mismatch correction or `grpo.correction.measure_mismatch`, every row is f
 that sampled it (its `policy_uri`), one no-grad forward per distinct policy.
 
 Output (kind `grpo`): `policy/` (HF folder), DCP checkpoints `_checkpoints/step-N/`, `train_summary.json`, and a
-manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export, push; the
-state is written, and an order's push streams the weights to the engines, while rank 0 writes the export, so the
-export's phase holds both). On a trainer group the state is
+manifest with lineage and metrics, including the phases `phase/*_s` (load, score, steps, state, export, commit,
+push; the state is written, and an order's push streams the weights to the engines, while rank 0 writes and
+commits the export, so the export's phase holds the commit and both). On a trainer group the state is
 only taken there (its tensors as they are, not copied) and written behind the commit, at a lower CPU priority,
 while the engines sample the next rollout batch (its checkpoint's manifest records `write_s`); the next stage
 waits for that write before its engine is taken (`phase/state_wait_s`).

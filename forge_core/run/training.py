@@ -122,8 +122,9 @@ class TrainingRun:
         alongside: Callable[[Mapping[str, torch.Tensor]], dict] | None = None,
     ) -> dict:
         """Collective: export `<output_uri>/policy`, then commit the stage artifact on rank 0 with `metrics` plus
-        the policy URI, `phase/export_s`, the engine's layout and `wall_s`; `train_summary.json` holds them (and,
-        given `steps`, every step's). Returns the stage's metrics.
+        the policy URI, `phase/export_s` (gathering the weights, then writing and committing them beside
+        `alongside`), `phase/commit_s` (rank 0's writing and committing alone), the engine's layout and `wall_s`;
+        `train_summary.json` holds them (and, given `steps`, every step's). Returns the stage's metrics.
 
         Args:
             alongside: collective work run while rank 0 writes the export (the two overlap), given the weights
@@ -134,15 +135,16 @@ class TrainingRun:
         export = PhaseClock()
         extra: dict = {}
         also = None if alongside is None else lambda full: extra.update(alongside(full))
-        policy_uri = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics, alongside=also)
+        policy = export_policy(trainer, ctx.output_uri, tokenizer_dir, metrics, alongside=also)
         export.lap("export")
+        phases = {**export.metrics(), "phase/commit_s": policy.commit_s}  # the commit: within the export's phase
         layout = {k: v for k, v in trainer.engine.describe().items() if not isinstance(v, dict)}
-        final = {**metrics, **extra, **export.metrics(), "policy_uri": policy_uri, **layout, "wall_s": ctx.wall_s()}
+        final = {**metrics, **extra, **phases, "policy_uri": policy.uri, **layout, "wall_s": ctx.wall_s()}
         trainer.sink.summary({k: v for k, v in final.items() if isinstance(v, (int, float))})
         summary = final if steps is None else {"metrics": final, "steps": steps}
         run_on_rank0(
             lambda: commit_stage(ctx.store, ctx.output_uri, ctx.stage.kind, ctx.config, self.lineage, final, summary),
             trainer.engine.dist,
         )
-        log.info("committed %s (policy %s)", ctx.output_uri, policy_uri)
+        log.info("committed %s (policy %s)", ctx.output_uri, policy.uri)
         return final

@@ -32,13 +32,22 @@ from forge_core.faults import maybe_inject_fault
 from forge_core.launch.heartbeat import beat
 from forge_core.losses.base import Loss, LossOutput, ModelOutputs, reduce_metric_dicts
 from forge_core.metrics import MetricsSink, NullSink
-from forge_core.models import forward_logits, hf_folder_files, token_entropy, token_logprobs
+from forge_core.models import forward_logits, hf_folder_files, on_positions, token_entropy, token_logprobs
 from forge_core.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
 _LOSS_KEY = "__loss"
 _TOKENS_KEY = "__tokens"
+
+
+@dataclass(frozen=True)
+class PolicyExport:
+    """An exported policy: its artifact's URI and the seconds rank 0 took to write and commit it (0.0 on the other
+    ranks, and when an earlier attempt had committed it)."""
+
+    uri: str
+    commit_s: float = 0.0
 
 
 @dataclass
@@ -83,25 +92,33 @@ class TitanTrainer:
 
     # ---- the one forward path -------------------------------------------------------------------------------
 
-    def logits(self, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, L, V] of the current weights as one plain tensor (collective under FSDP/TP)."""
-        logits_BLV = forward_logits(
-            self.model, input_ids_BL, positions_BL, pad_to=self.engine.padded_length(input_ids_BL.shape[1])
-        )
-        if isinstance(logits_BLV, DTensor):
+    def logits(
+        self, input_ids_BL: torch.Tensor, positions_BL: torch.Tensor | None = None, at_BL: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [B, L, V] of the current weights as one plain tensor (collective under FSDP/TP); given the bool
+        mask `at_BL`, those of its N True positions alone, [N, V] (row-major), for which alone the output layer
+        runs (`forward_logits`) unless it is tensor-parallel (its input is sharded over the sequence)."""
+        pad_to = self.engine.padded_length(input_ids_BL.shape[1])
+        tensor_parallel = self.engine.parallel_dims.tp_enabled
+        selected_BL = None if tensor_parallel else at_BL
+        logits = forward_logits(self.model, input_ids_BL, positions_BL, pad_to=pad_to, at_BL=selected_BL)
+        if isinstance(logits, DTensor):
             # Tensor parallelism leaves the logits sharded over the vocab; gather them (differentiably) so the
             # loss sees plain per-token log-probabilities.
-            logits_BLV = logits_BLV.full_tensor()
-        return logits_BLV
+            logits = logits.full_tensor()
+        return logits[at_BL] if tensor_parallel and at_BL is not None else logits
 
     def _model_outputs(self, batch: TokenBatch, with_entropy: bool) -> ModelOutputs:
-        logits_BLV = self.logits(batch.input_ids_BL, batch.positions_BL)
-        target_logprobs_BL = token_logprobs(logits_BLV, batch.target_ids_BL)
+        """The log-probabilities (and entropies) of the batch's targets where `loss_mask_BL` holds, 0 elsewhere:
+        no loss reads the others, so the output layer runs at those positions alone."""
+        at_BL = batch.loss_mask_BL
+        logits_NV = self.logits(batch.input_ids_BL, batch.positions_BL, at_BL=at_BL)
+        target_logprobs_N = token_logprobs(logits_NV, batch.target_ids_BL[at_BL])
         entropy_BL = None
         if with_entropy:
             with torch.no_grad():
-                entropy_BL = token_entropy(logits_BLV.detach())
-        return ModelOutputs(target_logprobs_BL=target_logprobs_BL, entropy_BL=entropy_BL)
+                entropy_BL = on_positions(token_entropy(logits_NV.detach()), at_BL)
+        return ModelOutputs(target_logprobs_BL=on_positions(target_logprobs_N, at_BL), entropy_BL=entropy_BL)
 
     def forward_backward(self, batch: TokenBatch, loss: Loss, global_normalizer: float) -> LossOutput:
         """Forward one micro-batch, apply `loss`, backpropagate (gradients accumulate); the detached result."""
@@ -193,7 +210,8 @@ class TitanTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """fp32 log p(target_ids_BL) under the current weights, shape [B, L], on the trainer's device."""
+        """fp32 log p(target_ids_BL) under the current weights where `loss_mask_BL` holds (0 elsewhere), shape [B, L],
+        on the trainer's device."""
         return self._model_outputs(batch.to(self.device), with_entropy=False).target_logprobs_BL
 
     # ---- checkpoints, export, metrics -----------------------------------------------------------------------
@@ -230,9 +248,9 @@ class TitanTrainer:
         tokenizer_dir: str | None,
         metrics: dict | None = None,
         alongside: Callable[[Mapping[str, torch.Tensor]], object] | None = None,
-    ) -> str:
+    ) -> PolicyExport:
         """Collective: write the full weights as an HF folder in `engine.export_dtype` and commit it as a
-        `policy` artifact at `uri` (on rank 0). Returns `uri`.
+        `policy` artifact at `uri` (on rank 0).
 
         Args:
             alongside: collective work every rank runs while rank 0 writes and commits the folder on a thread of
@@ -247,7 +265,8 @@ class TitanTrainer:
             raise ValueError("this trainer was built without artifacts=ArtifactContext(...); cannot export")
         full = self.engine.full_state_dict(dtype=self.engine.export_dtype)
 
-        def write_and_commit() -> str:
+        def write_and_commit() -> float:
+            started = time.perf_counter()
             ctx = self.artifacts
             files = hf_folder_files(
                 full, self.engine.config.model, self.engine.config.vocab_size, tokenizer_dir,
@@ -257,7 +276,7 @@ class TitanTrainer:
                 ctx.store, uri, files, stage=ctx.stage, config=ctx.config, inputs=ctx.inputs,
                 metrics={"step": self.step, **(metrics or {})},
             )
-            return uri
+            return time.perf_counter() - started
 
         writing = None
         if self.engine.dist.is_rank0:
@@ -270,8 +289,8 @@ class TitanTrainer:
         finally:
             if writing is not None:
                 futures.wait([writing])  # never a writer left running past the export
-        run_on_rank0(lambda: writing.result(), self.engine.dist)  # rank 0 alone calls it
-        return uri
+        commit_s = run_on_rank0(lambda: writing.result(), self.engine.dist)  # rank 0 alone calls it
+        return PolicyExport(uri, commit_s or 0.0)
 
     def record_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.sink.log(metrics, self.step if step is None else step)

@@ -11,7 +11,7 @@ Layout of a training stage's artifact (`sft` or `grpo` kind) at `<output_uri>`:
 Two attempts of one stage (a zombie, two runs of one config) may both reach the export or the commit: the
 first manifest wins, and the other attempt uses the winner's artifact (same content key, same URI).
 
-    policy_uri = export_policy(trainer, output_uri, tokenizer_dir=local, metrics=m)   # collective
+    policy = export_policy(trainer, output_uri, tokenizer_dir=local, metrics=m)   # collective: .uri, .commit_s
     run_on_rank0(lambda: commit_stage(store, output_uri, "grpo", config, inputs, metrics, summary), dist)
 """
 
@@ -25,7 +25,7 @@ import torch
 from forge_core.artifacts.policy import policy_uri
 from forge_core.engine.distributed import broadcast_object
 from forge_core.storage import ArtifactAlreadyCommitted, ObjectStore
-from forge_core.trainers.base import TitanTrainer
+from forge_core.trainers.base import PolicyExport, TitanTrainer
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,10 @@ def export_policy(
     tokenizer_dir: str | None,
     metrics: dict,
     alongside: Callable[[Mapping[str, torch.Tensor]], object] | None = None,
-) -> str:
+) -> PolicyExport:
     """Collective: commit the trainer's weights as `<output_uri>/policy` (skipped when a previous attempt of
     the stage already committed it), running `alongside` (collective) meanwhile as `export_weights` does (given
-    no weights when the policy was committed already).
-    Returns its URI."""
+    no weights when the policy was committed already)."""
     assert trainer.artifacts is not None, "export_policy needs a trainer built with artifacts=ArtifactContext"
     store = trainer.artifacts.store
     uri = policy_uri(store, output_uri)
@@ -50,15 +49,15 @@ def export_policy(
     if broadcast_object(store.is_committed(uri) if is_rank0 else None):  # one answer for every rank
         if alongside is not None:
             alongside({})
-        return uri
+        return PolicyExport(uri)
     try:
-        trainer.export_weights(uri, tokenizer_dir, metrics=metrics, alongside=alongside)
+        return trainer.export_weights(uri, tokenizer_dir, metrics=metrics, alongside=alongside)
     except Exception as exc:
         # Rank 0 raises the writer's own error; the other ranks a RuntimeError about rank 0: rank 0 decides.
         if not broadcast_object(isinstance(exc, ArtifactAlreadyCommitted) if is_rank0 else None):
             raise
         log.warning("%s: another attempt of this stage exported the policy first; using it", uri)
-    return uri
+    return PolicyExport(uri)
 
 
 def commit_stage(

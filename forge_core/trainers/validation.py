@@ -70,8 +70,9 @@ def _greedy_batch(
     rows = torch.arange(len(prompts), device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):  # a fixed count, never an early exit: every rank runs as many forwards
-        logits_BLV = trainer.logits(ids_BL[:, : int(lengths.max())])
-        next_B = logits_BLV[rows, lengths - 1].argmax(-1)
+        width = int(lengths.max())
+        last_BL = torch.arange(width, device=device)[None, :] == (lengths - 1)[:, None]  # one position a row
+        next_B = trainer.logits(ids_BL[:, :width], at_BL=last_BL).argmax(-1)
         active = ~done
         ids_BL[rows[active], lengths[active]] = next_B[active]
         done |= active & (next_B == eos_id)

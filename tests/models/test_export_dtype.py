@@ -63,7 +63,7 @@ def test_bf16_training_exports_bf16_that_transformers_runs_with_the_same_logits(
         engine.load_full_state_dict(_unit_scale(engine.full_state_dict(), seed=7))
         master = engine.full_state_dict()  # fp32 master weights (the tied embedding holds one of the draws)
         trainer = TitanTrainer(engine, artifacts=ArtifactContext(store, stage="sft"))
-        uri = trainer.export_weights(store.artifact_uri("policy", "bf16"), tokenizer_dir=None)
+        uri = trainer.export_weights(store.artifact_uri("policy", "bf16"), tokenizer_dir=None).uri
         tokens_BL = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             titan_bf16 = forward_logits(engine.model, tokens_BL).float()

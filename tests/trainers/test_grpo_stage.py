@@ -175,6 +175,7 @@ def test_without_a_correction_the_sampler_scoring_is_skipped_and_the_update_is_t
     assert unmeasured["generator_gap/max"] == measured["generator_gap/max"]  # from the first step, either way
     for metrics in (measured, unmeasured):
         assert {"phase/load_s", "phase/score_s", "phase/steps_s", "phase/export_s"} <= set(metrics), metrics
+        assert 0 < metrics["phase/commit_s"] <= metrics["phase/export_s"]
     untimed = ("step_time_s", "tokens_per_s")
     steps = [setup.summary(name)["steps"] for name in ("one-rank", "unmeasured")]
     unmeasured_keys = ("mismatch/", "correction/")

@@ -12,7 +12,7 @@ import torch
 from sft_helpers import VOCAB, one_intra_op_thread, sft_test_config, tiny_trainer, token_rows  # noqa: F401 (fixture)
 
 from forge_core.losses import ModelOutputs, TokenCrossEntropy
-from forge_core.models import forward_logits, write_hf_folder
+from forge_core.models import forward_logits, token_entropy, token_logprobs, write_hf_folder
 from forge_core.storage import ObjectStore
 from forge_core.trainers import ArtifactContext, pad_token_rows
 from forge_core.trainers.sampler import GlobalBatchSampler
@@ -84,6 +84,55 @@ def test_one_rank_accumulates_unsharded_and_steps_bitwise_as_reducing_every_micr
     assert all(torch.equal(deferred[1][k], reducing[1][k]) for k in reducing[1])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: the model is one FSDP unit that casts
+def test_the_output_layer_runs_at_the_loss_positions_alone(tmp_path, precision):
+    """The trainer's log-probabilities, entropies and gradients are those of the full logits at the loss positions
+    (0 elsewhere), while the output layer takes the N loss positions' hidden states alone."""
+    trainer = tiny_trainer(sft_test_config(tmp_path, f"training.mixed_precision={precision}"))
+    batch = pad_token_rows(token_rows(6, seed=4))
+    mask_BL = batch.loss_mask_BL
+    assert 0 < int(mask_BL.sum()) < mask_BL.numel()  # prompt and padding positions too
+    rows_in: list[int] = []
+    output_layer = trainer.model.lm_head
+    handle = output_layer.register_forward_hook(lambda _m, args, _out: rows_in.append(args[0].shape[0]))
+    try:
+        selected = trainer._model_outputs(batch, with_entropy=True)
+    finally:
+        handle.remove()
+    assert rows_in == [int(mask_BL.sum())]
+    (-selected.target_logprobs_BL.sum()).backward()
+    def whole(grad: torch.Tensor) -> torch.Tensor:  # an FSDP unit's gradients are DTensors
+        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+    grads = {name: whole(p.grad).detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad(set_to_none=True)
+
+    full_BLV = trainer.logits(batch.input_ids_BL)
+    full_BL = torch.where(mask_BL, token_logprobs(full_BLV, batch.target_ids_BL), 0.0)
+    (-full_BL.sum()).backward()
+    tolerance = 1e-6 if precision == "fp32" else 1e-2
+    assert torch.equal(selected.target_logprobs_BL[~mask_BL], torch.zeros(int((~mask_BL).sum())))
+    assert torch.allclose(selected.target_logprobs_BL, full_BL.detach(), atol=tolerance, rtol=0)
+    entropy_BL = torch.where(mask_BL, token_entropy(full_BLV.detach()), 0.0)
+    assert torch.allclose(selected.entropy_BL, entropy_BL, atol=tolerance, rtol=0)
+    for name, p in trainer.model.named_parameters():
+        assert torch.allclose(grads[name], whole(p.grad), atol=tolerance, rtol=tolerance), name
+    assert torch.equal(trainer.compute_logprobs(batch)[~mask_BL], torch.zeros(int((~mask_BL).sum())))
+
+
+def test_forward_logits_at_positions_of_padded_rows(tmp_path):
+    """Given `pad_to` (a compiled model's length bucket) and `at_BL`, the logits are the unpadded forward's at
+    those positions."""
+    trainer = tiny_trainer(sft_test_config(tmp_path))
+    batch = pad_token_rows(token_rows(5, seed=6))
+    model, ids_BL, mask_BL = trainer.model, batch.input_ids_BL, batch.loss_mask_BL
+    with torch.no_grad():
+        full_BLV = forward_logits(model, ids_BL)
+        at_NV = forward_logits(model, ids_BL, pad_to=ids_BL.shape[1] + 7, at_BL=mask_BL)
+    assert at_NV.shape == (int(mask_BL.sum()), full_BLV.shape[-1])
+    assert torch.allclose(at_NV, full_BLV[mask_BL], atol=1e-5, rtol=0)
+
+
 def test_evaluate_and_compute_logprobs_leave_the_model_alone(tmp_path):
     trainer = tiny_trainer(sft_test_config(tmp_path))
     batch = pad_token_rows(token_rows(6, seed=2))
@@ -152,7 +201,8 @@ def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path):
     batch = pad_token_rows(token_rows(4, seed=3))
     trainer.train_step(batch.split(4), LOSS)  # export trained weights, not the init
     uri = store.join(store.artifact_uri("sft", "export"), "policy")
-    trainer.export_weights(uri, tokenizer_dir=None, metrics={"note": "test"})
+    export = trainer.export_weights(uri, tokenizer_dir=None, metrics={"note": "test"})
+    assert export.uri == uri and export.commit_s > 0  # rank 0 wrote and committed it
     reader = store.reader(uri)
     assert reader.manifest.kind == "policy" and reader.manifest.metrics["step"] == 1
     local = reader.download_dir("", tmp_path / "policy")
