@@ -509,7 +509,7 @@ class Smoke:
         trainer = self.trainer
         trainer.artifacts = ArtifactContext(self.store, stage="smoke")
         start = time.perf_counter()
-        uri = trainer.export_weights(self.store.artifact_uri("policy", self.run_id), str(self.tokenizer_dir))
+        uri = trainer.export_weights(self.store.artifact_uri("policy", self.run_id), str(self.tokenizer_dir)).uri
         export_s = time.perf_counter() - start
         self.policy_dir = self.store.reader(uri).download_dir("", self.workdir / "policy")
         config = json.loads((self.policy_dir / "config.json").read_text())

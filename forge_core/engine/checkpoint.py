@@ -461,12 +461,20 @@ class Checkpointer:
 
     def load(self, ref: CheckpointRef, components: dict[str, Stateful]) -> ResumeState:
         """Collective: restore `ref` (already verified) into `components` and this rank's RNG streams. Raises
-        ValueError when `ref` was written by fewer ranks."""
+        ValueError when `ref` was written by fewer ranks, or saved without one of `components`."""
         train_state = _TrainState()
         state = self._state(components, train_state)
         reader = _shard_reader(self.store, ref)
+        held = reader.read_metadata().state_dict_metadata
+        missing = sorted(name for name in components if not any(key.startswith(f"{name}.") for key in held))
+        if missing:
+            raise ValueError(
+                f"checkpoint {ref.uri} holds no {', '.join(missing)} state (it holds "
+                f"{', '.join(sorted({key.split('.')[0] for key in held}))}): it was saved without them (a GRPO "
+                "stage's final optimizer state, written behind its commit, holds no weights) and resumes no stage"
+            )
         rng_prefix = f"rng.{state['rng'].key}."
-        if not any(key.startswith(rng_prefix) for key in reader.read_metadata().state_dict_metadata):
+        if not any(key.startswith(rng_prefix) for key in held):
             raise ValueError(
                 f"checkpoint {ref.uri} has no RNG state for rank {self.dist.rank}: it was written by a run with "
                 "fewer ranks; resume with the world size it was written with"

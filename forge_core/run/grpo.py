@@ -16,8 +16,9 @@ manifest with lineage and metrics, including the phases `phase/*_s` (load, score
 push; the state is written, and an order's push streams the weights to the engines, while rank 0 writes and
 commits the export, so the export's phase holds the commit and both). On a trainer group the state is
 only taken there (its tensors as they are, not copied) and written behind the commit, at a lower CPU priority,
-while the engines sample the next rollout batch (its checkpoint's manifest records `write_s`); the next stage
-waits for that write before its engine is taken (`phase/state_wait_s`).
+while the engines sample the next rollout batch (its checkpoint's manifest records `write_s`); that checkpoint
+holds no weights, which the export holds. The next stage waits for that write before its engine is taken
+(`phase/state_wait_s`).
 
 Every stage starts from the exported weights and a new LR schedule over its rollout batch. With
 `grpo.optimizer_state: carry` (the default) AdamW goes on with the moments and step counts of the stage that
@@ -381,7 +382,7 @@ def train(ctx: StageContext) -> None:
                 clock = PhaseClock()
                 cursor = {"history": history}
                 if ctx.held is not None and ctx.held.save_group is not None:
-                    pending = trainer.save_checkpoint_behind(trainer.step, cursor, ctx.held.save_group)
+                    pending = trainer.save_optimizer_state_behind(trainer.step, cursor, ctx.held.save_group)
                     step = pending.ref.step
                 else:
                     step = trainer.save_checkpoint(trainer.step, cursor).step

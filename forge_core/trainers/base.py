@@ -228,11 +228,15 @@ class TitanTrainer:
         beat(self.rank, self.step, f"checkpoint at step {step}")
         return self._require_checkpointer().save(step, self.engine.checkpoint_components(), data_cursor)
 
-    def save_checkpoint_behind(self, step: int, data_cursor: dict, group: Any) -> PendingSave:
-        """Collective over `group`: what `save_checkpoint` commits, taken now and written on a thread of its own
-        (`Checkpointer.save_behind`: the engine must not change until the save has ended)."""
-        beat(self.rank, self.step, f"checkpoint at step {step}, saved behind")
-        return self._require_checkpointer().save_behind(step, self.engine.checkpoint_components(), data_cursor, group)
+    def save_optimizer_state_behind(self, step: int, data_cursor: dict, group: Any) -> PendingSave:
+        """Collective over `group`: what `save_checkpoint` commits but the weights (AdamW, LR schedule, step, data
+        cursor, RNG), taken now and written on a thread of its own (`Checkpointer.save_behind`: the engine must
+        not change until the save has ended). For a stage whose export holds its weights: the next stage starts
+        from that export and goes on with this state; the checkpoint resumes no stage (`load_checkpoint` refuses
+        it)."""
+        beat(self.rank, self.step, f"optimizer state at step {step}, saved behind")
+        components = {name: part for name, part in self.engine.checkpoint_components().items() if name != "model"}
+        return self._require_checkpointer().save_behind(step, components, data_cursor, group)
 
     def load_checkpoint(self) -> ResumeState | None:
         """Collective: restore the newest valid committed checkpoint and set `self.step`; None when there is

@@ -226,14 +226,15 @@ def test_an_engine_that_goes_on_trains_as_a_new_one_that_loads_its_optimizer_sta
     assert any(not torch.equal(after_kept[k], after_fresh[k]) for k in after_kept)  # the carried moments counted
 
 
-def test_a_state_saved_behind_is_the_live_state_written_at_low_priority_and_resumes_as_one_saved_in_line(
+def test_an_optimizer_state_saved_behind_is_the_live_state_written_at_low_priority_and_goes_on_as_one_in_line(
     tmp_path, monkeypatch
 ):
-    """`save_behind` takes the state when called and writes it on a thread of its own, on a process group of its
-    own, at BEHIND_NICENESS lower priority: the weights and AdamW state are the live tensors (no copy), the RNG
-    streams, step and cursor are values of the call, so draws made while it is written do not reach it. Reading
-    the weights meanwhile (as the weight push does) is allowed. It resumes a run exactly as the same state saved
-    in line does (weights, AdamW, LR schedule, cursor, RNG)."""
+    """`save_optimizer_state_behind` takes the state when called and writes it on a thread of its own, on a process
+    group of its own, at BEHIND_NICENESS lower priority: the AdamW moments are the live tensors (no copy), the RNG
+    streams, step and cursor are values of the call, so draws made while it is written do not reach it, and the
+    weights are not written (the stage's export holds them). Reading the weights meanwhile (as the weight push
+    does) is allowed. A next engine built from the weights goes on with it exactly as with the same state saved in
+    line; it resumes no stage."""
     store = ObjectStore(f"file://{tmp_path}/store")
     batches = _batches(4)
     behind, inline = (_trainer(store, store.artifact_uri("grpo", name)) for name in ("behind", "inline"))
@@ -252,10 +253,10 @@ def test_a_state_saved_behind_is_the_live_state_written_at_low_priority_and_resu
 
     monkeypatch.setattr(Checkpointer, "_write", held_write)
     caller_niceness = _thread_niceness()
-    pending = behind.save_checkpoint_behind(2, {"at": 2}, new_gloo_group())
+    pending = behind.save_optimizer_state_behind(2, {"at": 2}, new_gloo_group())
     pending.start()
     random.random(), np.random.rand(), torch.rand(())  # every RNG moves on before the write starts
-    behind.engine.full_state_dict()
+    weights = behind.engine.full_state_dict()
     start_writing.set()
     ref = pending.wait()
     assert ref.step == 2 and store.read_manifest(ref.uri).metrics["write_s"] > 0
@@ -263,19 +264,40 @@ def test_a_state_saved_behind_is_the_live_state_written_at_low_priority_and_resu
     # The write yields the CPU to what runs beside it; the caller's thread keeps its priority.
     assert write_niceness == min(19, caller_niceness + BEHIND_NICENESS)
     assert _thread_niceness() == caller_niceness
-    live = behind.engine.model.state_dict()
-    assert written["model"].keys() == live.keys()
-    assert all(_storage(written["model"][k]) == _storage(live[k]) for k in live)  # the weights, not a copy
+    assert "model" not in written and {"optimizer", "lr_scheduler", "train_state", "rng"} <= written.keys()
+    live = {
+        _storage(value)
+        for state in behind.engine.optimizers.optimizers[0].state.values()
+        for value in state.values()
+        if torch.is_tensor(value) and value.numel() > 1
+    }
+    moments = [value for value in _tensors(written["optimizer"]) if value.numel() > 1]
+    assert moments and all(_storage(value) in live for value in moments)  # the moments, not a copy
 
-    resumed = []
-    for name in ("behind", "inline"):
-        trainer = _trainer(store, store.artifact_uri("grpo", name))
-        resume = trainer.load_checkpoint()
-        assert (resume.step, resume.data_cursor) == (2, {"at": 2})
-        resumed.append((_step(trainer, batches[3]), trainer.engine.full_state_dict()))
-    (loss_behind, weights_behind), (loss_inline, weights_inline) = resumed
-    assert loss_behind == loss_inline and inline_ref.step == 2
+    went_on = []
+    for saved in (ref, inline_ref):
+        trainer = _trainer(store, store.artifact_uri("grpo", "next"))
+        trainer.engine.load_full_state_dict(weights)
+        load_components(store, saved, {"optimizer": trainer.engine.optimizers}, trainer.engine.dist)
+        trainer.engine.carry_optimizer()
+        loss = trainer.train_step(batches[3].split(2), TokenCrossEntropy())["loss"]
+        went_on.append((loss, trainer.engine.full_state_dict()))
+    (loss_behind, weights_behind), (loss_inline, weights_inline) = went_on
+    assert loss_behind == loss_inline
     assert all(torch.equal(weights_behind[k], weights_inline[k]) for k in weights_inline)
+    with pytest.raises(ValueError, match=r"holds no model state .*resumes no stage"):
+        _trainer(store, store.artifact_uri("grpo", "behind")).load_checkpoint()
+    assert _trainer(store, store.artifact_uri("grpo", "inline")).load_checkpoint().step == 2
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _storage(tensor: torch.Tensor) -> int:
