@@ -5,7 +5,9 @@ Layout: `<output_uri>/_checkpoints/step-<N>/` holds `_MANIFEST.json` and, under 
 files; each save has its own attempt prefix, so a zombie or concurrent writer of the same step never mixes
 shards with it. A checkpoint without a manifest does not exist; one whose files do not match their manifest is
 refused, and resume falls back to the previous committed one. Retention keeps the newest
-`storage.keep_checkpoints` plus those a kept checkpoint pins (`save(..., pins=[step])`).
+`storage.keep_checkpoints` plus those a kept checkpoint pins (`save(..., pins=[step])`). A save holds the
+components it is given (a GRPO stage's final optimizer state, saved behind its commit, leaves the weights out);
+loading asks for components a checkpoint holds, else it is refused by name.
 
     ckpt = Checkpointer(store, output_uri, dist_ctx, stage="sft", config=cfg_dict, inputs={"data": data_uri})
     ckpt.save(step, {"model": ModelState(model), "optimizer": opt, "lr_scheduler": sched}, data_cursor)

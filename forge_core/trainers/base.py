@@ -4,7 +4,7 @@
     trainer = TitanTrainer(engine, sink=build_sinks(cfg.logging, "run", engine.dist.rank))
     metrics = trainer.train_step(batch.split(micro_batch_size), TokenCrossEntropy())
     eval_metrics = trainer.evaluate(eval_batches, TokenCrossEntropy())
-    logp_BL = trainer.compute_logprobs(batch)          # no grad
+    logp_BL = trainer.compute_logprobs(batch)          # no grad; 0 off batch.loss_mask_BL
 
 Collectives: FSDP gathers parameters in every forward, so `train_step`, `evaluate` and `compute_logprobs`
 must be called on every rank with the same number of micro-batches (rows may differ).
