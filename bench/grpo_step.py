@@ -263,7 +263,7 @@ def measure_family(ours: Ours, cfg, repeats: int) -> dict:
 
 
 # (hidden, layers, attention width, key/value width, FFN width, vocabulary) of public models, for the output
-# layer's share of the matrix work per token (the arithmetic of `matrix_params`).
+# layer's share of the matrix work per token (`output_share`).
 PUBLIC_SHAPES = {
     "Qwen3-0.6B": (1024, 28, 2048, 1024, 3072, 151936),
     "Qwen3-1.7B": (2048, 28, 2048, 1024, 6144, 151936),
