@@ -207,11 +207,27 @@ class GroupBuckets:
         fresh = (torch.empty(size, dtype=torch.uint8) for size in sizes)
         yield from pipelined(((buffer, buffer) for buffer in fresh), group)
 
+    def packing(self) -> contextlib.AbstractContextManager:
+        """How the sender packs: on the caller's threads (its engines load on other hosts' cores)."""
+        return contextlib.nullcontext()
+
     def loaded(self) -> None:
         """A received bucket is the engine's own: nothing to copy out."""
 
     def close(self) -> None:
         """Nothing outlives a round."""
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The calling thread's torch operations on one thread while inside; its count is restored after. OpenMP's
+    thread count is a thread's own setting, so the process's other threads keep theirs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _pace(group: torch.distributed.ProcessGroup) -> None:
@@ -256,6 +272,12 @@ class SharedMemoryBuckets:
 
     def sender_ring(self, largest: int) -> list[torch.Tensor]:
         return self.buffers
+
+    def packing(self) -> contextlib.AbstractContextManager:
+        """How the sender packs: on one torch thread. Its engines load each bucket on this host's cores meanwhile,
+        and the load is the round's longer half: a team of sender threads on those cores preempts the engines' own
+        (each of their parallel regions then waits for its slowest thread)."""
+        return one_torch_thread()
 
     def send(self, group: torch.distributed.ProcessGroup, filled: Iterator[torch.Tensor]) -> None:
         for index, _ in enumerate(filled):
@@ -447,7 +469,8 @@ class BucketSender:
         try:
             update = BucketUpdate.of(params, path.paths)
             received = pool.submit(self.client.update_weights, dataclasses.asdict(update))
-            path.send(self.group, self._filled(params, pairs, buckets, path.sender_ring(max(sizes, default=0))))
+            with path.packing():
+                path.send(self.group, self._filled(params, pairs, buckets, path.sender_ring(max(sizes, default=0))))
             received.result()
         finally:
             # A failed broadcast leaves the engines waiting in theirs: never join their call here.

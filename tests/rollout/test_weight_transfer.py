@@ -169,16 +169,19 @@ def _vllm_state(generator) -> dict[str, torch.Tensor]:
 
 
 class _FileWatchingSource(HeldPolicySource):
-    """The trainer's weights; records, as each parameter is packed, whether files match `pattern`."""
+    """The trainer's weights; records, as each parameter is packed, whether files match `pattern` and how many
+    threads the packing thread's torch operations use."""
 
     def __init__(self, engine, pattern: str, gathered=None) -> None:
         super().__init__(engine, gathered)
         self.pattern = pattern
         self.files_seen: list[bool] = []
+        self.threads_seen: set[int] = set()
 
     def __iter__(self):
         for item in super().__iter__():
             self.files_seen.append(bool(glob.glob(self.pattern)))
+            self.threads_seen.add(torch.get_num_threads())
             yield item
 
 
@@ -219,8 +222,16 @@ def test_a_transfer_delivers_the_exported_policy_bitwise(world, generator, tmp_p
     source = _FileWatchingSource(trainer, f"/dev/shm/forgeflow-weights-{os.getpid()}-*", gathered)
     sender = GlooTrainerEngine.trainer_init(init, client=GeneratorClient(generator, version), source=source)
     assert len(plan_buckets(HeldPolicySource(trainer).metadata(), init.bucket_bytes)) > 3
-    sender.send_weights()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team the packing must not use through shared memory, even on a 1-core machine
+    try:
+        sender.send_weights()
+        assert torch.get_num_threads() == 2  # the caller's count is back
+    finally:
+        torch.set_num_threads(threads)
     sender.shutdown()
+    # Through shared memory the engine loads on the sender's cores: the sender packs on one thread.
+    assert source.threads_seen == ({1} if shared_memory else {2}), source.threads_seen
     transferred = _vllm_state(generator)
     assert generator.policy_version == version
     # The shared-memory files exist while the first bucket is packed and are gone (every member has mapped them)
