@@ -4,20 +4,21 @@
     python -m bench.weight_sync --quick    # the demo model only, fewer repeats
 
 One process holds the trainer (a torchtitan engine started from an HF folder, as a GRPO stage builds it); a vLLM
-engine serves the same folder from a process of its own (vLLM's engine core; fp32 on CPU). Per model, alternating
-after a warm-up, the seconds until the engine serves the trainer's current weights:
+engine serves the same folder as a flow's engines do: an engine actor on the embedded Ray cluster, vLLM inside
+the actor's process (forge_core.rollout.actor_engines; fp32 on CPU). Per model, alternating after a warm-up, the
+seconds until the engine serves the trainer's current weights:
 
-- value (shared memory): forge_core.run.weight_sync's path for an engine on the sender's node: a transfer group
-  of the trainer and the engine (gloo), the weights gathered, cast to the export dtype and packed in buckets of
-  whole decoder layers (up to rollout.weight_sync.bucket_mb) into shared memory, each loaded by the engine from
-  there while the next is packed, the group pacing the buckets (forge_core.rollout.weight_transfer), the
-  group's set-up included (a push makes its group);
-- group: the path for an engine on another node, the same buckets broadcast over the group (here over the
+- value (shared memory): a trainer rank's push (forge_core.run.weight_sync.RankPush) to an engine on its node:
+  a transfer group of the trainer and the engine (gloo), the weights gathered, cast to the export dtype and
+  packed in buckets of whole decoder layers (up to rollout.weight_sync.bucket_mb) into shared memory, each
+  loaded by the engine from there while the next is packed, the group pacing the buckets
+  (forge_core.rollout.weight_transfer), the group's set-up included (a push makes its group);
+- group: the push to an engine on another node, the same buckets broadcast over the group (here over the
   loopback socket);
 - baseline (store): the path without it: the trainer's export (gather, stream the HF folder into a local
-  `file://` store, hashed on the way, commit: `commit_policy`), then the engine's side (download into an empty policy cache, verify every file's
-  sha256, reload the folder in place). A local folder is the fastest store there is: on S3 the store path only
-  gets slower.
+  `file://` store, hashed on the way, commit: `commit_policy`), then the engine actor's `serve` of the new
+  stage (download into its policy cache, verify every file's sha256, reload the folder in place). A local
+  folder is the fastest store there is: on S3 the store path only gets slower.
 
 value/baseline for the 0.47B model is the result (target <= 0.25); details hold both models, each path's
 seconds, the bytes moved, each path's rate, and an estimate for an 8B model on one 400 Gb/s link (assumptions
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_actor import committed_policy
 from bench.harness import interleave, median, write_result
 from bench.rollout_throughput import demo_tokenizer, write_model
 from forge_core.config.schema import WeightSyncConfig
@@ -54,24 +56,29 @@ def _free_port() -> int:
 class Sides:
     """One model's trainer and engine, and the two ways to bring the engine to the trainer's weights."""
 
-    def __init__(self, folder: Path, tokenizer_dir: Path, work: Path) -> None:
-        from forge_core.config import load_config
+    def __init__(self, folder: Path, tokenizer_dir: Path, work: Path, cluster) -> None:
+        from forge_core.artifacts.policy import policy_ref
+        from forge_core.config import config_from_dict
         from forge_core.engine import Engine
         from forge_core.models import read_hf_info
-        from forge_core.rollout import EngineOptions, Generator
+        from forge_core.rollout.actor_engines import EngineActors
         from forge_core.storage import ObjectStore
 
-        self.cfg = load_config(None, ["training.device=cpu", "model.max_seq_len=256", "data.max_seq_len=64"])
+        self.cfg = config_from_dict({
+            "training": {"device": "cpu"}, "model": {"max_seq_len": 256}, "data": {"max_seq_len": 64},
+            "storage": {"root": f"file://{work}/store"}, "logging": {"dir": str(work / "runs")},
+            "rollout": {"kv_cache_gib": 0.25, "max_num_seqs": 8},
+        })  # fmt: skip
         self.info = read_hf_info(folder)
         self.trainer = Engine.Config.from_run_config(
             self.cfg, self.info.vocab_size, self.cfg.grpo.optimizer, total_steps=1, init_weights_dir=str(folder),
             checkpoint=self.info,
         ).build()  # fmt: skip
-        self.generator = Generator(folder, EngineOptions(kv_cache_gib=0.25, max_num_seqs=8), policy_version="v0")
         self.tokenizer_dir = tokenizer_dir
-        self.store = ObjectStore(f"file://{work}/store")
-        self.work = work
+        self.store = ObjectStore.from_config(self.cfg.storage)
         self.rounds = 0
+        self.engines = EngineActors.start(cluster, self.cfg, seed=0)
+        (self.engine,) = self.engines.serve(policy_ref(self.store, committed_policy(self.store, folder))).live
 
     def _next_version(self) -> str:
         self.rounds += 1
@@ -82,32 +89,34 @@ class Sides:
         return f"v{self.rounds}"
 
     def by_group(self, shared_memory: bool) -> None:
-        from forge_core.rollout.weight_transfer import GeneratorClient, GlooTrainerEngine, GlooTrainerInit
-        from forge_core.run.weight_sync import MIB, HeldPolicySource
+        """A trainer rank's push (forge_core.run.weight_sync.RankPush) to the engine actor."""
+        from forge_core.run.weight_sync import MIB, EngineTarget, RankPush, WeightPush
 
-        client = GeneratorClient(self.generator, self._next_version())
-        init = GlooTrainerInit(
-            "127.0.0.1", _free_port(), 2, BUCKET_MB * MIB, 120.0, shared_memory=shared_memory, rank=0
+        version = self._next_version()
+        target = EngineTarget(self.engine.host.actor, self.engine.host.place.address, 1, self.engine.name)
+        push = WeightPush(
+            f"bench-{version}", version, BUCKET_MB * MIB, 120.0, "127.0.0.1", _free_port(), (target,), shared_memory
         )
-        sender = GlooTrainerEngine.trainer_init(init, client=client, source=HeldPolicySource(self.trainer))
-        sender.send_weights()
-        sender.shutdown()
+        rank = RankPush(self.trainer, push)
+        rank.send()
+        rank.finish()
+        assert self.engine.host.call("describe")["policy_version"] == version
 
     def by_store(self) -> None:
-        from forge_core.artifacts.policy import commit_policy, fetch_policy
+        """The trainer's export and commit, then the engine actor's fetch (download, verify) and reload."""
+        from forge_core.artifacts.policy import commit_policy
         from forge_core.models import hf_folder_files
 
         version = self._next_version()
         stage_uri = self.store.artifact_uri("grpo", f"bench-{version}")
         full = self.trainer.full_state_dict(dtype=self.trainer.export_dtype)
         files = hf_folder_files(full, self.cfg.model, self.info.vocab_size, self.tokenizer_dir, checkpoint=self.info)
-        policy = self.store.join(stage_uri, "policy")
-        commit_policy(self.store, policy, files, stage="grpo", config={}, inputs={}, metrics={})
+        commit_policy(self.store, self.store.join(stage_uri, "policy"), files, stage="grpo", config={}, inputs={},
+                      metrics={})  # fmt: skip
         stage = self.store.writer(stage_uri, kind="grpo", stage="grpo")
         stage.write_json("train_summary.json", {"metrics": {}})
         stage.commit(config={}, inputs={}, metrics={})
-        policy = fetch_policy(self.store, stage_uri, cache_root=self.work / f"cache-{version}")
-        self.generator.reload(policy.local_dir, policy.version)
+        self.engine.serve(stage_uri)
 
     def weight_bytes(self) -> int:
         from forge_core.rollout.weight_buckets import nbytes
@@ -116,10 +125,10 @@ class Sides:
         return sum(nbytes(meta) for meta in HeldPolicySource(self.trainer).metadata())
 
     def close(self) -> None:
-        self.generator.close()
+        self.engines.close()
 
 
-def measure(label: str, dim: int, layers: int, root: Path, repeats: int) -> dict:
+def measure(label: str, dim: int, layers: int, root: Path, repeats: int, cluster) -> dict:
     tokenizer_dir = root / "tokenizer"
     if not tokenizer_dir.exists():
         tokenizer_dir.mkdir()
@@ -129,7 +138,7 @@ def measure(label: str, dim: int, layers: int, root: Path, repeats: int) -> dict
     tokenizer = load_tokenizer(str(tokenizer_dir))
     folder = root / label
     params = write_model(folder, tokenizer_dir, tokenizer, dim, layers)
-    sides = Sides(folder, tokenizer_dir, root / f"{label}-work")
+    sides = Sides(folder, tokenizer_dir, root / f"{label}-work", cluster)
     try:
         times = interleave(
             {
@@ -161,8 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     models = MODELS[:1] if args.quick else MODELS
     repeats = 3 if args.quick else 5
-    with tempfile.TemporaryDirectory(prefix="forge-bench-weights-") as tmp:
-        results = {label: measure(label, dim, layers, Path(tmp), repeats) for label, dim, layers in models}
+    from forge_core.compute.cluster import connect
+
+    cluster = connect(None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="forge-bench-weights-") as tmp:
+            results = {label: measure(label, dim, layers, Path(tmp), repeats, cluster) for label, dim, layers in models}
+    finally:
+        cluster.close()
     main_label = models[-1][0]
     result = results[main_label]
     bytes_8b = 8e9 * 2  # bf16
@@ -179,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             f"another node); model {main_label}",
             "models": results,
             "bucket_mb": BUCKET_MB,
-            "transport": "this process and vLLM's engine-core process on one host, fp32: shared-memory files "
+            "transport": "this process and the engine actor's process on one host, fp32: shared-memory files "
             "paced by a gloo group, or gloo broadcasts over the loopback socket",
             "estimate_8b_400gbps_s": round(bytes_8b / (LINK_GBPS / 8 * 1e9), 2),
             "estimate_assumptions": "8B parameters in bf16 (16 GB) broadcast once over one 400 Gb/s link at line "
