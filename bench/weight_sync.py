@@ -1,6 +1,6 @@
 """Benchmark: a new policy from the trainer to a running engine over a transfer group, against through the store.
 
-    python -m bench.weight_sync            # the demo model and a 0.47B Llama: about 6 min on 2 cores
+    python -m bench.weight_sync            # the demo model and a 0.47B Llama: 3-5 min on 2 cores
     python -m bench.weight_sync --quick    # the demo model only, fewer repeats
 
 One process holds the trainer (a torchtitan engine started from an HF folder, as a GRPO stage builds it); a vLLM
