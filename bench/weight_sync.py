@@ -21,8 +21,8 @@ seconds until the engine serves the trainer's current weights:
   folder is the fastest store there is: on S3 the store path only gets slower.
 
 value/baseline for the 0.47B model is the result (target <= 0.25); details hold both models, each path's
-seconds, the bytes moved, each path's rate, and an estimate for an 8B model on one 400 Gb/s link (assumptions
-stated there).
+seconds, the bytes moved, each path's rate, and two estimates for an 8B model on one 400 Gb/s link: at line rate,
+and at the rate the group's buckets were measured at here (assumptions stated there).
 """
 
 from __future__ import annotations
@@ -197,9 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             "transport": "this process and the engine actor's process on one host, fp32: shared-memory files "
             "paced by a gloo group, or gloo broadcasts over the loopback socket",
             "estimate_8b_400gbps_s": round(bytes_8b / (LINK_GBPS / 8 * 1e9), 2),
-            "estimate_assumptions": "8B parameters in bf16 (16 GB) broadcast once over one 400 Gb/s link at line "
-            "rate (NCCL on GPUs, one sender per node, engines on other nodes receiving at once); the gather on the "
-            "trainer and the engine's load overlap the wire in buckets; CPU gloo's rate here is no guide to it",
+            "estimate_8b_at_measured_bucket_rate_s": round(bytes_8b / (result["group_rate_gb_s"] * 1e9), 1),
+            "estimate_assumptions": "8B parameters in bf16 (16 GB) broadcast once over one 400 Gb/s link "
+            "(NCCL on GPUs, one sender per node, engines on other nodes receiving at once). At line rate it is the "
+            "400gbps figure: the floor, reached when the gather on the trainer and the engine's load keep up with "
+            "the wire, as device copies do. If the buckets kept this run's measured rate over the group (gather, "
+            "pack, broadcast and the engine's load, all on this CPU), 16 GB would take the measured-rate figure: "
+            "the ceiling, for a pipeline as slow per byte as this CPU's",
             "cpu_count": __import__("os").cpu_count(),
         },
     )
